@@ -1,1 +1,97 @@
-//! Workspace integration tests.
+//! The harness of the workspace suite: which driver a test runs on, and honest skips.
+//!
+//! `CUDA_MULTIMEM_DRIVER` decides: `sim[:options]` runs on the simulated driver (what
+//! `cargo xtask test` sets, once per driver version), `cuda` on the real one (`cargo xtask
+//! test-hw`). When it is unset, the suite runs on the simulator and says so once — the library
+//! itself never falls back on its own; this harness does, because it is test tooling.
+
+use std::sync::Once;
+
+use cuda_multimem::{Driver, DRIVER_ENV};
+use cuda_multimem_sim::{SimConfig, Simulator};
+
+/// The default simulated machine when `CUDA_MULTIMEM_DRIVER` is unset.
+pub const DEFAULT_SIM: &str = "devices=2,version=13030";
+
+/// The driver a test runs on, and the simulator behind it when it is simulated.
+pub struct Env {
+    /// The driver.
+    pub driver: Driver,
+    /// The simulator, when the driver is simulated (for failure injection and accounting).
+    pub sim: Option<Simulator>,
+}
+
+static NOTE: Once = Once::new();
+
+/// The driver chosen by `CUDA_MULTIMEM_DRIVER` (the simulator when unset, said once).
+pub fn env() -> Env {
+    let sel = std::env::var(DRIVER_ENV).unwrap_or_default();
+    let options = if sel.is_empty() {
+        NOTE.call_once(|| eprintln!("note: {DRIVER_ENV} is unset; the suite runs on the simulated driver ({DEFAULT_SIM})"));
+        Some(DEFAULT_SIM.to_string())
+    } else {
+        sel.strip_prefix("sim")
+            .map(|r| r.trim_start_matches(':').to_string())
+    };
+    match options {
+        Some(o) => {
+            let sim = Simulator::start(SimConfig::parse(&o).expect("valid simulator options"))
+                .expect("simulator starts");
+            let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
+            Env {
+                driver,
+                sim: Some(sim),
+            }
+        }
+        None => Env {
+            driver: Driver::from_env().expect("the driver named by CUDA_MULTIMEM_DRIVER loads"),
+            sim: None,
+        },
+    }
+}
+
+/// A simulated machine started for one test, whatever `CUDA_MULTIMEM_DRIVER` says.
+pub fn sim(config: SimConfig) -> Env {
+    let sim = Simulator::start(config).expect("simulator starts");
+    let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
+    Env {
+        driver,
+        sim: Some(sim),
+    }
+}
+
+/// Print a skip line that `cargo xtask test`/`test-hw` collect and report as skipped (never as
+/// passed). Use: `if let Some(r) = why_not { return skip("name", r) }`.
+pub fn skip(test: &str, reason: impl std::fmt::Display) {
+    eprintln!("SKIPPED: {test}: {reason}");
+}
+
+/// Random data: a small, seeded xorshift generator (tests need reproducible, non-trivial data).
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed` (0 is replaced by a fixed constant).
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    /// A float in [-1, 1).
+    pub fn f32(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// Fill `buf` with random bytes.
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}

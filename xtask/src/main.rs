@@ -28,12 +28,17 @@ enum Cmd {
 
 /// The workspace root (the parent of this crate's folder).
 pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
 }
 
 /// Run a command, failing with its command line if it exits non-zero.
 pub fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd.status().map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
     if !status.success() {
         return Err(format!("{cmd:?} failed: {status}").into());
     }

@@ -35,6 +35,6 @@ mod table;
 
 pub use bindings::*;
 pub use loader::{
-    result_name, Driver, Entry, FnOf, GetProcAddressFn, DriverGetVersionFn, LoadError, MissReason,
+    result_name, Driver, DriverGetVersionFn, Entry, FnOf, GetProcAddressFn, LoadError, MissReason,
     Origin, SymbolInfo, LIBRARY_CANDIDATES, LIBRARY_ENV, SYMBOLS,
 };

@@ -75,7 +75,9 @@ pub struct Entry {
 
 impl fmt::Debug for Entry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Entry").field("origin", &self.origin).finish_non_exhaustive()
+        f.debug_struct("Entry")
+            .field("origin", &self.origin)
+            .finish_non_exhaustive()
     }
 }
 
@@ -98,7 +100,9 @@ impl fmt::Display for MissReason {
             MissReason::DriverTooOld => "the driver predates this ABI; not asked",
             MissReason::SymbolNotFound => "cuGetProcAddress: symbol not found",
             MissReason::VersionNotSufficient => "cuGetProcAddress: version not sufficient",
-            MissReason::NotSupportedOnPlatform => "cuGetProcAddress: not supported on this platform",
+            MissReason::NotSupportedOnPlatform => {
+                "cuGetProcAddress: not supported on this platform"
+            }
         })
     }
 }
@@ -122,7 +126,9 @@ pub enum LoadError {
         detail: String,
     },
     /// The driver lacks this function at this ABI.
-    #[error("the CUDA driver lacks `{symbol}` at ABI {needed}: driver version is {driver} ({reason})")]
+    #[error(
+        "the CUDA driver lacks `{symbol}` at ABI {needed}: driver version is {driver} ({reason})"
+    )]
     Unsupported {
         /// The symbol's base name.
         symbol: &'static str,
@@ -144,7 +150,11 @@ pub enum LoadError {
 }
 
 fn fmt_tried(tried: &[(String, String)]) -> String {
-    tried.iter().map(|(p, e)| format!("{p} ({e})")).collect::<Vec<_>>().join("; ")
+    tried
+        .iter()
+        .map(|(p, e)| format!("{p} ({e})"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The loaded (or simulated) driver: its version and a lazily filled, thread-safe table of
@@ -201,18 +211,29 @@ impl Driver {
         // initialisers have no preconditions. A library that is not a CUDA driver is rejected
         // below before any of its functions is called through a guessed signature, except the
         // two looked up by exact, documented name.
-        let lib = unsafe { libloading::Library::new(&path) }
-            .map_err(|e| LoadError::LibraryNotFound { tried: vec![(shown.clone(), e.to_string())] })?;
-        let not_a_driver = |detail: String| LoadError::NotADriver { path: shown.clone(), detail };
+        let lib =
+            unsafe { libloading::Library::new(&path) }.map_err(|e| LoadError::LibraryNotFound {
+                tried: vec![(shown.clone(), e.to_string())],
+            })?;
+        let not_a_driver = |detail: String| LoadError::NotADriver {
+            path: shown.clone(),
+            detail,
+        };
         // SAFETY: these exported names have exactly these C signatures in every CUDA driver
         // since 12.0 (cuGetProcAddress_v2) and 2.2 (cuDriverGetVersion).
-        let gpa: GetProcAddressFn = unsafe { lib.get::<GetProcAddressFn>(b"cuGetProcAddress_v2\0") }
-            .map(|s| *s)
-            .map_err(|e| not_a_driver(format!("no cuGetProcAddress_v2 (a driver older than CUDA 12.0?): {e}")))?;
+        let gpa: GetProcAddressFn =
+            unsafe { lib.get::<GetProcAddressFn>(b"cuGetProcAddress_v2\0") }
+                .map(|s| *s)
+                .map_err(|e| {
+                    not_a_driver(format!(
+                        "no cuGetProcAddress_v2 (a driver older than CUDA 12.0?): {e}"
+                    ))
+                })?;
         // SAFETY: as above.
-        let dgv: DriverGetVersionFn = unsafe { lib.get::<DriverGetVersionFn>(b"cuDriverGetVersion\0") }
-            .map(|s| *s)
-            .map_err(|e| not_a_driver(format!("no cuDriverGetVersion: {e}")))?;
+        let dgv: DriverGetVersionFn =
+            unsafe { lib.get::<DriverGetVersionFn>(b"cuDriverGetVersion\0") }
+                .map(|s| *s)
+                .map_err(|e| not_a_driver(format!("no cuDriverGetVersion: {e}")))?;
         let entry = Entry {
             get_proc_address: gpa,
             driver_get_version: dgv,
@@ -238,10 +259,18 @@ impl Driver {
         // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
         let rc = unsafe { (entry.driver_get_version)(&mut version) };
         if rc != CUresult::CUDA_SUCCESS {
-            return Err(LoadError::Driver { call: "cuDriverGetVersion", code: rc });
+            return Err(LoadError::Driver {
+                call: "cuDriverGetVersion",
+                code: rc,
+            });
         }
         let slots = (0..SYMBOLS.len()).map(|_| OnceLock::new()).collect();
-        Ok(Driver { entry, version, slots, _library: library })
+        Ok(Driver {
+            entry,
+            version,
+            slots,
+            _library: library,
+        })
     }
 
     /// The driver's version, as `cuDriverGetVersion` reports it (13000 for CUDA 13.0).
@@ -287,7 +316,10 @@ impl Driver {
                 driver: self.version,
                 reason,
             }),
-            Err(MissOrCode::Code(code)) => Err(LoadError::Driver { call: "cuGetProcAddress", code }),
+            Err(MissOrCode::Code(code)) => Err(LoadError::Driver {
+                call: "cuGetProcAddress",
+                code,
+            }),
         }
     }
 

@@ -1,0 +1,352 @@
+//! Simulated device memory is real host memory: every device address is a host address, and the
+//! simulator keeps a map of which ranges are device memory (whose, with what access), so copies
+//! and kernels touching anything else fail with the driver's error instead of crashing.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cuda_multimem_sys::*;
+use parking_lot::Mutex;
+
+use crate::device::current_device;
+use crate::dispatch::sim_api;
+use crate::state::{out, SimResult, State};
+
+/// What a registered range is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RegionKind {
+    /// `cuMemAlloc`.
+    Alloc,
+    /// Page-locked host memory (`cuMemAllocHost`).
+    Host,
+    /// A VMM mapping.
+    Mapping,
+    /// Managed memory.
+    Managed,
+    /// A multicast mapping (stores reach every bound device's memory).
+    Multicast,
+}
+
+/// Where stores into a multicast region go: the addresses backing `[offset, offset + len)` on
+/// every bound device.
+pub(crate) trait Redirect: Send + Sync {
+    fn targets(&self, offset: usize, len: usize) -> SimResult<Vec<usize>>;
+}
+
+#[derive(Clone)]
+pub(crate) struct Region {
+    pub len: usize,
+    pub kind: RegionKind,
+    /// The device whose memory this is (`None`: host or managed).
+    pub device: Option<i32>,
+    /// Whether device code and copies may read / write it.
+    pub readable: bool,
+    pub writable: bool,
+    pub redirect: Option<Arc<dyn Redirect>>,
+}
+
+#[derive(Default)]
+pub(crate) struct Memory {
+    regions: Mutex<BTreeMap<usize, Region>>,
+    used: Mutex<BTreeMap<i32, u64>>,
+    allocs: Mutex<BTreeMap<usize, (usize, i32)>>,
+    hosts: Mutex<BTreeMap<usize, usize>>,
+    pub bytes_copied: AtomicU64,
+}
+
+impl Memory {
+    pub fn insert(&self, start: usize, region: Region) {
+        self.regions.lock().insert(start, region);
+    }
+    pub fn remove(&self, start: usize) -> Option<Region> {
+        self.regions.lock().remove(&start)
+    }
+    /// Update the access of the region starting at `start`.
+    pub fn set_access(&self, start: usize, readable: bool, writable: bool) {
+        if let Some(r) = self.regions.lock().get_mut(&start) {
+            r.readable = readable;
+            r.writable = writable;
+        }
+    }
+    /// The region containing `addr`, with its start.
+    pub fn find(&self, addr: usize) -> Option<(usize, Region)> {
+        let g = self.regions.lock();
+        let (s, r) = g.range(..=addr).next_back()?;
+        (addr < s + r.len).then(|| (*s, r.clone()))
+    }
+    /// Account `bytes` of device `dev`'s memory as used (negative: freed).
+    pub fn charge(&self, dev: i32, bytes: i64) {
+        let mut g = self.used.lock();
+        let e = g.entry(dev).or_insert(0);
+        *e = (*e as i64 + bytes).max(0) as u64;
+    }
+    pub fn used(&self, dev: i32) -> u64 {
+        self.used.lock().get(&dev).copied().unwrap_or(0)
+    }
+
+    /// Check that `[addr, addr+len)` is covered by contiguous accessible regions. Returns the
+    /// pieces, each with its redirect (multicast) if any.
+    pub fn check(
+        &self,
+        addr: usize,
+        len: usize,
+        write: bool,
+    ) -> SimResult<Vec<(usize, usize, Option<(usize, Arc<dyn Redirect>)>)>> {
+        let mut pieces = Vec::new();
+        let mut a = addr;
+        let end = addr
+            .checked_add(len)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        while a < end {
+            let (s, r) = self.find(a).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+            if !r.readable || (write && !r.writable) {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let n = (s + r.len).min(end) - a;
+            pieces.push((a, n, r.redirect.clone().map(|rd| (a - s, rd))));
+            a += n;
+        }
+        Ok(pieces)
+    }
+}
+
+/// Whether `addr` is device (or managed, or pinned) memory known to the simulator.
+pub(crate) fn is_device_memory(st: &State, addr: usize) -> bool {
+    st.ext::<Memory>().find(addr).is_some()
+}
+
+/// Anonymous read-write memory of `len` bytes (rounded to pages).
+pub(crate) fn map_anonymous(len: usize) -> SimResult<usize> {
+    // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len.max(1),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    Ok(p as usize)
+}
+
+/// Undo [`map_anonymous`].
+pub(crate) fn unmap(addr: usize, len: usize) {
+    // SAFETY: the range was mapped by this module and nothing refers to it any more.
+    unsafe { libc::munmap(addr as *mut c_void, len.max(1)) };
+}
+
+/// Copy `len` bytes from `src` to `dst`, either of which may be device memory. Device ranges are
+/// checked; stores into a multicast region reach every bound device.
+pub(crate) fn copy(st: &State, dst: usize, src: usize, len: usize) -> SimResult {
+    if len == 0 {
+        return Ok(());
+    }
+    let m = st.ext::<Memory>();
+    if m.find(src).is_some() {
+        m.check(src, len, false)?;
+    }
+    let pieces = if m.find(dst).is_some() {
+        Some(m.check(dst, len, true)?)
+    } else {
+        None
+    };
+    m.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
+    match pieces {
+        None => {
+            // SAFETY: host destination given by the caller (as with the real driver, an invalid
+            // host pointer is the caller's fault); the device source was checked above.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+        }
+        Some(pieces) => {
+            let mut done = 0;
+            for (a, n, redirect) in pieces {
+                let targets = match redirect {
+                    Some((offset, r)) => r.targets(offset, n)?,
+                    None => vec![a],
+                };
+                for t in targets {
+                    // SAFETY: `t..t+n` is checked, writable device memory; the source is checked
+                    // device memory or caller-provided host memory.
+                    unsafe { std::ptr::copy((src + done) as *const u8, t as *mut u8, n) };
+                }
+                done += n;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fill `count` elements of `width` bytes at `dst` with `value`.
+pub(crate) fn fill(st: &State, dst: usize, value: u32, width: usize, count: usize) -> SimResult {
+    let len = count
+        .checked_mul(width)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if dst % width != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut pattern = Vec::with_capacity(len);
+    for _ in 0..count {
+        pattern.extend_from_slice(&value.to_le_bytes()[..width]);
+    }
+    copy(st, dst, pattern.as_ptr() as usize, len)
+}
+
+/// An operation queued on `stream` that copies.
+fn copy_async(st: &Arc<State>, dst: usize, src: usize, len: usize, stream: CUstream) -> SimResult {
+    let m = st.ext::<Memory>();
+    // Validate now, as the real driver does for the arguments it can check at enqueue time.
+    if m.find(src).is_some() {
+        m.check(src, len, false)?;
+    }
+    if m.find(dst).is_some() {
+        m.check(dst, len, true)?;
+    }
+    let s2 = st.clone();
+    crate::stream::enqueue(st, stream, Arc::new(move || copy(&s2, dst, src, len)))
+}
+
+fn sync_then<T>(st: &State, f: impl FnOnce() -> SimResult<T>) -> SimResult<T> {
+    if let Ok(dev) = current_device(st) {
+        crate::stream::synchronize_device(st, dev)?;
+    }
+    f()
+}
+
+sim_api! {
+    cuMemGetInfo @ 3020 as PFN_cuMemGetInfo_v3020 => fn mem_get_info(st, free: *mut usize, total: *mut usize) {
+        let dev = current_device(st)?;
+        let t = st.device(dev)?.memory;
+        let used = st.ext::<Memory>().used(dev);
+        out(free, t.saturating_sub(used) as usize)?;
+        out(total, t as usize)
+    }
+    cuMemAlloc @ 3020 as PFN_cuMemAlloc_v3020 => fn mem_alloc(st, dptr: *mut CUdeviceptr, size: usize) {
+        if dptr.is_null() || size == 0 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let dev = current_device(st)?;
+        let m = st.ext::<Memory>();
+        if m.used(dev) + size as u64 > st.device(dev)?.memory {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let a = map_anonymous(size)?;
+        m.insert(a, Region { len: size, kind: RegionKind::Alloc, device: Some(dev), readable: true, writable: true, redirect: None });
+        m.allocs.lock().insert(a, (size, dev));
+        m.charge(dev, size as i64);
+        st.live_add("device allocations", 1);
+        out(dptr, a as CUdeviceptr)
+    }
+    cuMemFree @ 3020 as PFN_cuMemFree_v3020 => fn mem_free(st, dptr: CUdeviceptr) {
+        let m = st.ext::<Memory>();
+        let (size, dev) = m.allocs.lock().remove(&(dptr as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        sync_then(st, || Ok(()))?;
+        m.remove(dptr as usize);
+        unmap(dptr as usize, size);
+        m.charge(dev, -(size as i64));
+        st.live_add("device allocations", -1);
+        Ok(())
+    }
+    cuMemAllocHost @ 3020 as PFN_cuMemAllocHost_v3020 => fn mem_alloc_host(st, pp: *mut *mut c_void, size: usize) {
+        if pp.is_null() || size == 0 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let a = map_anonymous(size)?;
+        let m = st.ext::<Memory>();
+        m.insert(a, Region { len: size, kind: RegionKind::Host, device: None, readable: true, writable: true, redirect: None });
+        m.hosts.lock().insert(a, size);
+        st.live_add("host allocations", 1);
+        out(pp, a as *mut c_void)
+    }
+    cuMemFreeHost @ 2000 as PFN_cuMemFreeHost_v2000 => fn mem_free_host(st, p: *mut c_void) {
+        let m = st.ext::<Memory>();
+        let size = m.hosts.lock().remove(&(p as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        m.remove(p as usize);
+        unmap(p as usize, size);
+        st.live_add("host allocations", -1);
+        Ok(())
+    }
+    cuMemcpy @ 4000 as PFN_cuMemcpy_v4000 => fn memcpy(st, dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+        sync_then(st, || copy(st, dst as usize, src as usize, n))
+    }
+    cuMemcpyHtoD @ 3020 as PFN_cuMemcpyHtoD_v3020 => fn memcpy_htod(st, dst: CUdeviceptr, src: *const c_void, n: usize) {
+        if n > 0 && (src.is_null() || !is_device_memory(st, dst as usize)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        sync_then(st, || copy(st, dst as usize, src as usize, n))
+    }
+    cuMemcpyDtoH @ 3020 as PFN_cuMemcpyDtoH_v3020 => fn memcpy_dtoh(st, dst: *mut c_void, src: CUdeviceptr, n: usize) {
+        if n > 0 && (dst.is_null() || !is_device_memory(st, src as usize)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        sync_then(st, || copy(st, dst as usize, src as usize, n))
+    }
+    cuMemcpyDtoD @ 3020 as PFN_cuMemcpyDtoD_v3020 => fn memcpy_dtod(st, dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+        if n > 0 && (!is_device_memory(st, src as usize) || !is_device_memory(st, dst as usize)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        sync_then(st, || copy(st, dst as usize, src as usize, n))
+    }
+    cuMemcpyAsync @ 4000 as PFN_cuMemcpyAsync_v4000 => fn memcpy_async(st, dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) {
+        copy_async(st, dst as usize, src as usize, n, s)
+    }
+    cuMemcpyHtoDAsync @ 3020 as PFN_cuMemcpyHtoDAsync_v3020 => fn memcpy_htod_async(st, dst: CUdeviceptr, src: *const c_void, n: usize, s: CUstream) {
+        if n > 0 && (src.is_null() || !is_device_memory(st, dst as usize)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        copy_async(st, dst as usize, src as usize, n, s)
+    }
+    cuMemcpyDtoHAsync @ 3020 as PFN_cuMemcpyDtoHAsync_v3020 => fn memcpy_dtoh_async(st, dst: *mut c_void, src: CUdeviceptr, n: usize, s: CUstream) {
+        if n > 0 && (dst.is_null() || !is_device_memory(st, src as usize)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        copy_async(st, dst as usize, src as usize, n, s)
+    }
+    cuMemcpyDtoDAsync @ 3020 as PFN_cuMemcpyDtoDAsync_v3020 => fn memcpy_dtod_async(st, dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) {
+        copy_async(st, dst as usize, src as usize, n, s)
+    }
+    cuMemcpyPeer @ 4000 as PFN_cuMemcpyPeer_v4000 => fn memcpy_peer(st, dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize) {
+        crate::device::context_device(st, dctx)?;
+        crate::device::context_device(st, sctx)?;
+        sync_then(st, || copy(st, dst as usize, src as usize, n))
+    }
+    cuMemcpyPeerAsync @ 4000 as PFN_cuMemcpyPeerAsync_v4000 => fn memcpy_peer_async(st, dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize, s: CUstream) {
+        crate::device::context_device(st, dctx)?;
+        crate::device::context_device(st, sctx)?;
+        copy_async(st, dst as usize, src as usize, n, s)
+    }
+    cuMemsetD8 @ 3020 as PFN_cuMemsetD8_v3020 => fn memset_d8(st, dst: CUdeviceptr, v: u8, n: usize) {
+        sync_then(st, || fill(st, dst as usize, v as u32, 1, n))
+    }
+    cuMemsetD32 @ 3020 as PFN_cuMemsetD32_v3020 => fn memset_d32(st, dst: CUdeviceptr, v: c_uint, n: usize) {
+        sync_then(st, || fill(st, dst as usize, v, 4, n))
+    }
+    cuMemsetD8Async @ 3020 as PFN_cuMemsetD8Async_v3020 => fn memset_d8_async(st, dst: CUdeviceptr, v: u8, n: usize, s: CUstream) {
+        st.ext::<Memory>().check(dst as usize, n, true)?;
+        let s2 = st.clone();
+        crate::stream::enqueue(st, s, Arc::new(move || fill(&s2, dst as usize, v as u32, 1, n)))
+    }
+    cuMemsetD32Async @ 3020 as PFN_cuMemsetD32Async_v3020 => fn memset_d32_async(st, dst: CUdeviceptr, v: c_uint, n: usize, s: CUstream) {
+        st.ext::<Memory>().check(dst as usize, n.saturating_mul(4), true)?;
+        let s2 = st.clone();
+        crate::stream::enqueue(st, s, Arc::new(move || fill(&s2, dst as usize, v, 4, n)))
+    }
+}
+
+/// Free everything still allocated (end of the session).
+pub(crate) fn teardown(st: &State) {
+    let m = st.ext::<Memory>();
+    for (a, (size, _)) in std::mem::take(&mut *m.allocs.lock()) {
+        unmap(a, size);
+    }
+    for (a, size) in std::mem::take(&mut *m.hosts.lock()) {
+        unmap(a, size);
+    }
+    m.regions.lock().clear();
+}

@@ -1,0 +1,399 @@
+//! Streams (one worker thread each, so devices run concurrently), events, and graph capture.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_float, c_uint};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use cuda_multimem_sys::*;
+use parking_lot::{Condvar, Mutex};
+
+use crate::device::current_device;
+use crate::dispatch::sim_api;
+use crate::state::{is_kind, new_handle, out, Kind, SimResult, State};
+
+/// Work queued on a stream. `Fn`, not `FnOnce`: a captured graph replays it.
+pub(crate) type Op = Arc<dyn Fn() -> SimResult + Send + Sync>;
+
+pub(crate) struct Stream {
+    pub device: i32,
+    q: Mutex<Queue>,
+    cv: Condvar,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    ops: VecDeque<Op>,
+    submitted: u64,
+    completed: u64,
+    error: Option<CUresult>,
+    shutdown: bool,
+    capture: Option<Vec<Op>>,
+}
+
+impl Stream {
+    fn spawn(device: i32) -> Arc<Stream> {
+        let s = Arc::new(Stream {
+            device,
+            q: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+            thread: Mutex::new(None),
+        });
+        let w = s.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("sim-stream-dev{device}"))
+            .spawn(move || w.run())
+            .expect("spawning a stream worker thread");
+        *s.thread.lock() = Some(h);
+        s
+    }
+
+    fn run(&self) {
+        loop {
+            let op = {
+                let mut q = self.q.lock();
+                loop {
+                    if q.shutdown {
+                        return;
+                    }
+                    if let Some(op) = q.ops.front().cloned() {
+                        break op;
+                    }
+                    self.cv.wait(&mut q);
+                }
+            };
+            let r = catch_unwind(AssertUnwindSafe(|| op()))
+                .unwrap_or(Err(CUresult::CUDA_ERROR_UNKNOWN));
+            let mut q = self.q.lock();
+            q.ops.pop_front();
+            q.completed += 1;
+            if let Err(e) = r {
+                q.error.get_or_insert(e);
+            }
+            self.cv.notify_all();
+        }
+    }
+
+    /// Queue `op`, or record it if the stream is capturing.
+    pub fn enqueue(&self, op: Op) -> SimResult {
+        let mut q = self.q.lock();
+        if let Some(c) = q.capture.as_mut() {
+            c.push(op);
+            return Ok(());
+        }
+        q.ops.push_back(op);
+        q.submitted += 1;
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    /// Whether the stream is capturing a graph.
+    pub fn capturing(&self) -> bool {
+        self.q.lock().capture.is_some()
+    }
+
+    /// Wait for everything queued so far; report (and clear) an error of an earlier operation.
+    pub fn synchronize(&self) -> SimResult {
+        let mut q = self.q.lock();
+        if q.capture.is_some() {
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let target = q.submitted;
+        while q.completed < target && !q.shutdown {
+            self.cv.wait(&mut q);
+        }
+        q.error.take().map_or(Ok(()), Err)
+    }
+
+    fn idle(&self) -> bool {
+        let q = self.q.lock();
+        q.completed == q.submitted
+    }
+
+    fn shutdown(&self) {
+        {
+            let mut q = self.q.lock();
+            q.shutdown = true;
+            q.ops.clear();
+            self.cv.notify_all();
+        }
+        if let Some(h) = self.thread.lock().take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Streams {
+    by_handle: Mutex<HashMap<u64, Arc<Stream>>>,
+    default: Mutex<HashMap<i32, Arc<Stream>>>,
+    events: Mutex<HashMap<u64, Arc<Event>>>,
+    graphs: Mutex<HashMap<u64, Arc<Vec<Op>>>>,
+    execs: Mutex<HashMap<u64, Arc<Vec<Op>>>>,
+}
+
+/// The stream behind handle `h` (null and the legacy/per-thread handles: the current device's
+/// default stream).
+pub(crate) fn stream(st: &State, h: CUstream) -> SimResult<Arc<Stream>> {
+    let h = h as u64;
+    let s = st.ext::<Streams>();
+    if h <= 2 {
+        let dev = current_device(st)?;
+        return Ok(s
+            .default
+            .lock()
+            .entry(dev)
+            .or_insert_with(|| Stream::spawn(dev))
+            .clone());
+    }
+    if !is_kind(h, Kind::Stream) {
+        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+    }
+    let found = s.by_handle.lock().get(&h).cloned();
+    found.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+/// Queue `op` on stream `h`.
+pub(crate) fn enqueue(st: &State, h: CUstream, op: Op) -> SimResult {
+    stream(st, h)?.enqueue(op)
+}
+
+/// Wait for every stream of device `dev`.
+pub(crate) fn synchronize_device(st: &State, dev: i32) -> SimResult {
+    let s = st.ext::<Streams>();
+    let all: Vec<_> = s
+        .by_handle
+        .lock()
+        .values()
+        .chain(s.default.lock().values())
+        .filter(|x| x.device == dev)
+        .cloned()
+        .collect();
+    let mut first = Ok(());
+    for x in all {
+        if let Err(e) = x.synchronize() {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+    }
+    first
+}
+
+/// Stop every stream's worker (end of the session).
+pub(crate) fn shutdown_all(st: &State) {
+    let s = st.ext::<Streams>();
+    let all: Vec<_> = s
+        .by_handle
+        .lock()
+        .drain()
+        .map(|(_, v)| v)
+        .chain(s.default.lock().drain().map(|(_, v)| v))
+        .collect();
+    for x in all {
+        x.shutdown();
+    }
+}
+
+pub(crate) struct Event {
+    timing: bool,
+    m: Mutex<EventState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct EventState {
+    recorded: u64,
+    completed: u64,
+    time: Option<Instant>,
+}
+
+impl Event {
+    fn wait_for(&self, generation: u64) {
+        let mut g = self.m.lock();
+        while g.completed < generation {
+            self.cv.wait(&mut g);
+        }
+    }
+}
+
+fn event(st: &State, h: CUevent) -> SimResult<Arc<Event>> {
+    let h = h as u64;
+    if !is_kind(h, Kind::Event) {
+        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+    }
+    st.ext::<Streams>()
+        .events
+        .lock()
+        .get(&h)
+        .cloned()
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+fn new_stream(st: &State, flags: c_uint) -> SimResult<u64> {
+    if flags > 1 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let dev = current_device(st)?;
+    let h = new_handle(Kind::Stream);
+    st.ext::<Streams>()
+        .by_handle
+        .lock()
+        .insert(h, Stream::spawn(dev));
+    st.live_add("streams", 1);
+    Ok(h)
+}
+
+sim_api! {
+    cuStreamCreate @ 2000 as PFN_cuStreamCreate_v2000 => fn stream_create(st, ph: *mut CUstream, flags: c_uint) {
+        if ph.is_null() {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = new_stream(st, flags)?;
+        out(ph, h as CUstream)
+    }
+    cuStreamCreateWithPriority @ 5050 as PFN_cuStreamCreateWithPriority_v5050 => fn stream_create_with_priority(st, ph: *mut CUstream, flags: c_uint, priority: i32) {
+        if ph.is_null() {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = new_stream(st, flags)?;
+        out(ph, h as CUstream)
+    }
+    cuStreamDestroy @ 4000 as PFN_cuStreamDestroy_v4000 => fn stream_destroy(st, h: CUstream) {
+        let key = h as u64;
+        if !is_kind(key, Kind::Stream) {
+            return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+        }
+        let s = st.ext::<Streams>().by_handle.lock().remove(&key).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+        // Destroying a stream with queued work lets that work finish first.
+        let _ = s.synchronize();
+        s.shutdown();
+        st.live_add("streams", -1);
+        Ok(())
+    }
+    cuStreamSynchronize @ 2000 as PFN_cuStreamSynchronize_v2000 => fn stream_synchronize(st, h: CUstream) {
+        stream(st, h)?.synchronize()
+    }
+    cuStreamQuery @ 2000 as PFN_cuStreamQuery_v2000 => fn stream_query(st, h: CUstream) {
+        if stream(st, h)?.idle() { Ok(()) } else { Err(CUresult::CUDA_ERROR_NOT_READY) }
+    }
+    cuStreamWaitEvent @ 3020 as PFN_cuStreamWaitEvent_v3020 => fn stream_wait_event(st, h: CUstream, ev: CUevent, flags: c_uint) {
+        let e = event(st, ev)?;
+        let generation = e.m.lock().recorded;
+        stream(st, h)?.enqueue(Arc::new(move || {
+            e.wait_for(generation);
+            Ok(())
+        }))
+    }
+    cuStreamBeginCapture @ 10010 as PFN_cuStreamBeginCapture_v10010 => fn stream_begin_capture(st, h: CUstream, mode: CUstreamCaptureMode) {
+        if (h as u64) <= 2 {
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let s = stream(st, h)?;
+        let mut q = s.q.lock();
+        if q.capture.is_some() {
+            return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+        }
+        q.capture = Some(Vec::new());
+        Ok(())
+    }
+    cuStreamEndCapture @ 10000 as PFN_cuStreamEndCapture_v10000 => fn stream_end_capture(st, h: CUstream, graph: *mut CUgraph) {
+        if graph.is_null() {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let s = stream(st, h)?;
+        let ops = s.q.lock().capture.take().ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
+        let g = new_handle(Kind::Graph);
+        st.ext::<Streams>().graphs.lock().insert(g, Arc::new(ops));
+        st.live_add("graphs", 1);
+        out(graph, g as CUgraph)
+    }
+    cuStreamIsCapturing @ 10000 as PFN_cuStreamIsCapturing_v10000 => fn stream_is_capturing(st, h: CUstream, status: *mut CUstreamCaptureStatus) {
+        let c = stream(st, h)?.capturing();
+        out(status, if c { CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE } else { CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE })
+    }
+    cuGraphInstantiateWithFlags @ 11040 as PFN_cuGraphInstantiateWithFlags_v11040 => fn graph_instantiate(st, exec: *mut CUgraphExec, graph: CUgraph, flags: u64) {
+        let ops = st.ext::<Streams>().graphs.lock().get(&(graph as u64)).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+        let e = new_handle(Kind::GraphExec);
+        st.ext::<Streams>().execs.lock().insert(e, ops);
+        st.live_add("graph execs", 1);
+        out(exec, e as CUgraphExec)
+    }
+    cuGraphLaunch @ 10000 as PFN_cuGraphLaunch_v10000 => fn graph_launch(st, exec: CUgraphExec, h: CUstream) {
+        let ops = st.ext::<Streams>().execs.lock().get(&(exec as u64)).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+        let s = stream(st, h)?;
+        for op in ops.iter() {
+            s.enqueue(op.clone())?;
+        }
+        Ok(())
+    }
+    cuGraphDestroy @ 10000 as PFN_cuGraphDestroy_v10000 => fn graph_destroy(st, graph: CUgraph) {
+        st.ext::<Streams>().graphs.lock().remove(&(graph as u64)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+        st.live_add("graphs", -1);
+        Ok(())
+    }
+    cuGraphExecDestroy @ 10000 as PFN_cuGraphExecDestroy_v10000 => fn graph_exec_destroy(st, exec: CUgraphExec) {
+        st.ext::<Streams>().execs.lock().remove(&(exec as u64)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+        st.live_add("graph execs", -1);
+        Ok(())
+    }
+    cuEventCreate @ 2000 as PFN_cuEventCreate_v2000 => fn event_create(st, ph: *mut CUevent, flags: c_uint) {
+        if ph.is_null() || flags & !0xf != 0 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        current_device(st)?;
+        let timing = flags & CUevent_flags_enum::CU_EVENT_DISABLE_TIMING.0 == 0;
+        let h = new_handle(Kind::Event);
+        st.ext::<Streams>().events.lock().insert(h, Arc::new(Event { timing, m: Mutex::new(EventState::default()), cv: Condvar::new() }));
+        st.live_add("events", 1);
+        out(ph, h as CUevent)
+    }
+    cuEventDestroy @ 4000 as PFN_cuEventDestroy_v4000 => fn event_destroy(st, ev: CUevent) {
+        event(st, ev)?;
+        st.ext::<Streams>().events.lock().remove(&(ev as u64));
+        st.live_add("events", -1);
+        Ok(())
+    }
+    cuEventRecord @ 2000 as PFN_cuEventRecord_v2000 => fn event_record(st, ev: CUevent, h: CUstream) {
+        let e = event(st, ev)?;
+        let s = stream(st, h)?;
+        let generation = {
+            let mut g = e.m.lock();
+            g.recorded += 1;
+            g.recorded
+        };
+        s.enqueue(Arc::new(move || {
+            let mut g = e.m.lock();
+            g.completed = g.completed.max(generation);
+            g.time = Some(Instant::now());
+            e.cv.notify_all();
+            Ok(())
+        }))
+    }
+    cuEventQuery @ 2000 as PFN_cuEventQuery_v2000 => fn event_query(st, ev: CUevent) {
+        let e = event(st, ev)?;
+        let g = e.m.lock();
+        if g.completed >= g.recorded { Ok(()) } else { Err(CUresult::CUDA_ERROR_NOT_READY) }
+    }
+    cuEventSynchronize @ 2000 as PFN_cuEventSynchronize_v2000 => fn event_synchronize(st, ev: CUevent) {
+        let e = event(st, ev)?;
+        let generation = e.m.lock().recorded;
+        e.wait_for(generation);
+        Ok(())
+    }
+    cuEventElapsedTime @ 2000 as PFN_cuEventElapsedTime_v2000 => fn event_elapsed_time(st, ms: *mut c_float, start: CUevent, end: CUevent) {
+        let (a, b) = (event(st, start)?, event(st, end)?);
+        if !a.timing || !b.timing {
+            return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+        }
+        let (ga, gb) = (a.m.lock().time, b.m.lock().time);
+        let (ta, tb) = (ga.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?, gb.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?);
+        let d = if tb >= ta { (tb - ta).as_secs_f64() } else { -(ta - tb).as_secs_f64() };
+        out(ms, (d * 1e3) as c_float)
+    }
+}

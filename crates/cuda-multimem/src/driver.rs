@@ -1,0 +1,221 @@
+//! The driver value a program holds: loaded from libcuda, or simulated when asked for.
+
+use std::sync::{Arc, OnceLock};
+
+use cuda_multimem_sys as sys;
+use sys::{CUcontext, CUdevice};
+
+use crate::error::{cu, Error, Result};
+use crate::Device;
+
+/// The environment variable that selects the driver: unset or `cuda` for the real driver,
+/// `sim` or `sim:<options>` for the simulated one (e.g. `sim:devices=8,version=13030`).
+pub const DRIVER_ENV: &str = "CUDA_MULTIMEM_DRIVER";
+
+/// A loaded CUDA driver (or an explicitly chosen simulated one). Cheap to clone; every object
+/// made from it keeps it alive, so it outlives them all. Primary contexts retained through it
+/// are released when the last clone goes.
+#[derive(Clone)]
+pub struct Driver {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    sys: sys::Driver,
+    simulated: bool,
+    device_count: i32,
+    contexts: Box<[OnceLock<CUcontext>]>,
+}
+
+// SAFETY: CUcontext handles are process-wide driver handles, usable from any thread; the table
+// is only written once per device through OnceLock.
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+impl Inner {
+    fn sys(&self) -> &sys::Driver {
+        &self.sys
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for (ordinal, c) in self.contexts.iter().enumerate() {
+            if c.get().is_some() {
+                if let Ok(release) = self.sys.cuDevicePrimaryCtxRelease_v11000() {
+                    // SAFETY: this driver retained the primary context of `ordinal` exactly once.
+                    unsafe { release(ordinal as CUdevice) };
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("origin", self.inner.sys.origin())
+            .field("version", &self.version())
+            .field("devices", &self.inner.device_count)
+            .finish()
+    }
+}
+
+impl Driver {
+    /// Load the real driver (`CUDA_MULTIMEM_LIBCUDA`, else `libcuda.so.1`, else `libcuda.so`) and
+    /// initialise it. Never falls back to the simulator.
+    pub fn load() -> Result<Driver> {
+        Driver::from_sys(sys::Driver::load()?, false)
+    }
+
+    /// The driver `CUDA_MULTIMEM_DRIVER` selects: the real one when unset or `cuda`; the
+    /// simulated one for `sim[:options]` (needs the `sim` feature). Anything else is an error.
+    pub fn from_env() -> Result<Driver> {
+        match std::env::var(DRIVER_ENV) {
+            Err(std::env::VarError::NotPresent) => Driver::load(),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                Err(Error::Config(format!("{DRIVER_ENV}={v:?} is not UTF-8")))
+            }
+            Ok(v) => Driver::from_selection(&v),
+        }
+    }
+
+    /// Interpret a `CUDA_MULTIMEM_DRIVER` value.
+    pub fn from_selection(value: &str) -> Result<Driver> {
+        let v = value.trim();
+        if v.is_empty() || v == "cuda" {
+            return Driver::load();
+        }
+        if let Some(rest) = v.strip_prefix("sim") {
+            let options = match rest.strip_prefix(':') {
+                Some(o) => o,
+                None if rest.is_empty() => "",
+                None => {
+                    return Err(Error::Config(format!(
+                        "{DRIVER_ENV}={value}: expected `cuda` or `sim[:key=value,...]`"
+                    )))
+                }
+            };
+            return Driver::simulated_from_options(options);
+        }
+        Err(Error::Config(format!(
+            "{DRIVER_ENV}={value}: expected `cuda` or `sim[:key=value,...]`"
+        )))
+    }
+
+    #[cfg(feature = "sim")]
+    fn simulated_from_options(options: &str) -> Result<Driver> {
+        let cfg = cuda_multimem_sim::SimConfig::parse(options)
+            .map_err(|e| Error::Config(format!("{DRIVER_ENV}: {e}")))?;
+        Driver::simulated(cfg)
+    }
+
+    #[cfg(not(feature = "sim"))]
+    fn simulated_from_options(_options: &str) -> Result<Driver> {
+        Err(Error::Config(format!(
+            "{DRIVER_ENV}=sim needs cuda-multimem's `sim` feature"
+        )))
+    }
+
+    /// Start a simulated machine and a driver over it (the simulator lives as long as the driver).
+    #[cfg(feature = "sim")]
+    pub fn simulated(config: cuda_multimem_sim::SimConfig) -> Result<Driver> {
+        let sim = cuda_multimem_sim::Simulator::start(config)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        Driver::from_simulator(&sim)
+    }
+
+    /// A driver over a running simulator.
+    #[cfg(feature = "sim")]
+    pub fn from_simulator(sim: &cuda_multimem_sim::Simulator) -> Result<Driver> {
+        Driver::from_sys(sim.driver()?, true)
+    }
+
+    /// Wrap a loaded `cuda_multimem_sys::Driver` and call `cuInit`. `simulated` is reported by
+    /// [`Driver::is_simulated`].
+    pub fn from_sys(sys: sys::Driver, simulated: bool) -> Result<Driver> {
+        let mut inner = Inner {
+            sys,
+            simulated,
+            device_count: 0,
+            contexts: Box::new([]),
+        };
+        // SAFETY: cuInit takes a flags word, which must be 0.
+        unsafe { cu!(inner, cuInit(0)) }?;
+        let mut n = 0;
+        // SAFETY: one int written through a valid pointer.
+        unsafe { cu!(inner, cuDeviceGetCount(&mut n)) }?;
+        inner.device_count = n;
+        inner.contexts = (0..n).map(|_| OnceLock::new()).collect();
+        Ok(Driver {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The raw loader, for calls this crate does not wrap.
+    pub fn sys(&self) -> &sys::Driver {
+        &self.inner.sys
+    }
+
+    /// The driver's version (13000 for CUDA 13.0).
+    pub fn version(&self) -> i32 {
+        self.inner.sys.version()
+    }
+
+    /// Whether this is the simulated driver.
+    pub fn is_simulated(&self) -> bool {
+        self.inner.simulated
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> usize {
+        self.inner.device_count as usize
+    }
+
+    /// Device `ordinal`.
+    pub fn device(&self, ordinal: usize) -> Result<Device> {
+        if ordinal >= self.device_count() {
+            return Err(Error::invalid(
+                "ordinal",
+                format!(
+                    "device {ordinal} does not exist; this machine has {} device(s)",
+                    self.device_count()
+                ),
+            ));
+        }
+        Ok(Device::new(self.clone(), ordinal as CUdevice))
+    }
+
+    /// Every device.
+    pub fn devices(&self) -> Vec<Device> {
+        (0..self.inner.device_count)
+            .map(|o| Device::new(self.clone(), o))
+            .collect()
+    }
+
+    /// The primary context of `ordinal`, retained on first use.
+    pub(crate) fn primary_context(&self, ordinal: CUdevice) -> Result<CUcontext> {
+        let slot = &self.inner.contexts[ordinal as usize];
+        if let Some(c) = slot.get() {
+            return Ok(*c);
+        }
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; ordinal checked by construction of Device.
+        unsafe { cu!(self, cuDevicePrimaryCtxRetain(&mut ctx, ordinal)) }?;
+        if slot.set(ctx).is_err() {
+            // Another thread won the race: give our extra reference back.
+            // SAFETY: we retained once above.
+            unsafe { cu!(self, cuDevicePrimaryCtxRelease_v11000(ordinal)) }?;
+        }
+        Ok(*slot.get().unwrap_or(&ctx))
+    }
+}
+
+/// A `Send`/`Sync` wrapper for raw driver handles owned by safe types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Raw<T>(pub T);
+// SAFETY: CUDA driver handles are usable from any thread of the process.
+unsafe impl<T> Send for Raw<T> {}
+// SAFETY: as above; the owning types serialise what the driver requires.
+unsafe impl<T> Sync for Raw<T> {}

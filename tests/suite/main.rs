@@ -1,0 +1,4 @@
+//! The workspace suite: one test binary (small to carry to a GPU machine) whose modules follow
+//! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
+
+mod loader;

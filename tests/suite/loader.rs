@@ -218,3 +218,43 @@ fn availability_of_gated_functions_follows_the_driver_version() {
         );
     }
 }
+
+/// The raw `cuGetProcAddress` answers the loader maps, checked against whichever driver runs the
+/// suite (the real one under test-hw): a symbol the driver predates is "symbol not found" when
+/// asked at the driver's own version; a 13.0 batch call asked at 12000 is "version not sufficient".
+#[test]
+fn the_driver_answers_missing_symbols_as_the_loader_expects() {
+    use cuda_multimem_sys::CUdriverProcAddressQueryResult as Q;
+    let e = env();
+    let d = e.driver.sys();
+    let v = d.version();
+    let gpa = d.entry().get_proc_address;
+    let ask = |name: &std::ffi::CStr, at: i32| {
+        let mut p = std::ptr::null_mut();
+        let mut status = Q::CU_GET_PROC_ADDRESS_SUCCESS;
+        // SAFETY: valid NUL-terminated name and out-pointers.
+        let rc = unsafe { gpa(name.as_ptr(), &mut p, at, 0, &mut status) };
+        (rc, status, p.is_null())
+    };
+    if v < 13030 {
+        let (rc, status, null) = ask(c"cuLogicalEndpointCreate", v);
+        eprintln!("cuLogicalEndpointCreate at {v}: rc={rc}, status={status:?}");
+        assert_eq!(status, Q::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+        assert!(null);
+    }
+    if v >= 13000
+        && cuda_multimem_sim::implemented()
+            .iter()
+            .any(|(n, _)| *n == "cuMemPrefetchBatchAsync")
+        || e.sim.is_none() && v >= 13000
+    {
+        let (rc, status, null) = ask(c"cuMemPrefetchBatchAsync", 12000);
+        eprintln!("cuMemPrefetchBatchAsync at 12000: rc={rc}, status={status:?}");
+        assert_eq!(status, Q::CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
+        assert!(null);
+    }
+    let (rc, _, null) = ask(c"cuInit", v + 30);
+    eprintln!("cuInit at {}: rc={rc}", v + 30);
+    assert_eq!(rc, cuda_multimem_sys::CUresult::CUDA_ERROR_INVALID_VALUE);
+    assert!(null);
+}

@@ -1,6 +1,17 @@
-//! `cargo xtask`: the workspace's developer commands (bindgen, test, test-hw, bench-hw, info, bundle).
+//! `cargo xtask`: the workspace's developer commands.
+//!
+//! - `bindgen [--check]`: regenerate (or verify) the committed bindings of cuda-multimem-sys.
+//! - `test`: the whole workspace on the simulated driver at each driver version.
+//! - `test-hw`: the suite against the real driver (builds a bundle first unless run from one).
+//! - `bench-hw memory|allreduce`: benchmarks on the real driver, side by side with the reference.
+//! - `ptx-check`: assemble every PTX kernel with ptxas for sm_90 (where ptxas exists).
+//! - `info [--json]`: what the selected driver and its devices can do.
+//! - `bundle`: build what the GPU machines run (they have no Rust toolchain) into `bundle/`.
 
 mod bindgen_cmd;
+mod hw;
+mod info;
+mod test_cmd;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -24,14 +35,50 @@ enum Cmd {
         #[arg(long)]
         check: bool,
     },
+    /// Build, then run every suite on the simulated driver at each driver version.
+    Test {
+        /// Driver versions (default: 12000, 12080, 13000, 13030, 13050).
+        #[arg(long, value_delimiter = ',')]
+        versions: Vec<i32>,
+        /// Simulated devices.
+        #[arg(long, default_value_t = 2)]
+        devices: usize,
+        /// Extra arguments for the test binaries (after `--`).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
+    /// Run the suite against the real driver; capabilities the device lacks are skipped with a reason.
+    TestHw {
+        /// Test-name filter and libtest arguments.
+        #[arg(last = true)]
+        filter: Vec<String>,
+    },
+    /// Benchmarks on the real driver: `memory` or `allreduce`.
+    BenchHw {
+        /// Which benchmark.
+        what: String,
+        /// Arguments for the benchmark binary.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Assemble every PTX kernel with ptxas for sm_90.
+    PtxCheck,
+    /// Report the selected driver's capabilities (CUDA_MULTIMEM_DRIVER picks the driver).
+    Info {
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Build the binaries the GPU machines run into bundle/.
+    Bundle,
 }
 
-/// The workspace root (the parent of this crate's folder).
+/// The workspace root: beside a bundled xtask, its bundle; else the parent of this crate.
 pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
+        .map(|p| p.to_path_buf())
+        .unwrap_or_default()
 }
 
 /// Run a command, failing with its command line if it exits non-zero.
@@ -49,6 +96,23 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Bindgen { check } => bindgen_cmd::bindgen(check),
+        Cmd::Test {
+            versions,
+            devices,
+            extra,
+        } => {
+            let v = if versions.is_empty() {
+                test_cmd::VERSIONS.to_vec()
+            } else {
+                versions
+            };
+            test_cmd::test(&v, devices, &extra)
+        }
+        Cmd::TestHw { filter } => hw::test_hw(&filter),
+        Cmd::BenchHw { what, args } => hw::bench_hw(&what, &args),
+        Cmd::PtxCheck => hw::ptx_check(),
+        Cmd::Info { json } => info::info(json),
+        Cmd::Bundle => hw::bundle().map(|_| ()),
     };
     if let Err(e) = r {
         eprintln!("xtask: {e}");

@@ -124,12 +124,10 @@ fn attribute(st: &State, attr: CUdevice_attribute, dev: i32) -> SimResult<c_int>
         A::CU_DEVICE_ATTRIBUTE_LOGICAL_ENDPOINT_UNICAST_ACCESS_ON_OWNER_DEVICE_SUPPORTED => {
             b(d.logical_endpoint_unicast)
         }
-        A::CU_DEVICE_ATTRIBUTE_LOGICAL_ENDPOINT_SUPPORTED_HANDLE_TYPES => {
-            if d.fabric_handle && (d.logical_endpoint_unicast || d.logical_endpoint_multicast) {
-                1 << CUlogicalEndpointIpcHandleType::CU_LOGICAL_ENDPOINT_IPC_HANDLE_TYPE_FABRIC.0
-            } else {
-                0
-            }
+        A::CU_DEVICE_ATTRIBUTE_LOGICAL_ENDPOINT_SUPPORTED_HANDLE_TYPES
+            if d.fabric_handle && (d.logical_endpoint_unicast || d.logical_endpoint_multicast) =>
+        {
+            1 << CUlogicalEndpointIpcHandleType::CU_LOGICAL_ENDPOINT_IPC_HANDLE_TYPE_FABRIC.0
         }
         _ => 0,
     })

@@ -47,6 +47,10 @@ pub(crate) struct Region {
     pub redirect: Option<Arc<dyn Redirect>>,
 }
 
+/// A checked piece of a range: (address, length, multicast redirect with the piece's offset in its
+/// region).
+pub(crate) type Piece = (usize, usize, Option<(usize, Arc<dyn Redirect>)>);
+
 #[derive(Default)]
 pub(crate) struct Memory {
     regions: Mutex<BTreeMap<usize, Region>>,
@@ -88,12 +92,7 @@ impl Memory {
 
     /// Check that `[addr, addr+len)` is covered by contiguous accessible regions. Returns the
     /// pieces, each with its redirect (multicast) if any.
-    pub fn check(
-        &self,
-        addr: usize,
-        len: usize,
-        write: bool,
-    ) -> SimResult<Vec<(usize, usize, Option<(usize, Arc<dyn Redirect>)>)>> {
+    pub fn check(&self, addr: usize, len: usize, write: bool) -> SimResult<Vec<Piece>> {
         let mut pieces = Vec::new();
         let mut a = addr;
         let end = addr
@@ -188,7 +187,7 @@ pub(crate) fn fill(st: &State, dst: usize, value: u32, width: usize, count: usiz
     let len = count
         .checked_mul(width)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    if dst % width != 0 {
+    if !dst.is_multiple_of(width) {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
     let mut pattern = Vec::with_capacity(len);

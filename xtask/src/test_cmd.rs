@@ -1,0 +1,144 @@
+//! `cargo xtask test`: the whole workspace on the simulated driver, once per driver version.
+
+use std::process::{Command, Stdio};
+
+use crate::{workspace_root, Result};
+
+/// The simulated driver versions every suite runs at.
+pub const VERSIONS: [i32; 5] = [12000, 12080, 13000, 13030, 13050];
+
+/// Tally of one or more libtest runs, read from their output.
+#[derive(Default, Debug)]
+pub struct Tally {
+    pub passed: u64,
+    pub failed: u64,
+    pub ignored: u64,
+    /// `SKIPPED: name: reason` lines printed by the suite's harness.
+    pub skipped: Vec<String>,
+}
+
+impl Tally {
+    /// Add what a libtest run printed.
+    pub fn read(&mut self, output: &str, label: &str) {
+        for line in output.lines() {
+            let l = line.trim();
+            if let Some(rest) = l.strip_prefix("test result: ") {
+                for part in rest.split(|c| c == ';' || c == '.') {
+                    let mut it = part.split_whitespace();
+                    let (Some(n), Some(what)) = (it.next(), it.next()) else {
+                        continue;
+                    };
+                    let Ok(n) = n.parse::<u64>() else { continue };
+                    match what {
+                        "passed" => self.passed += n,
+                        "failed" => self.failed += n,
+                        "ignored" => self.ignored += n,
+                        _ => {}
+                    }
+                }
+            } else if let Some(s) = l.strip_prefix("SKIPPED: ") {
+                self.skipped.push(format!("[{label}] {s}"));
+            }
+        }
+    }
+
+    /// Print the summary; the last line is the plain `N passed, N failed, N skipped` form.
+    pub fn report(&self) {
+        if !self.skipped.is_empty() {
+            println!("\nskipped (each counted as skipped, not passed):");
+            for s in &self.skipped {
+                println!("  {s}");
+            }
+        }
+        // A test that printed a skip line returned early: count it as skipped, not passed.
+        let skipped = self.skipped.len() as u64;
+        println!(
+            "\n{} passed, {} failed, {} skipped",
+            self.passed.saturating_sub(skipped),
+            self.failed,
+            skipped
+        );
+    }
+}
+
+/// Run a command, echo its output, and return (success, combined output).
+pub fn run_capture(cmd: &mut Command) -> Result<(bool, String)> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let out = child.wait_with_output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{text}");
+    Ok((out.status.success(), text))
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(workspace_root());
+    c
+}
+
+/// Entry point of `cargo xtask test`.
+pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
+    println!("== build (workspace, all targets)");
+    crate::run(cargo().args(["build", "--workspace", "--all-targets", "--quiet"]))?;
+    let mut tally = Tally::default();
+    let mut failed_runs = Vec::new();
+
+    println!("== unit and doc tests (no driver selection needed)");
+    let (ok, out) = run_capture(
+        cargo()
+            .args([
+                "test",
+                "--workspace",
+                "--exclude",
+                "cuda-multimem-tests",
+                "--",
+                "--nocapture",
+            ])
+            .args(extra),
+    )?;
+    tally.read(&out, "unit");
+    if !ok {
+        failed_runs.push("unit and doc tests".to_string());
+    }
+
+    for v in versions {
+        let sel = format!("sim:devices={devices},version={v}");
+        println!("== suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}");
+        let (ok, out) = run_capture(
+            cargo()
+                .args(["test", "-p", "cuda-multimem-tests", "--", "--nocapture"])
+                .args(extra)
+                .env("CUDA_MULTIMEM_DRIVER", &sel),
+        )?;
+        tally.read(&out, &format!("sim {v}"));
+        if !ok {
+            failed_runs.push(format!("suite at {sel}"));
+        }
+    }
+    tally.report();
+    if failed_runs.is_empty() && tally.failed == 0 {
+        Ok(())
+    } else {
+        Err(format!("failed: {}", failed_runs.join("; ")).into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tally_reads_libtest_summaries_and_skip_lines() {
+        let mut t = Tally::default();
+        t.read("test result: ok. 7 passed; 1 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.06s\nSKIPPED: a: no GPU\n", "x");
+        assert_eq!((t.passed, t.failed, t.ignored), (7, 1, 2));
+        assert_eq!(t.skipped, ["[x] a: no GPU"]);
+    }
+}

@@ -185,6 +185,24 @@ pub fn test_hw(filter: &[String]) -> Result<()> {
     }
 }
 
+/// One `RESULT {json}` line of a benchmark.
+fn results(output: &str) -> Vec<serde_json::Value> {
+    output
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("RESULT "))
+        .filter_map(|j| serde_json::from_str(j).ok())
+        .collect()
+}
+
+fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
 /// Entry point of `cargo xtask bench-hw <what>`.
 pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     let b = bundle_dir()?;
@@ -197,13 +215,74 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     if !path.is_file() {
         return Err(format!("{} is not in the bundle", path.display()).into());
     }
-    crate::run(
+    let (ok, ours) = run_capture(
         Command::new(path)
             .args(args)
             .env("CUDA_MULTIMEM_DRIVER", "cuda")
             .env("CUDA_MULTIMEM_DISABLE_MULTICAST", "1")
             .env("CUDA_MULTIMEM_BUNDLE", &b),
-    )
+    )?;
+    if !ok {
+        return Err(format!("{bin} failed").into());
+    }
+    if what != "allreduce" {
+        return Ok(());
+    }
+    // The reference in the same run: NCCL through torch, graph-captured, multicast off.
+    println!("== reference: NCCL (graph-captured, NCCL_NVLS_ENABLE=0)");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let (nccl_ok, nccl) = run_capture(
+        Command::new(python)
+            .arg(b.join("scripts/nccl_allreduce.py"))
+            .env("NCCL_NVLS_ENABLE", "0")
+            .env("PYTHONUNBUFFERED", "1"),
+    )?;
+    let ours = results(&ours);
+    let theirs = results(&nccl);
+    println!(
+        "\n{:>9} {:>10} {:>9} {:>9} {:>24} {:>7} | {:>10} {:>9} {:>9} {:>7} | {:>7}",
+        "bytes",
+        "time_us",
+        "algbw",
+        "busbw",
+        "path",
+        "correct",
+        "nccl_us",
+        "algbw",
+        "busbw",
+        "correct",
+        "speedup"
+    );
+    for o in &ours {
+        let bytes = o["bytes"].as_u64().unwrap_or(0);
+        let n = theirs.iter().find(|t| t["bytes"].as_u64() == Some(bytes));
+        let t_ours = o["time_us"].as_f64().unwrap_or(f64::NAN);
+        let t_nccl = n.and_then(|n| n["time_us"].as_f64()).unwrap_or(f64::NAN);
+        println!(
+            "{:>9} {:>10.2} {:>9.1} {:>9.1} {:>24} {:>7} | {:>10.2} {:>9.1} {:>9.1} {:>7} | {:>6.2}x",
+            human_bytes(bytes),
+            t_ours,
+            o["algbw"].as_f64().unwrap_or(f64::NAN),
+            o["busbw"].as_f64().unwrap_or(f64::NAN),
+            o["path"].as_str().unwrap_or("?"),
+            o["correct"],
+            t_nccl,
+            n.and_then(|n| n["algbw"].as_f64()).unwrap_or(f64::NAN),
+            n.and_then(|n| n["busbw"].as_f64()).unwrap_or(f64::NAN),
+            n.map(|n| n["correct"].to_string()).unwrap_or_else(|| "-".into()),
+            t_nccl / t_ours,
+        );
+    }
+    if !nccl_ok {
+        println!("(the NCCL reference failed; see its output above)");
+    }
+    if ours
+        .iter()
+        .any(|o| o["correct"] != serde_json::Value::Bool(true))
+    {
+        return Err("an allreduce result did not match the host reference".into());
+    }
+    Ok(())
 }
 
 /// Entry point of `cargo xtask ptx-check`: assemble every kernel with ptxas for sm_90.

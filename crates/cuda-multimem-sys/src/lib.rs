@@ -27,10 +27,12 @@
 /// Types, constants and `PFN_` function-pointer types from `cuda.h` and `cudaTypedefs.h`.
 #[path = "generated/bindings.rs"]
 #[allow(unpredictable_function_pointer_comparisons)]
+#[rustfmt::skip]
 pub mod bindings;
 
 mod loader;
 #[path = "generated/table.rs"]
+#[rustfmt::skip]
 mod table;
 
 pub use bindings::*;

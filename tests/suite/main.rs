@@ -2,3 +2,4 @@
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
 
 mod loader;
+mod vmm;

@@ -32,6 +32,7 @@ mod dispatch;
 mod memory;
 mod state;
 mod stream;
+mod vmm;
 
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use dispatch::implemented;
@@ -44,6 +45,7 @@ pub(crate) fn all_exports() -> Vec<dispatch::Export> {
         device::exports(),
         stream::exports(),
         memory::exports(),
+        vmm::exports(),
     ]
     .concat()
 }
@@ -51,5 +53,6 @@ pub(crate) fn all_exports() -> Vec<dispatch::Export> {
 /// End of a session: stop the stream workers, then free what is still allocated.
 pub(crate) fn teardown(st: &state::State) {
     stream::shutdown_all(st);
+    vmm::teardown(st);
     memory::teardown(st);
 }

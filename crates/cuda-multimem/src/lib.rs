@@ -16,6 +16,7 @@ mod device;
 mod driver;
 pub mod error;
 mod stream;
+pub mod vmm;
 
 pub use device::Device;
 pub use driver::{Driver, DRIVER_ENV};

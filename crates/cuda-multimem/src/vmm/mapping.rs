@@ -1,0 +1,239 @@
+//! Mappings of physical allocations into reservations, and access per location.
+// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
+use std::sync::Arc;
+
+use cuda_multimem_sys::{CUdeviceptr, CUmemAccessDesc, CUmemAccess_flags};
+
+use super::{Location, PhysicalAllocation, Reservation};
+use crate::error::cu;
+use crate::{Error, Result};
+
+/// Access a location has to a mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// No access.
+    None,
+    /// Loads only.
+    ReadOnly,
+    /// Loads and stores.
+    ReadWrite,
+}
+
+impl Access {
+    fn raw(self) -> CUmemAccess_flags {
+        match self {
+            Access::None => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+            Access::ReadOnly => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+            Access::ReadWrite => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }
+    }
+}
+
+/// A physical allocation (or part of it) mapped into a reservation; unmapped (`cuMemUnmap`) when
+/// dropped. It holds `Arc`s of both, so the allocation cannot be released nor the range freed
+/// while it exists. A new mapping has no access: call [`Mapping::set_access`].
+pub struct Mapping {
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    // Dropped after the unmap in `Drop::drop` (fields drop after the body).
+    allocation: Arc<PhysicalAllocation>,
+    reservation: Arc<Reservation>,
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Mapping({:#x}, {} bytes of {:?} at offset {})",
+            self.ptr, self.size, self.allocation, self.offset
+        )
+    }
+}
+
+impl Mapping {
+    /// Map `size` bytes of `allocation` from `allocation_offset` at `reservation_offset` of
+    /// `reservation` (`cuMemMap`). Offsets and size are multiples of the allocation's minimum
+    /// granularity and lie inside both.
+    pub fn new(
+        reservation: &Arc<Reservation>,
+        reservation_offset: usize,
+        allocation: &Arc<PhysicalAllocation>,
+        allocation_offset: usize,
+        size: usize,
+    ) -> Result<Mapping> {
+        if size == 0 {
+            return Err(Error::invalid(
+                "size",
+                "0 bytes; expected at least one granule",
+            ));
+        }
+        let g = allocation.granularity()?;
+        for (arg, v) in [
+            ("size", size),
+            ("reservation_offset", reservation_offset),
+            ("allocation_offset", allocation_offset),
+        ] {
+            if v % g != 0 {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{v} is not a multiple of the allocation granularity {g}"),
+                ));
+            }
+        }
+        if reservation_offset
+            .checked_add(size)
+            .is_none_or(|e| e > reservation.size())
+        {
+            return Err(Error::invalid(
+                "size",
+                format!(
+                    "{size} bytes at offset {reservation_offset} pass the end of the {}-byte reservation",
+                    reservation.size()
+                ),
+            ));
+        }
+        if allocation_offset
+            .checked_add(size)
+            .is_none_or(|e| e > allocation.size())
+        {
+            return Err(Error::invalid(
+                "size",
+                format!(
+                    "{size} bytes at offset {allocation_offset} pass the end of the {}-byte allocation",
+                    allocation.size()
+                ),
+            ));
+        }
+        let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
+        // SAFETY: the range lies in a live reservation and the allocation handle is live; both
+        // are kept alive by the Arcs stored below. Flags must be 0.
+        unsafe {
+            cu!(
+                allocation.driver(),
+                cuMemMap(ptr, size, allocation_offset, allocation.raw(), 0)
+            )
+        }?;
+        Ok(Mapping {
+            ptr,
+            size,
+            offset: allocation_offset,
+            allocation: allocation.clone(),
+            reservation: reservation.clone(),
+        })
+    }
+
+    /// Reserve a range of the allocation's size, map all of it, and grant `access` — the common
+    /// case in one call. Undoes every step on failure.
+    pub fn map_whole(
+        allocation: &Arc<PhysicalAllocation>,
+        access: &[(Location, Access)],
+    ) -> Result<Mapping> {
+        let r = Reservation::new(allocation.driver(), allocation.size())?;
+        let m = Mapping::new(&r, 0, allocation, 0, allocation.size())?;
+        if !access.is_empty() {
+            m.set_access(access)?;
+        }
+        Ok(m)
+    }
+
+    /// Set the access of each location to this mapping (`cuMemSetAccess`); locations not named
+    /// keep theirs. A device other than the memory's own is a peer: it needs peer capability.
+    pub fn set_access(&self, access: &[(Location, Access)]) -> Result<()> {
+        set_access_range(&self.allocation, self.ptr, self.size, access)
+    }
+
+    /// The access `location` has (`cuMemGetAccess`).
+    pub fn access(&self, location: Location) -> Result<Access> {
+        location.validate(self.allocation.driver(), "location")?;
+        let l = location.raw();
+        let mut f: std::ffi::c_ulonglong = 0;
+        // SAFETY: valid out-pointer and location; the address is mapped while self lives.
+        unsafe {
+            cu!(
+                self.allocation.driver(),
+                cuMemGetAccess(&mut f, &l, self.ptr)
+            )
+        }?;
+        Ok(match f as u32 {
+            x if x == CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE.0 => Access::ReadWrite,
+            x if x == CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ.0 => Access::ReadOnly,
+            _ => Access::None,
+        })
+    }
+
+    /// The mapped address.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Offset into the allocation.
+    pub fn allocation_offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The allocation mapped.
+    pub fn allocation(&self) -> &Arc<PhysicalAllocation> {
+        &self.allocation
+    }
+
+    /// The reservation it lies in.
+    pub fn reservation(&self) -> &Arc<Reservation> {
+        &self.reservation
+    }
+}
+
+/// `cuMemSetAccess` over `[ptr, ptr+size)`, after checking the locations.
+pub(crate) fn set_access_range(
+    allocation: &PhysicalAllocation,
+    ptr: CUdeviceptr,
+    size: usize,
+    access: &[(Location, Access)],
+) -> Result<()> {
+    if access.is_empty() {
+        return Err(Error::invalid(
+            "access",
+            "no locations; expected at least one",
+        ));
+    }
+    let driver = allocation.driver();
+    let mut descs = Vec::with_capacity(access.len());
+    for (l, a) in access {
+        l.validate(driver, "access")?;
+        if let Location::HostNuma(_) = l {
+            if !matches!(allocation.spec().location, Location::HostNuma(_)) {
+                return Err(Error::invalid(
+                    "access",
+                    "a host-NUMA access location applies only to host-NUMA allocations; use Location::Host",
+                ));
+            }
+        }
+        descs.push(CUmemAccessDesc {
+            location: l.raw(),
+            flags: a.raw(),
+        });
+    }
+    // SAFETY: `descs` is valid for `descs.len()` reads; the range is mapped while the caller's
+    // mappings live.
+    unsafe {
+        cu!(
+            driver,
+            cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len())
+        )
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: we mapped exactly this range; after this the Arcs (allocation, reservation)
+        // are dropped, in that order, with nothing mapped any more.
+        let _ = unsafe { cu!(self.allocation.driver(), cuMemUnmap(self.ptr, self.size)) };
+    }
+}

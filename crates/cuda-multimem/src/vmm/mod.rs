@@ -1,0 +1,117 @@
+//! Virtual memory management: physical allocations, address reservations, mappings, access per
+//! device, shareable handles (POSIX fds and fabric handles), and a growable buffer.
+//!
+//! The pieces follow the driver's model (`cuMemCreate`, `cuMemAddressReserve`, `cuMemMap`,
+//! `cuMemSetAccess`), and ownership enforces its teardown order: a [`Mapping`] holds an `Arc` of
+//! the [`PhysicalAllocation`] and of the [`Reservation`] it joins, so neither can be released
+//! while it is mapped. When the last owner of each goes, `cuMemUnmap`, `cuMemAddressFree` and
+//! `cuMemRelease` run, and the device memory is free again (`cuMemGetInfo` shows it).
+//!
+//! ```no_run
+//! use cuda_multimem::vmm::{Access, Location, Mapping, PhysicalAllocation};
+//! let driver = cuda_multimem::Driver::from_env()?;
+//! let alloc = PhysicalAllocation::builder(&driver, Location::Device(0)).create(2 << 20)?;
+//! let mapping = Mapping::map_whole(&alloc, &[(Location::Device(0), Access::ReadWrite)])?;
+//! println!("{:#x}", mapping.device_ptr());
+//! # Ok::<(), cuda_multimem::Error>(())
+//! ```
+// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
+mod allocation;
+mod buffer;
+mod mapping;
+mod reservation;
+
+pub use allocation::{
+    AllocationBuilder, AllocationSpec, FabricHandle, Granularity, HandleTypes, PhysicalAllocation,
+    Rounding,
+};
+pub use buffer::VmmBuffer;
+pub use mapping::{Access, Mapping};
+pub use reservation::{Reservation, ReservationBuilder};
+
+use cuda_multimem_sys::{CUmemLocation, CUmemLocationType};
+
+use crate::{Driver, Error, Result};
+
+/// Where physical memory lives, or who accesses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// A device, by ordinal.
+    Device(i32),
+    /// Host memory (any NUMA node); drivers from 12.6 with host VMM support.
+    Host,
+    /// Host memory on a NUMA node, by id.
+    HostNuma(i32),
+}
+
+impl Location {
+    pub(crate) fn raw(self) -> CUmemLocation {
+        let mut l = CUmemLocation::default();
+        let (t, id) = match self {
+            Location::Device(d) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
+            Location::Host => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
+            Location::HostNuma(n) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, n),
+        };
+        l.type_ = t;
+        l.__bindgen_anon_1.id = id;
+        l
+    }
+
+    pub(crate) fn from_raw(l: &CUmemLocation) -> Option<Location> {
+        // SAFETY: `id` is the union member for device, host and host-NUMA locations; reading an
+        // int is valid for any bit pattern.
+        let id = unsafe { l.__bindgen_anon_1.id };
+        match l.type_ {
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE => Some(Location::Device(id)),
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST => Some(Location::Host),
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA => Some(Location::HostNuma(id)),
+            _ => None,
+        }
+    }
+
+    /// Check a location against the driver: devices must exist, NUMA ids be non-negative.
+    pub(crate) fn validate(self, driver: &Driver, arg: &'static str) -> Result<()> {
+        match self {
+            Location::Device(d) if d < 0 || d as usize >= driver.device_count() => {
+                Err(Error::invalid(
+                    arg,
+                    format!(
+                        "device {d} does not exist; this machine has {} device(s)",
+                        driver.device_count()
+                    ),
+                ))
+            }
+            Location::HostNuma(n) if n < 0 => Err(Error::invalid(
+                arg,
+                format!("host NUMA node {n} is negative; expected a node id >= 0"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Make sure some context is current on this thread (the VMM calls need an initialised driver
+/// and, on some drivers, a context): keeps the caller's current context if there is one, else
+/// makes device `dev`'s primary context current.
+pub(crate) fn ensure_context(driver: &Driver, dev: i32) -> Result<()> {
+    let mut ctx: cuda_multimem_sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: one pointer written through a valid out-pointer.
+    unsafe { crate::error::cu!(driver, cuCtxGetCurrent(&mut ctx)) }?;
+    if ctx.is_null() {
+        driver.device(dev.max(0) as usize)?.bind()?;
+    }
+    Ok(())
+}
+
+/// The host's page size.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}

@@ -1,0 +1,762 @@
+//! VMM: physical allocations, reservations, mappings, access, shareable handles, growable
+//! buffers — and that memory comes back.
+// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
+use std::sync::Arc;
+
+use cuda_multimem::sys::{CUdeviceptr, CUresult};
+use cuda_multimem::vmm::{
+    Access, AllocationSpec, FabricHandle, Granularity, HandleTypes, Location, Mapping,
+    PhysicalAllocation, Reservation, Rounding, VmmBuffer,
+};
+use cuda_multimem::{Driver, Error};
+use cuda_multimem_sim::{FailurePlan, SimConfig};
+use cuda_multimem_tests::{env, sim, skip, Rng};
+
+const MIB: usize = 1 << 20;
+
+/// Copy host bytes to device memory (`cuMemcpyHtoD`), with device 0's context current.
+fn htod(d: &Driver, dst: CUdeviceptr, src: &[u8]) -> Result<(), Error> {
+    d.device(0)?.bind()?;
+    let f = d.sys().cuMemcpyHtoD()?;
+    // SAFETY: `src` is valid for `src.len()` bytes; the device range is checked by the driver.
+    let r = unsafe { f(dst, src.as_ptr().cast(), src.len()) };
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Driver {
+            call: "cuMemcpyHtoD",
+            code: r,
+        })
+    }
+}
+
+/// Copy device memory to host bytes (`cuMemcpyDtoH`), with device 0's context current.
+fn dtoh(d: &Driver, dst: &mut [u8], src: CUdeviceptr) -> Result<(), Error> {
+    d.device(0)?.bind()?;
+    let f = d.sys().cuMemcpyDtoH()?;
+    // SAFETY: `dst` is valid for `dst.len()` bytes; the device range is checked by the driver.
+    let r = unsafe { f(dst.as_mut_ptr().cast(), src, dst.len()) };
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Driver {
+            call: "cuMemcpyDtoH",
+            code: r,
+        })
+    }
+}
+
+/// Run every VMM path once, so the loader has resolved (and cached) every entry point before a
+/// test injects failures (a failed `cuGetProcAddress` is not what those tests are about).
+fn warm_up(d: &Driver) {
+    let a = PhysicalAllocation::builder(d, Location::Device(0))
+        .create(2 * MIB)
+        .unwrap();
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    m.access(Location::Device(0)).unwrap();
+    let mut b = VmmBuffer::new(
+        PhysicalAllocation::builder(d, Location::Device(0)),
+        2 * MIB,
+        &[],
+    )
+    .unwrap();
+    b.grow(4 * MIB).unwrap();
+    let blocker = Reservation::builder(d, 2 * MIB)
+        .address_hint(b.device_ptr() + b.size() as u64)
+        .reserve()
+        .unwrap();
+    b.grow(6 * MIB).unwrap();
+    drop((blocker, b, m, a));
+}
+
+fn rw0() -> [(Location, Access); 1] {
+    [(Location::Device(0), Access::ReadWrite)]
+}
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    Rng::new(seed).fill(&mut v);
+    v
+}
+
+fn gran(d: &Driver) -> usize {
+    AllocationSpec::device(0)
+        .granularity(d, Granularity::Minimum)
+        .unwrap()
+}
+
+#[test]
+fn granularity_is_a_power_of_two_and_recommended_is_a_multiple_of_minimum() {
+    let e = env();
+    let spec = AllocationSpec::device(0);
+    let min = spec.granularity(&e.driver, Granularity::Minimum).unwrap();
+    let rec = spec
+        .granularity(&e.driver, Granularity::Recommended)
+        .unwrap();
+    assert!(min.is_power_of_two(), "{min}");
+    assert!(rec >= min && rec % min == 0, "{rec} vs {min}");
+}
+
+#[test]
+fn data_written_through_a_mapping_reads_back() {
+    let e = env();
+    let g = gran(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(2 * g)
+        .unwrap();
+    assert_eq!(a.size(), 2 * g);
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    assert_eq!(m.access(Location::Device(0)).unwrap(), Access::ReadWrite);
+    let data = random(2 * g, 1);
+    htod(&e.driver, m.device_ptr(), &data).unwrap();
+    let mut back = vec![0u8; 2 * g];
+    dtoh(&e.driver, &mut back, m.device_ptr()).unwrap();
+    assert!(back == data, "data read back differs");
+}
+
+#[test]
+fn two_mappings_of_one_allocation_see_the_same_bytes() {
+    let e = env();
+    let g = gran(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(g)
+        .unwrap();
+    let m1 = Mapping::map_whole(&a, &rw0()).unwrap();
+    let m2 = Mapping::map_whole(&a, &rw0()).unwrap();
+    assert_ne!(m1.device_ptr(), m2.device_ptr());
+    let data = random(g, 2);
+    htod(&e.driver, m1.device_ptr(), &data).unwrap();
+    let mut back = vec![0u8; g];
+    dtoh(&e.driver, &mut back, m2.device_ptr()).unwrap();
+    assert!(back == data);
+}
+
+#[test]
+fn a_new_mapping_has_no_access_until_set_and_read_only_refuses_writes() {
+    let e = env();
+    let g = gran(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(g)
+        .unwrap();
+    let r = Reservation::new(&e.driver, g).unwrap();
+    let m = Mapping::new(&r, 0, &a, 0, g).unwrap();
+    assert_eq!(m.access(Location::Device(0)).unwrap(), Access::None);
+    m.set_access(&rw0()).unwrap();
+    let data = random(g, 3);
+    htod(&e.driver, m.device_ptr(), &data).unwrap();
+    m.set_access(&[(Location::Device(0), Access::ReadOnly)])
+        .unwrap();
+    assert_eq!(m.access(Location::Device(0)).unwrap(), Access::ReadOnly);
+    let mut back = vec![0u8; g];
+    dtoh(&e.driver, &mut back, m.device_ptr()).unwrap();
+    assert!(back == data);
+    if e.sim.is_some() {
+        // On the real driver a host-to-device copy into read-only memory may go through a
+        // copy engine that does not check the mapping's protection; the simulator does.
+        assert!(htod(&e.driver, m.device_ptr(), &data).is_err());
+    }
+}
+
+#[test]
+fn memory_comes_back_after_twenty_big_allocations() {
+    let e = env();
+    let dev = e.driver.device(0).unwrap();
+    let size = 256 * MIB;
+    // Warm up (contexts, driver pools), then measure.
+    drop(
+        VmmBuffer::new(
+            PhysicalAllocation::builder(&e.driver, Location::Device(0)),
+            size,
+            &[],
+        )
+        .unwrap(),
+    );
+    let (free0, _) = dev.memory_info().unwrap();
+    for _ in 0..20 {
+        let b = VmmBuffer::new(
+            PhysicalAllocation::builder(&e.driver, Location::Device(0)),
+            size,
+            &[],
+        )
+        .unwrap();
+        let (free, _) = dev.memory_info().unwrap();
+        assert!(
+            free + size <= free0 + 64 * MIB,
+            "allocation not charged: {free} vs {free0}"
+        );
+        drop(b);
+    }
+    let (free1, _) = dev.memory_info().unwrap();
+    // Other processes may use the GPU too: allow 64 MiB of noise, far less than 20 × 256 MiB.
+    assert!(
+        free1 + 64 * MIB >= free0,
+        "memory did not come back: free {free0} before, {free1} after"
+    );
+    if let Some(s) = &e.sim {
+        assert_eq!(free1, free0);
+        assert!(
+            s.live_resources().keys().all(|k| !k.starts_with("vmm")),
+            "{:?}",
+            s.live_resources()
+        );
+    }
+}
+
+#[test]
+fn the_allocation_outlives_its_last_handle_while_mapped() {
+    let e = env();
+    let g = gran(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(g)
+        .unwrap();
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    drop(a); // the mapping keeps it
+    let data = random(g, 4);
+    htod(&e.driver, m.device_ptr(), &data).unwrap();
+    let mut back = vec![0u8; g];
+    dtoh(&e.driver, &mut back, m.device_ptr()).unwrap();
+    assert!(back == data);
+    if let Some(s) = &e.sim {
+        assert_eq!(s.live_resources().get("vmm allocations"), Some(&1));
+        drop(m);
+        assert_eq!(s.live_resources().get("vmm allocations"), None);
+        assert_eq!(s.live_resources().get("vmm reservations"), None);
+    }
+}
+
+#[test]
+fn bad_sizes_offsets_and_devices_are_rejected_before_the_driver() {
+    let e = env();
+    let d = &e.driver;
+    let g = gran(d);
+    let b = PhysicalAllocation::builder(d, Location::Device(0));
+    assert!(matches!(
+        b.create(0),
+        Err(Error::InvalidArgument { arg: "size", .. })
+    ));
+    let exact = b.clone().rounding(Rounding::Exact);
+    assert!(matches!(
+        exact.create(g + 1),
+        Err(Error::InvalidArgument { arg: "size", .. })
+    ));
+    assert_eq!(
+        b.create(g + 1).unwrap().size(),
+        2 * g,
+        "rounds up by default"
+    );
+    let n = d.device_count() as i32;
+    for bad in [-1, n, 1000] {
+        let r = PhysicalAllocation::builder(d, Location::Device(bad)).create(g);
+        assert!(
+            matches!(
+                r,
+                Err(Error::InvalidArgument {
+                    arg: "location",
+                    ..
+                })
+            ),
+            "{bad}: {r:?}"
+        );
+    }
+    assert!(matches!(
+        Reservation::new(d, 0),
+        Err(Error::InvalidArgument { arg: "size", .. })
+    ));
+    assert!(matches!(
+        Reservation::new(d, 4097),
+        Err(Error::InvalidArgument { arg: "size", .. })
+    ));
+    assert!(matches!(
+        Reservation::builder(d, g).alignment(3 * 4096).reserve(),
+        Err(Error::InvalidArgument {
+            arg: "alignment",
+            ..
+        })
+    ));
+    let a = b.create(2 * g).unwrap();
+    let r = Reservation::new(d, 2 * g).unwrap();
+    for (ro, ao, size, arg) in [
+        (0, 0, 0, "size"),
+        (0, 0, g + 4096, "size"),
+        (4096, 0, g, "reservation_offset"),
+        (0, 4096, g, "allocation_offset"),
+        (g, 0, 2 * g, "size"),
+        (0, g, 2 * g, "size"),
+    ] {
+        let m = Mapping::new(&r, ro, &a, ao, size);
+        assert!(
+            matches!(m, Err(Error::InvalidArgument { arg: a, .. }) if a == arg),
+            "({ro}, {ao}, {size}): {m:?}"
+        );
+    }
+    let _m = Mapping::new(&r, 0, &a, 0, g).unwrap();
+    let twice = Mapping::new(&r, 0, &a, g, g);
+    assert!(
+        matches!(twice, Err(Error::Driver { .. })),
+        "double map: {twice:?}"
+    );
+}
+
+#[test]
+fn access_for_a_device_out_of_range_is_rejected() {
+    let e = env();
+    let g = gran(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(g)
+        .unwrap();
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    let n = e.driver.device_count() as i32;
+    let r = m.set_access(&[(Location::Device(n), Access::ReadWrite)]);
+    assert!(
+        matches!(r, Err(Error::InvalidArgument { arg: "access", .. })),
+        "{r:?}"
+    );
+    assert!(matches!(
+        m.set_access(&[]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert_eq!(m.access(Location::Device(0)).unwrap(), Access::ReadWrite);
+}
+
+#[test]
+fn handle_types_are_fixed_at_creation() {
+    let e = env();
+    let g = gran(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(g)
+        .unwrap();
+    assert!(matches!(
+        a.export_posix_fd(),
+        Err(Error::InvalidArgument {
+            arg: "handle_types",
+            ..
+        })
+    ));
+    assert!(matches!(
+        a.export_fabric(),
+        Err(Error::InvalidArgument {
+            arg: "handle_types",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn every_vmm_call_works_at_every_simulated_driver_version() {
+    for v in [12000, 12080, 13000, 13030, 13050] {
+        let e = sim(SimConfig::new(2, v));
+        let s = e.sim.as_ref().unwrap();
+        e.driver.device(0).unwrap().bind().unwrap();
+        let before = s.live_resources();
+        {
+            let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+                .handle_types(HandleTypes::POSIX_FD)
+                .create(4 * MIB)
+                .unwrap();
+            let mut b = VmmBuffer::new(
+                PhysicalAllocation::builder(&e.driver, Location::Device(0)),
+                2 * MIB,
+                &[],
+            )
+            .unwrap();
+            let data = random(2 * MIB, v as u64);
+            htod(&e.driver, b.device_ptr(), &data).unwrap();
+            b.grow(6 * MIB).unwrap();
+            let mut back = vec![0u8; 2 * MIB];
+            dtoh(&e.driver, &mut back, b.device_ptr()).unwrap();
+            assert!(back == data, "driver {v}: contents lost in grow");
+            let fd = a.export_posix_fd().unwrap();
+            let imported = PhysicalAllocation::import_posix_fd(
+                &e.driver,
+                std::os::fd::AsFd::as_fd(&fd),
+                4 * MIB,
+            )
+            .unwrap();
+            let m = Mapping::map_whole(&imported, &rw0()).unwrap();
+            assert_eq!(m.access(Location::Device(0)).unwrap(), Access::ReadWrite);
+        }
+        assert_eq!(s.live_resources(), before, "driver {v}: leaked");
+    }
+}
+
+/// The driver calls a VMM construction makes (teardown calls are not construction steps: a
+/// failure there is reported by the driver, not undone).
+const CONSTRUCTION_CALLS: &[&str] = &[
+    "cuCtxGetCurrent",
+    "cuMemGetAllocationGranularity",
+    "cuMemCreate",
+    "cuMemAddressReserve",
+    "cuMemMap",
+    "cuMemSetAccess",
+];
+
+/// For every construction call and every occurrence of it in `attempt`, inject a failure there.
+/// Each round starts from a fresh `setup()` (not under injection); after a failure,
+/// `live_resources()` must be what it was after `setup`, and `after_failure` checks the state;
+/// after the round (success or failure) everything is dropped and nothing may be left over.
+/// Returns how many failures were injected.
+fn inject_at_every_step<S, T>(
+    s: &cuda_multimem_sim::Simulator,
+    mut setup: impl FnMut() -> S,
+    mut attempt: impl FnMut(&mut S) -> Result<T, Error>,
+    mut after_failure: impl FnMut(&S),
+) -> usize {
+    let initial = s.live_resources();
+    let mut injected = 0;
+    for call in CONSTRUCTION_CALLS {
+        for skip in 0.. {
+            let mut state = setup();
+            let before = s.live_resources();
+            s.inject_failure(FailurePlan {
+                call: Some(call.to_string()),
+                skip,
+                code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+            });
+            let r = attempt(&mut state);
+            let fired = s.clear_failure();
+            let done = match (r, fired) {
+                (Ok(v), None) => {
+                    drop(v);
+                    true
+                }
+                (Err(err), Some(f)) => {
+                    injected += 1;
+                    assert_eq!(s.live_resources(), before, "after failing {f} ({err})");
+                    after_failure(&state);
+                    false
+                }
+                (Ok(_), Some(f)) => panic!("succeeded although {f} failed"),
+                (Err(err), None) => panic!("failed without an injected failure: {err}"),
+            };
+            drop(state);
+            assert_eq!(
+                s.live_resources(),
+                initial,
+                "left over after a round ({call}, skip {skip})"
+            );
+            if done {
+                break;
+            }
+        }
+    }
+    injected
+}
+
+#[test]
+fn a_failure_at_any_step_of_map_whole_leaks_nothing() {
+    let e = sim(SimConfig::new(2, 13030));
+    let s = e.sim.as_ref().unwrap();
+    warm_up(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .create(2 * MIB)
+        .unwrap();
+    let n = inject_at_every_step(s, || (), |_| Mapping::map_whole(&a, &rw0()), |_| {});
+    assert!(n >= 3, "at least reserve, map, set access: {n}");
+}
+
+#[test]
+fn a_failure_at_any_step_of_creating_a_buffer_or_importing_leaks_nothing() {
+    let e = sim(SimConfig::new(2, 13030));
+    let s = e.sim.as_ref().unwrap();
+    warm_up(&e.driver);
+    let n = inject_at_every_step(
+        s,
+        || (),
+        |_| {
+            VmmBuffer::new(
+                PhysicalAllocation::builder(&e.driver, Location::Device(0)),
+                3 * MIB,
+                &[],
+            )
+        },
+        |_| {},
+    );
+    assert!(n >= 5, "{n}");
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .handle_types(HandleTypes {
+            posix_fd: true,
+            fabric: true,
+        })
+        .create(2 * MIB)
+        .unwrap();
+    let fd = a.export_posix_fd().unwrap();
+    let fab = a.export_fabric().unwrap();
+    let n = inject_at_every_step(
+        s,
+        || (),
+        |_| PhysicalAllocation::import_posix_fd(&e.driver, std::os::fd::AsFd::as_fd(&fd), 2 * MIB),
+        |_| {},
+    );
+    assert!(n >= 3, "{n}");
+    let n = inject_at_every_step(
+        s,
+        || (),
+        |_| PhysicalAllocation::import_fabric(&e.driver, fab.as_bytes(), 2 * MIB),
+        |_| {},
+    );
+    assert!(n >= 3, "{n}");
+}
+
+#[test]
+fn a_failure_at_any_step_of_growing_leaves_the_buffer_intact_and_leaks_nothing() {
+    let e = sim(SimConfig::new(2, 13030));
+    let s = e.sim.as_ref().unwrap();
+    warm_up(&e.driver);
+    let d = &e.driver;
+    for in_place in [true, false] {
+        let data = random(2 * MIB, 7);
+        let setup = || {
+            let b = VmmBuffer::new(
+                PhysicalAllocation::builder(d, Location::Device(0)),
+                2 * MIB,
+                &[],
+            )
+            .unwrap();
+            htod(d, b.device_ptr(), &data).unwrap();
+            // Block the range right after the buffer to force the remap path.
+            let blocker = (!in_place).then(|| {
+                let r = Reservation::builder(d, 2 * MIB)
+                    .address_hint(b.device_ptr() + b.size() as u64)
+                    .reserve()
+                    .unwrap();
+                assert_eq!(r.device_ptr(), b.device_ptr() + b.size() as u64);
+                r
+            });
+            let was = (b.device_ptr(), b.size());
+            (b, blocker, was)
+        };
+        let n = inject_at_every_step(
+            s,
+            setup,
+            |(b, _, _)| {
+                let stayed = b.grow(5 * MIB)?;
+                assert_eq!(stayed, in_place);
+                assert_eq!(b.size(), 6 * MIB);
+                let mut back = vec![0u8; 2 * MIB];
+                dtoh(d, &mut back, b.device_ptr()).unwrap();
+                assert!(back == data, "contents kept (in place: {in_place})");
+                htod(d, b.device_ptr() + 2 * MIB as u64, &random(4 * MIB, 8)).unwrap();
+                Ok(())
+            },
+            |(b, _, was)| {
+                assert_eq!(
+                    (b.device_ptr(), b.size()),
+                    *was,
+                    "unchanged after a failure"
+                );
+                let mut back = vec![0u8; 2 * MIB];
+                dtoh(d, &mut back, b.device_ptr()).unwrap();
+                assert!(back == data, "contents kept after a failed grow");
+            },
+        );
+        assert!(n >= 3, "{n}");
+    }
+    assert!(s.live_resources().keys().all(|k| !k.starts_with("vmm")));
+}
+
+#[test]
+fn a_growing_buffer_keeps_its_contents_in_place_or_remapped() {
+    let e = env();
+    let g = gran(&e.driver);
+    let mut b = VmmBuffer::new(
+        PhysicalAllocation::builder(&e.driver, Location::Device(0)),
+        g,
+        &[],
+    )
+    .unwrap();
+    let data = random(g, 9);
+    htod(&e.driver, b.device_ptr(), &data).unwrap();
+    let before = b.device_ptr();
+    let stayed = b.grow(3 * g).unwrap();
+    assert_eq!(b.size(), 3 * g);
+    assert_eq!(stayed, b.device_ptr() == before);
+    let mut back = vec![0u8; g];
+    dtoh(&e.driver, &mut back, b.device_ptr()).unwrap();
+    assert!(back == data);
+    let all = random(3 * g, 10);
+    htod(&e.driver, b.device_ptr(), &all).unwrap();
+    let mut back = vec![0u8; 3 * g];
+    dtoh(&e.driver, &mut back, b.device_ptr()).unwrap();
+    assert!(back == all);
+    assert!(matches!(
+        b.grow(g),
+        Err(Error::InvalidArgument {
+            arg: "new_size",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn fabric_handles_round_trip_and_garbage_is_rejected() {
+    let e = env();
+    let d = &e.driver;
+    if !d.device(0).unwrap().supports_fabric_handle().unwrap() {
+        return skip(
+            "fabric_handles_round_trip_and_garbage_is_rejected",
+            "device 0 has no fabric handle support",
+        );
+    }
+    let g = gran(d);
+    let a = match PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(HandleTypes::FABRIC)
+        .create(g)
+    {
+        Ok(a) => a,
+        Err(Error::Driver { code, .. })
+            if code == CUresult::CUDA_ERROR_NOT_PERMITTED
+                || code == CUresult::CUDA_ERROR_NOT_SUPPORTED =>
+        {
+            return skip(
+                "fabric_handles_round_trip_and_garbage_is_rejected",
+                format!("cuMemCreate with a fabric handle type: {code} (no IMEX channel?)"),
+            );
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let h = a.export_fabric().unwrap();
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    let data = random(g, 11);
+    htod(d, m.device_ptr(), &data).unwrap();
+    let b = PhysicalAllocation::import_fabric(d, h.as_bytes(), g).unwrap();
+    let m2 = Mapping::map_whole(&b, &rw0()).unwrap();
+    let mut back = vec![0u8; g];
+    dtoh(d, &mut back, m2.device_ptr()).unwrap();
+    assert!(back == data);
+    // Truncated, too long, garbage, and a claimed size larger than the allocation.
+    assert!(matches!(
+        PhysicalAllocation::import_fabric(d, &h.as_bytes()[..63], g),
+        Err(Error::InvalidArgument { arg: "bytes", .. })
+    ));
+    assert!(matches!(
+        PhysicalAllocation::import_fabric(d, &[0u8; 65], g),
+        Err(Error::InvalidArgument { arg: "bytes", .. })
+    ));
+    let mut garbage = *h.as_bytes();
+    garbage[20] ^= 0x5a;
+    assert!(PhysicalAllocation::import_fabric(d, &garbage, g).is_err());
+    assert!(PhysicalAllocation::import_fabric(d, &random(64, 12), g).is_err());
+    assert!(matches!(
+        PhysicalAllocation::import_fabric(d, h.as_bytes(), 0),
+        Err(Error::InvalidArgument { arg: "size", .. })
+    ));
+    let too_big = PhysicalAllocation::import_fabric(d, h.as_bytes(), 2 * g);
+    assert!(
+        matches!(too_big, Err(Error::InvalidArgument { arg: "size", .. })),
+        "{too_big:?}"
+    );
+    let _ = FabricHandle::from_bytes(h.as_bytes()).unwrap();
+}
+
+#[test]
+fn posix_fd_import_rejects_fds_that_are_not_allocations_and_oversized_claims() {
+    let e = env();
+    let d = &e.driver;
+    if !d.device(0).unwrap().supports_posix_fd_handle().unwrap() {
+        return skip(
+            "posix_fd_import_rejects_fds_that_are_not_allocations_and_oversized_claims",
+            "no POSIX-fd handle support",
+        );
+    }
+    let g = gran(d);
+    let f = std::fs::File::open("/proc/self/status").unwrap();
+    let r = PhysicalAllocation::import_posix_fd(d, std::os::fd::AsFd::as_fd(&f), g);
+    assert!(r.is_err(), "a regular file imported: {r:?}");
+    let a = PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(HandleTypes::POSIX_FD)
+        .create(g)
+        .unwrap();
+    let fd = a.export_posix_fd().unwrap();
+    let too_big = PhysicalAllocation::import_posix_fd(d, std::os::fd::AsFd::as_fd(&fd), 2 * g);
+    assert!(
+        matches!(too_big, Err(Error::InvalidArgument { arg: "size", .. })),
+        "{too_big:?}"
+    );
+    let ok = PhysicalAllocation::import_posix_fd(d, std::os::fd::AsFd::as_fd(&fd), g).unwrap();
+    assert_eq!(ok.spec().location, Location::Device(0));
+    assert!(ok.spec().handle_types.posix_fd);
+    if let Some(s) = &e.sim {
+        drop((ok, a, fd));
+        assert!(s.live_resources().keys().all(|k| !k.starts_with("vmm")));
+    }
+}
+
+#[test]
+fn peer_reads_through_its_own_access_descriptor() {
+    let e = env();
+    let d = &e.driver;
+    if d.device_count() < 2 {
+        return skip(
+            "peer_reads_through_its_own_access_descriptor",
+            "needs 2 devices",
+        );
+    }
+    let (d0, d1) = (d.device(0).unwrap(), d.device(1).unwrap());
+    if !d1.can_access_peer(&d0).unwrap() {
+        return skip(
+            "peer_reads_through_its_own_access_descriptor",
+            "device 1 cannot access device 0",
+        );
+    }
+    let g = gran(d);
+    let a = PhysicalAllocation::builder(d, Location::Device(0))
+        .create(g)
+        .unwrap();
+    let m0 = Mapping::map_whole(&a, &rw0()).unwrap();
+    let m1 = Mapping::map_whole(&a, &[(Location::Device(1), Access::ReadOnly)]).unwrap();
+    assert_eq!(m1.access(Location::Device(1)).unwrap(), Access::ReadOnly);
+    assert_eq!(m1.access(Location::Device(0)).unwrap(), Access::None);
+    let data = random(g, 13);
+    htod(d, m0.device_ptr(), &data).unwrap();
+    // Read through device 1's mapping, with device 1's context current.
+    d1.bind().unwrap();
+    let f = d.sys().cuMemcpyDtoH().unwrap();
+    let mut back = vec![0u8; g];
+    // SAFETY: `back` holds g bytes; the mapping is live and readable by device 1.
+    let r = unsafe { f(back.as_mut_ptr().cast(), m1.device_ptr(), g) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS);
+    assert!(back == data);
+}
+
+#[test]
+fn host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node() {
+    let e = env();
+    let d = &e.driver;
+    let ok_host = d
+        .device(0)
+        .unwrap()
+        .attribute_opt(cuda_multimem::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+        .unwrap()
+        .unwrap_or(0)
+        != 0;
+    let r = PhysicalAllocation::builder(d, Location::HostNuma(0)).create(2 * MIB);
+    if !ok_host {
+        assert!(r.is_err(), "host-NUMA VMM unsupported but created");
+        return skip(
+            "host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node",
+            "no host-NUMA VMM on this driver",
+        );
+    }
+    let a = r.unwrap();
+    let m = Mapping::map_whole(&a, &[(Location::Device(0), Access::ReadWrite)]).unwrap();
+    let data = random(a.size(), 14);
+    htod(d, m.device_ptr(), &data).unwrap();
+    let mut back = vec![0u8; a.size()];
+    dtoh(d, &mut back, m.device_ptr()).unwrap();
+    assert!(back == data);
+    assert!(matches!(
+        PhysicalAllocation::builder(d, Location::HostNuma(0))
+            .handle_types(HandleTypes::POSIX_FD)
+            .create(2 * MIB),
+        Err(Error::InvalidArgument {
+            arg: "handle_types",
+            ..
+        })
+    ));
+    assert!(PhysicalAllocation::builder(d, Location::HostNuma(1 << 20))
+        .create(2 * MIB)
+        .is_err());
+    let _ = Arc::strong_count(&a);
+}

@@ -3,3 +3,4 @@
 
 mod loader;
 mod vmm;
+mod managed;

@@ -29,6 +29,7 @@
 mod config;
 mod device;
 mod dispatch;
+mod managed;
 mod memory;
 mod state;
 mod stream;
@@ -36,6 +37,7 @@ mod vmm;
 
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use dispatch::implemented;
+pub use managed::DISCARD_POISON;
 pub use state::{FailurePlan, Simulator, StartError};
 
 /// Every simulated area's exports.
@@ -46,6 +48,7 @@ pub(crate) fn all_exports() -> Vec<dispatch::Export> {
         stream::exports(),
         memory::exports(),
         vmm::exports(),
+        managed::exports(),
     ]
     .concat()
 }

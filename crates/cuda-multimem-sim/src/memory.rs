@@ -244,7 +244,9 @@ sim_api! {
     }
     cuMemFree @ 3020 as PFN_cuMemFree_v3020 => fn mem_free(st, dptr: CUdeviceptr) {
         let m = st.ext::<Memory>();
-        let (size, dev) = m.allocs.lock().remove(&(dptr as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let Some((size, dev)) = m.allocs.lock().remove(&(dptr as usize)) else {
+            return crate::managed::free(st, dptr as usize);
+        };
         sync_then(st, || Ok(()))?;
         m.remove(dptr as usize);
         unmap(dptr as usize, size);

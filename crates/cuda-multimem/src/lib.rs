@@ -15,6 +15,7 @@
 mod device;
 mod driver;
 pub mod error;
+pub mod managed;
 mod stream;
 pub mod vmm;
 

@@ -1,0 +1,129 @@
+//! Where managed memory lives or is meant to live.
+
+use cuda_multimem_sys::{CUdevice, CUmemLocation, CUmemLocationType};
+
+use crate::error::{Error, Result};
+use crate::{Device, Driver};
+
+/// `CU_DEVICE_CPU`: the host, in the older `CUdevice` ABIs.
+pub(crate) const DEVICE_CPU: CUdevice = -1;
+/// `CU_DEVICE_INVALID`.
+pub(crate) const DEVICE_INVALID: CUdevice = -2;
+
+/// A location for managed memory: a device, the host, a host NUMA node, or the host NUMA node
+/// of the calling thread's CPU.
+///
+/// Which operation takes which location follows the driver's rules: prefetch and preferred
+/// location take all four; accessed-by takes a device or the host only. Host NUMA locations
+/// need a CUDA 12.2+ driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Location {
+    /// The memory of the device with this ordinal.
+    Device(i32),
+    /// Host memory (no particular NUMA node).
+    Host,
+    /// Host memory on this NUMA node.
+    HostNuma(i32),
+    /// Host memory on the NUMA node closest to the calling thread's CPU (as advice, the driver
+    /// records the node it resolves this to).
+    HostNumaCurrent,
+}
+
+impl From<&Device> for Location {
+    fn from(d: &Device) -> Self {
+        Location::Device(d.ordinal())
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Location::Device(d) => write!(f, "device {d}"),
+            Location::Host => f.write_str("host"),
+            Location::HostNuma(n) => write!(f, "host NUMA node {n}"),
+            Location::HostNumaCurrent => f.write_str("the current thread's host NUMA node"),
+        }
+    }
+}
+
+impl Location {
+    /// The location of `device`'s memory.
+    pub fn device(device: &Device) -> Self {
+        Location::from(device)
+    }
+
+    /// Whether this is a host-NUMA location (which needs the CUDA 12.2 `CUmemLocation` ABIs).
+    pub fn is_host_numa(self) -> bool {
+        matches!(self, Location::HostNuma(_) | Location::HostNumaCurrent)
+    }
+
+    /// Reject device ordinals the driver lacks and negative NUMA ids, before any driver call.
+    pub(crate) fn validate(self, driver: &Driver, arg: &'static str) -> Result<()> {
+        match self {
+            Location::Device(d) if d < 0 || d as usize >= driver.device_count() => {
+                Err(Error::invalid(
+                    arg,
+                    format!(
+                        "{self} does not exist; this machine has {} device(s)",
+                        driver.device_count()
+                    ),
+                ))
+            }
+            Location::HostNuma(n) if n < 0 => Err(Error::invalid(
+                arg,
+                format!("host NUMA id {n} is negative; expected a node id >= 0"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `CUmemLocation` of this location.
+    pub(crate) fn to_raw(self) -> CUmemLocation {
+        let (t, id) = match self {
+            Location::Device(d) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
+            Location::Host => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
+            Location::HostNuma(n) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, n),
+            Location::HostNumaCurrent => {
+                (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT, 0)
+            }
+        };
+        let mut l = CUmemLocation {
+            type_: t,
+            ..Default::default()
+        };
+        l.__bindgen_anon_1.id = id;
+        l
+    }
+
+    /// The `CUdevice` of the older ABIs (`CU_DEVICE_CPU` for the host); `None` for host NUMA
+    /// locations, which those ABIs cannot express.
+    pub(crate) fn legacy(self) -> Option<CUdevice> {
+        match self {
+            Location::Device(d) => Some(d),
+            Location::Host => Some(DEVICE_CPU),
+            Location::HostNuma(_) | Location::HostNumaCurrent => None,
+        }
+    }
+
+    /// A location from a `CUdevice` answer of the older attributes (`None`: no single one).
+    pub(crate) fn from_legacy(d: CUdevice) -> Option<Location> {
+        match d {
+            DEVICE_CPU => Some(Location::Host),
+            d if d >= 0 => Some(Location::Device(d)),
+            _ => None,
+        }
+    }
+
+    /// A location from a `_TYPE`/`_ID` attribute pair (`None`: invalid, i.e. no single one).
+    pub(crate) fn from_type_id(t: u32, id: i32) -> Option<Location> {
+        match CUmemLocationType(t) {
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE => Some(Location::Device(id)),
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST => Some(Location::Host),
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA => Some(Location::HostNuma(id)),
+            CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => {
+                Some(Location::HostNumaCurrent)
+            }
+            _ => None,
+        }
+    }
+}

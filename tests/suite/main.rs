@@ -2,5 +2,5 @@
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
 
 mod loader;
-mod vmm;
 mod managed;
+mod vmm;

@@ -1,6 +1,7 @@
 //! The workspace suite: one test binary (small to carry to a GPU machine) whose modules follow
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
 
+mod allreduce;
 mod loader;
 mod managed;
 mod vmm;

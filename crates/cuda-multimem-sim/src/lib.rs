@@ -30,6 +30,7 @@ mod config;
 mod device;
 mod dispatch;
 mod managed;
+mod kernel;
 mod memory;
 mod state;
 mod stream;
@@ -38,6 +39,7 @@ mod vmm;
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use dispatch::implemented;
 pub use managed::DISCARD_POISON;
+pub use kernel::{kernel_registered, register_kernel, KernelError, KernelFn, LaunchArgs};
 pub use state::{FailurePlan, Simulator, StartError};
 
 /// Every simulated area's exports.
@@ -49,6 +51,7 @@ pub(crate) fn all_exports() -> Vec<dispatch::Export> {
         memory::exports(),
         vmm::exports(),
         managed::exports(),
+        kernel::exports(),
     ]
     .concat()
 }

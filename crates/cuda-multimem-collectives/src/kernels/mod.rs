@@ -1,0 +1,660 @@
+//! The PTX kernels, their layout contract with the host, and the generator that writes them.
+//!
+//! The `.ptx` files beside this module are committed text, loaded with `cuModuleLoadData` (no
+//! CUDA toolkit at build time) and assembled by `cargo xtask ptx-check` where `ptxas` exists.
+//! They are written by [`generate`] from one template per algorithm: the control flow (work
+//! split, barrier, timeout) is shared, only the element conversions and the reduction operator
+//! differ per entry. A test checks that the committed files equal the generator's output
+//! (`CMM_REGEN_PTX=1 cargo test -p cuda-multimem-collectives` rewrites them).
+//!
+//! # Signal pad layout (per rank, device memory, zeroed once at creation)
+//! | offset | content |
+//! | --- | --- |
+//! | 0 | `u32` rank |
+//! | 4 | `u32` team size |
+//! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
+//! | 16 | `u64` bytes of one staging half |
+//! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
+//! | 128 | `u64[8]` every rank's staging area, as mapped on this rank |
+//! | 256 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
+//! | 2048 | `u32[MAX_BLOCKS][8]` signal slots: block b, sender s |
+//! | 16384 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender |
+
+use crate::{DType, Op};
+
+/// Largest team.
+pub const MAX_RANKS: usize = 8;
+/// Largest grid; the per-block counters are replicated this many times.
+pub const MAX_BLOCKS: usize = 256;
+/// Bytes of one signal pad.
+pub const PAD_BYTES: usize = 64 << 10;
+/// Offsets in the pad.
+pub const OFF_RANK: usize = 0;
+/// Team size.
+pub const OFF_NRANKS: usize = 4;
+/// Error word.
+pub const OFF_ERR: usize = 8;
+/// Staging half size.
+pub const OFF_STAGE_HALF: usize = 16;
+/// Peer pads.
+pub const OFF_PADS: usize = 64;
+/// Peer staging areas.
+pub const OFF_STAGES: usize = 128;
+/// Block counters.
+pub const OFF_CTR: usize = 256;
+/// Signal slots.
+pub const OFF_SIG: usize = 2048;
+/// Call headers.
+pub const OFF_HDR: usize = 16384;
+/// A barrier spun past its deadline.
+pub const ERR_TIMEOUT: u32 = 1;
+/// A peer called with another size, type, operation or algorithm.
+pub const ERR_MISMATCH: u32 = 2;
+
+/// The algorithm a kernel implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Peer-to-peer one-shot: copy in to staging, one barrier, every rank reduces everything.
+    P2pOneShot,
+    /// Peer-to-peer two-shot: barrier, each rank reduces its part and stores it on every rank,
+    /// barrier.
+    P2pTwoShot,
+}
+
+impl Kernel {
+    /// Every kernel family.
+    pub const ALL: [Kernel; 2] = [Kernel::P2pOneShot, Kernel::P2pTwoShot];
+
+    /// File name of the family's PTX.
+    pub fn file(self) -> &'static str {
+        match self {
+            Kernel::P2pOneShot => "p2p_oneshot.ptx",
+            Kernel::P2pTwoShot => "p2p_twoshot.ptx",
+        }
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            Kernel::P2pOneShot => "p2p_oneshot",
+            Kernel::P2pTwoShot => "p2p_twoshot",
+        }
+    }
+
+    /// The committed PTX text of this family.
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Kernel::P2pOneShot => include_str!("p2p_oneshot.ptx"),
+            Kernel::P2pTwoShot => include_str!("p2p_twoshot.ptx"),
+        }
+    }
+
+    /// The entry name of one variant.
+    pub fn entry(self, dtype: DType, op: Op) -> String {
+        format!("cmm_{}_{}_{}", self.tag(), dtype.name(), op.name())
+    }
+}
+
+/// Per-dtype/op PTX snippets.
+struct Flavor {
+    dtype: DType,
+    op: Op,
+}
+
+impl Flavor {
+    fn opi(&self) -> &'static str {
+        match self.op {
+            Op::Sum => "add.rn.f32",
+            Op::Min => "min.f32",
+            Op::Max => "max.f32",
+        }
+    }
+    fn half(&self) -> bool {
+        self.dtype != DType::F32
+    }
+    fn cvt_in(&self) -> &'static str {
+        match self.dtype {
+            DType::F16 => "cvt.f32.f16",
+            DType::Bf16 => "cvt.f32.bf16",
+            DType::F32 => "",
+        }
+    }
+    fn cvt_out(&self) -> &'static str {
+        match self.dtype {
+            DType::F16 => "cvt.rn.f16.f32",
+            DType::Bf16 => "cvt.rn.bf16.f32",
+            DType::F32 => "",
+        }
+    }
+    /// Words %r30..%r33 -> accumulators %f1.. (first = true) or combined into them.
+    fn vec_in(&self, first: bool) -> String {
+        let mut s = String::new();
+        let dst = |i: usize| if first { i + 1 } else { i + 11 };
+        if self.half() {
+            for w in 0..4 {
+                s += &format!("\tmov.b32 {{%h1, %h2}}, %r{};\n", 30 + w);
+                s += &format!("\t{} %f{}, %h1;\n", self.cvt_in(), dst(2 * w));
+                s += &format!("\t{} %f{}, %h2;\n", self.cvt_in(), dst(2 * w + 1));
+            }
+            if !first {
+                for i in 0..8 {
+                    s += &format!("\t{} %f{}, %f{}, %f{};\n", self.opi(), i + 1, i + 1, i + 11);
+                }
+            }
+        } else {
+            for w in 0..4 {
+                s += &format!("\tmov.b32 %f{}, %r{};\n", dst(w), 30 + w);
+            }
+            if !first {
+                for i in 0..4 {
+                    s += &format!("\t{} %f{}, %f{}, %f{};\n", self.opi(), i + 1, i + 1, i + 11);
+                }
+            }
+        }
+        s
+    }
+    /// Accumulators -> words %r30..%r33.
+    fn vec_out(&self) -> String {
+        let mut s = String::new();
+        for w in 0..4 {
+            if self.half() {
+                s += &format!("\t{} %h1, %f{};\n", self.cvt_out(), 2 * w + 1);
+                s += &format!("\t{} %h2, %f{};\n", self.cvt_out(), 2 * w + 2);
+                s += &format!("\tmov.b32 %r{}, {{%h1, %h2}};\n", 30 + w);
+            } else {
+                s += &format!("\tmov.b32 %r{}, %f{};\n", 30 + w, w + 1);
+            }
+        }
+        s
+    }
+    /// Scalar load from [addr] into %f1 (first) or combined into it.
+    fn sc_load(&self, addr: &str, first: bool, cache: &str) -> String {
+        let d = if first { 1 } else { 11 };
+        let mut s = if self.half() {
+            format!(
+                "\tld.global{cache}.b16 %h1, [{addr}];\n\t{} %f{d}, %h1;\n",
+                self.cvt_in()
+            )
+        } else {
+            format!("\tld.global{cache}.f32 %f{d}, [{addr}];\n")
+        };
+        if !first {
+            s += &format!("\t{} %f1, %f1, %f11;\n", self.opi());
+        }
+        s
+    }
+    /// Scalar store of %f1 to [addr].
+    fn sc_store(&self, addr: &str) -> String {
+        if self.half() {
+            format!(
+                "\t{} %h1, %f1;\n\tst.global.b16 [{addr}], %h1;\n",
+                self.cvt_out()
+            )
+        } else {
+            format!("\tst.global.f32 [{addr}], %f1;\n")
+        }
+    }
+    fn es(&self) -> u32 {
+        self.dtype.size() as u32
+    }
+    fn es_log2(&self) -> u32 {
+        self.es().trailing_zeros()
+    }
+    /// Elements per 16-byte vector, log2.
+    fn v_log2(&self) -> u32 {
+        4 - self.es_log2()
+    }
+}
+
+const HEADER: &str = "//
+// Generated by cuda-multimem-collectives (src/kernels/mod.rs): do not edit by hand.
+// PTX ISA 8.1, sm_90. See docs/design/allreduce.md for the protocol.
+//
+.version 8.1
+.target sm_90
+.address_size 64
+";
+
+/// Shared prologue: parameters into registers, rank, team size, block counter.
+/// Registers: rd1 ctx, rd2 in, rd3 out, rd4 count, rd5 in_tab, rd6 out_tab, rd7 sig,
+/// rd8 timeout, r1 tid, r2 block, r3 ntid, r4 nblocks, r5 rank, r6 nranks, r7 counter c,
+/// p9 aligned, rd10 units, rd11 block's first unit, rd12 block's end unit.
+fn prologue(name: &str, f: &Flavor) -> String {
+    format!(
+        r#"
+.visible .entry {name}(
+	.param .u64 p_ctx,
+	.param .u64 p_in,
+	.param .u64 p_out,
+	.param .u64 p_count,
+	.param .u64 p_in_tab,
+	.param .u64 p_out_tab,
+	.param .u64 p_sig,
+	.param .u64 p_timeout
+)
+{{
+	.reg .pred %p<24>;
+	.reg .b16 %h<4>;
+	.reg .b32 %r<64>;
+	.reg .b64 %rd<80>;
+	.reg .f32 %f<24>;
+	.shared .align 4 .b32 s_ctr;
+
+	ld.param.u64 %rd1, [p_ctx];
+	ld.param.u64 %rd2, [p_in];
+	ld.param.u64 %rd3, [p_out];
+	ld.param.u64 %rd4, [p_count];
+	ld.param.u64 %rd5, [p_in_tab];
+	ld.param.u64 %rd6, [p_out_tab];
+	ld.param.u64 %rd7, [p_sig];
+	ld.param.u64 %rd8, [p_timeout];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r3, %ntid.x;
+	mov.u32 %r4, %nctaid.x;
+	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
+	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
+	// thread 0 reads this block's barrier counter c
+	setp.ne.u32 %p1, %r1, 0;
+	@%p1 bra $L_ctr_read;
+	mul.wide.u32 %rd9, %r2, 4;
+	add.u64 %rd9, %rd1, %rd9;
+	ld.global.u32 %r7, [%rd9+{OFF_CTR}];
+	st.shared.u32 [s_ctr], %r7;
+$L_ctr_read:
+	bar.sync 0;
+	ld.shared.u32 %r7, [s_ctr];
+	// 16-byte vectors when in and out are 16-byte aligned, else scalars
+	or.b64 %rd9, %rd2, %rd3;
+	and.b64 %rd9, %rd9, 15;
+	setp.eq.u64 %p9, %rd9, 0;
+	// units: vectors of {v} elements (aligned) or elements
+	shr.u64 %rd10, %rd4, {vl};
+	selp.b64 %rd10, %rd10, %rd4, %p9;
+	// this block's units [rd11, rd12): per = ceil(units / nblocks)
+	cvt.u64.u32 %rd13, %r4;
+	add.u64 %rd14, %rd10, %rd13;
+	sub.u64 %rd14, %rd14, 1;
+	div.u64 %rd14, %rd14, %rd13;
+	cvt.u64.u32 %rd15, %r2;
+	mul.lo.u64 %rd11, %rd15, %rd14;
+	min.u64 %rd11, %rd11, %rd10;
+	add.u64 %rd12, %rd11, %rd14;
+	min.u64 %rd12, %rd12, %rd10;
+"#,
+        v = 1u32 << f.v_log2(),
+        vl = f.v_log2(),
+    )
+}
+
+/// The barrier of block b with every peer, at value `val_reg` (a u32 register), checking the
+/// call header when `check_header` (header parity from register %r8).
+fn barrier(label: &str, val_reg: &str, check_header: bool) -> String {
+    let hdr_store = if check_header {
+        format!(
+            r#"	// header: [peer pad + HDR + 8*((parity*MAXB + b)*8 + rank)]
+	mad.lo.u32 %r41, %r8, {mb}, %r2;
+	mad.lo.u32 %r41, %r41, 8, %r5;
+	mul.wide.u32 %rd42, %r41, 8;
+	add.u64 %rd42, %rd41, %rd42;
+	st.relaxed.sys.global.u64 [%rd42+{OFF_HDR}], %rd7;
+"#,
+            mb = MAX_BLOCKS
+        )
+    } else {
+        String::new()
+    };
+    let hdr_check = if check_header {
+        format!(
+            r#"	mad.lo.u32 %r45, %r8, {mb}, %r2;
+	mad.lo.u32 %r45, %r45, 8, %r1;
+	mul.wide.u32 %rd48, %r45, 8;
+	add.u64 %rd48, %rd1, %rd48;
+	ld.relaxed.sys.global.u64 %rd49, [%rd48+{OFF_HDR}];
+	setp.eq.u64 %p14, %rd49, %rd7;
+	@%p14 bra $L_{label}_done;
+	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_MISMATCH};
+"#,
+            mb = MAX_BLOCKS
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        r#"	// ---- barrier {label}: block b meets block b of every peer at value {val_reg}
+	bar.sync 0;
+	setp.ge.u32 %p10, %r1, %r6;
+	setp.eq.or.u32 %p10, %r1, %r5, %p10;
+	@%p10 bra $L_{label}_done;
+	// thread t signals peer t: [pad_t + SIG + 4*(b*8 + rank)] = val (release, system scope)
+	mul.wide.u32 %rd40, %r1, 8;
+	add.u64 %rd40, %rd1, %rd40;
+	ld.global.u64 %rd41, [%rd40+{OFF_PADS}];
+{hdr_store}	mad.lo.u32 %r40, %r2, 8, %r5;
+	mul.wide.u32 %rd43, %r40, 4;
+	add.u64 %rd43, %rd41, %rd43;
+	st.release.sys.global.u32 [%rd43+{OFF_SIG}], {val_reg};
+	// and waits for peer t: [my pad + SIG + 4*(b*8 + t)] >= val (acquire), bounded by the timeout
+	mad.lo.u32 %r42, %r2, 8, %r1;
+	mul.wide.u32 %rd44, %r42, 4;
+	add.u64 %rd44, %rd1, %rd44;
+	mov.u64 %rd45, %globaltimer;
+$L_{label}_spin:
+	ld.acquire.sys.global.u32 %r43, [%rd44+{OFF_SIG}];
+	sub.u32 %r43, %r43, {val_reg};
+	setp.ge.s32 %p11, %r43, 0;
+	@%p11 bra $L_{label}_arrived;
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+	setp.ne.u32 %p12, %r44, 0;
+	@%p12 bra $L_{label}_done;
+	mov.u64 %rd46, %globaltimer;
+	sub.u64 %rd46, %rd46, %rd45;
+	setp.lt.u64 %p13, %rd46, %rd8;
+	@%p13 bra $L_{label}_spin;
+	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
+	bra.uni $L_{label}_done;
+$L_{label}_arrived:
+{hdr_check}$L_{label}_done:
+	bar.sync 0;
+"#
+    )
+}
+
+/// Epilogue: thread 0 advances this block's counter and its replicas b+G, b+2G, ... by 2.
+fn epilogue() -> String {
+    format!(
+        r#"	// ---- counters: c + 2 into slots b, b + G, b + 2G, ... < MAX_BLOCKS
+	setp.ne.u32 %p1, %r1, 0;
+	@%p1 bra $L_exit;
+	add.u32 %r9, %r7, 2;
+	mov.u32 %r10, %r2;
+$L_ctr_loop:
+	mul.wide.u32 %rd9, %r10, 4;
+	add.u64 %rd9, %rd1, %rd9;
+	st.global.u32 [%rd9+{OFF_CTR}], %r9;
+	add.u32 %r10, %r10, %r4;
+	setp.lt.u32 %p2, %r10, {mb};
+	@%p2 bra $L_ctr_loop;
+$L_exit:
+	ret;
+}}
+"#,
+        mb = MAX_BLOCKS
+    )
+}
+
+/// A strided loop over units [`lo`, `hi`) (u64 registers) of this thread: unit index in %rd20,
+/// byte offset in %rd21 (`shift` = log2 of the unit's bytes). `body` runs once per unit.
+fn strided(label: &str, lo: &str, hi: &str, shift: u32, body: &str) -> String {
+    format!(
+        r#"	cvt.u64.u32 %rd22, %r1;
+	add.u64 %rd20, {lo}, %rd22;
+	cvt.u64.u32 %rd23, %r3;
+$L_{label}_loop:
+	setp.ge.u64 %p15, %rd20, {hi};
+	@%p15 bra $L_{label}_end;
+	shl.b64 %rd21, %rd20, {shift};
+{body}	add.u64 %rd20, %rd20, %rd23;
+	bra.uni $L_{label}_loop;
+$L_{label}_end:
+"#
+    )
+}
+
+/// Reduce one unit over every rank: the address of rank k's unit is `[table + 8k] + delta +
+/// %rd21` (table in `tab`, delta in `delta`, both u64 registers); result in the accumulators.
+fn reduce_over_ranks(label: &str, f: &Flavor, tab: &str, delta: &str, vector: bool) -> String {
+    let (first, rest) = if vector {
+        (
+            format!(
+                "\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}",
+                f.vec_in(true)
+            ),
+            format!(
+                "\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}",
+                f.vec_in(false)
+            ),
+        )
+    } else {
+        (
+            f.sc_load("%rd26", true, ".cg"),
+            f.sc_load("%rd26", false, ".cg"),
+        )
+    };
+    format!(
+        r#"	// rank 0 first, then 1.. in order: every rank sums in the same order (bit-identical)
+	ld.global.nc.u64 %rd26, [{tab}];
+	add.u64 %rd26, %rd26, {delta};
+	add.u64 %rd26, %rd26, %rd21;
+{first}	mov.u32 %r34, 1;
+$L_{label}_k:
+	setp.ge.u32 %p16, %r34, %r6;
+	@%p16 bra $L_{label}_kend;
+	mul.wide.u32 %rd27, %r34, 8;
+	add.u64 %rd27, {tab}, %rd27;
+	ld.global.nc.u64 %rd26, [%rd27];
+	add.u64 %rd26, %rd26, {delta};
+	add.u64 %rd26, %rd26, %rd21;
+{rest}	add.u32 %r34, %r34, 1;
+	bra.uni $L_{label}_k;
+$L_{label}_kend:
+"#
+    )
+}
+
+/// Store the accumulators to `[table + 8k] + delta + %rd21` for every rank k.
+fn store_to_ranks(label: &str, f: &Flavor, tab: &str, delta: &str, vector: bool) -> String {
+    let (pre, st) = if vector {
+        (
+            f.vec_out(),
+            "\tst.global.v4.b32 [%rd26], {%r30, %r31, %r32, %r33};\n".to_string(),
+        )
+    } else {
+        (
+            if f.half() {
+                format!("\t{} %h1, %f1;\n", f.cvt_out())
+            } else {
+                String::new()
+            },
+            if f.half() {
+                "\tst.global.b16 [%rd26], %h1;\n".to_string()
+            } else {
+                "\tst.global.f32 [%rd26], %f1;\n".to_string()
+            },
+        )
+    };
+    format!(
+        r#"{pre}	mov.u32 %r34, 0;
+$L_{label}_s:
+	setp.ge.u32 %p16, %r34, %r6;
+	@%p16 bra $L_{label}_send;
+	mul.wide.u32 %rd27, %r34, 8;
+	add.u64 %rd27, {tab}, %rd27;
+	ld.global.nc.u64 %rd26, [%rd27];
+	add.u64 %rd26, %rd26, {delta};
+	add.u64 %rd26, %rd26, %rd21;
+{st}	add.u32 %r34, %r34, 1;
+	bra.uni $L_{label}_s;
+$L_{label}_send:
+"#
+    )
+}
+
+/// The leftover elements (count not a multiple of the vector width, aligned case): elements
+/// [units*V, count) as scalars, with %rd20 the element index and %rd21 its byte offset.
+fn tail_range(f: &Flavor) -> String {
+    format!(
+        "\tshl.b64 %rd16, %rd10, {vl};\n\tselp.b64 %rd16, %rd16, %rd4, %p9;\n",
+        vl = f.v_log2()
+    )
+}
+
+fn one_shot(f: &Flavor) -> String {
+    let name = Kernel::P2pOneShot.entry(f.dtype, f.op);
+    let es = f.es_log2();
+    let mut s = prologue(&name, f);
+    // staging of this call: my staging area + parity * half
+    s += &format!(
+        r#"	// staging half of this call: parity = (c >> 1) & 1
+	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	ld.global.u64 %rd30, [%rd1+{OFF_STAGE_HALF}];
+	cvt.u64.u32 %rd31, %r8;
+	mul.lo.u64 %rd31, %rd31, %rd30;
+	mul.wide.u32 %rd32, %r5, 8;
+	add.u64 %rd32, %rd1, %rd32;
+	ld.global.u64 %rd33, [%rd32+{OFF_STAGES}];
+	add.u64 %rd33, %rd33, %rd31;
+	// the staging table and the delta (parity * half) used to read every rank's staging
+	add.u64 %rd34, %rd1, {OFF_STAGES};
+	// tail: elements [rd16, count) by the last block
+	{tail}	sub.u32 %r11, %r4, 1;
+	setp.eq.u32 %p17, %r2, %r11;
+	@!%p9 bra $L_cin_sc;
+"#,
+        tail = tail_range(f).trim_start()
+    );
+    // copy in: vector
+    s += &strided(
+        "cin_v",
+        "%rd11",
+        "%rd12",
+        4,
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd33, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
+    );
+    s += "\tbra.uni $L_cin_tail;\n$L_cin_sc:\n";
+    let sc_copy = if f.half() {
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b16 %h1, [%rd24];\n\tadd.u64 %rd25, %rd33, %rd21;\n\tst.global.b16 [%rd25], %h1;\n"
+    } else {
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b32 %r30, [%rd24];\n\tadd.u64 %rd25, %rd33, %rd21;\n\tst.global.b32 [%rd25], %r30;\n"
+    };
+    s += &strided("cin_s", "%rd11", "%rd12", es, sc_copy);
+    s += "$L_cin_tail:\n\t@!%p17 bra $L_cin_done;\n";
+    s += &strided("cin_t", "%rd16", "%rd4", es, sc_copy);
+    s += "$L_cin_done:\n";
+    s += "\tadd.u32 %r12, %r7, 1;\n";
+    s += &barrier("b1", "%r12", true);
+    s += "\t@!%p9 bra $L_red_sc;\n";
+    let mut body = reduce_over_ranks("rv", f, "%rd34", "%rd31", true);
+    body += &f.vec_out();
+    body +=
+        "\tadd.u64 %rd24, %rd3, %rd21;\n\tst.global.v4.b32 [%rd24], {%r30, %r31, %r32, %r33};\n";
+    s += &strided("red_v", "%rd11", "%rd12", 4, &body);
+    s += "\tbra.uni $L_red_tail;\n$L_red_sc:\n";
+    let mut body = reduce_over_ranks("rs", f, "%rd34", "%rd31", false);
+    body += "\tadd.u64 %rd24, %rd3, %rd21;\n";
+    body += &f.sc_store("%rd24");
+    s += &strided("red_s", "%rd11", "%rd12", es, &body);
+    s += "$L_red_tail:\n\t@!%p17 bra $L_red_done;\n";
+    let mut body = reduce_over_ranks("rt", f, "%rd34", "%rd31", false);
+    body += "\tadd.u64 %rd24, %rd3, %rd21;\n";
+    body += &f.sc_store("%rd24");
+    s += &strided("red_t", "%rd16", "%rd4", es, &body);
+    s += "$L_red_done:\n";
+    s += &epilogue();
+    s
+}
+
+fn two_shot(f: &Flavor) -> String {
+    let name = Kernel::P2pTwoShot.entry(f.dtype, f.op);
+    let es = f.es_log2();
+    let mut s = prologue(&name, f);
+    s += &format!(
+        r#"	// header parity = (c >> 1) & 1
+	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	// deltas: in - in_tab[rank], out - out_tab[rank] (the same offsets on every rank)
+	mul.wide.u32 %rd30, %r5, 8;
+	add.u64 %rd31, %rd5, %rd30;
+	ld.global.nc.u64 %rd31, [%rd31];
+	sub.u64 %rd31, %rd2, %rd31;
+	add.u64 %rd32, %rd6, %rd30;
+	ld.global.nc.u64 %rd32, [%rd32];
+	sub.u64 %rd32, %rd3, %rd32;
+	// my part of the block's units: pp = ceil((end - start) / nranks)
+	sub.u64 %rd35, %rd12, %rd11;
+	cvt.u64.u32 %rd36, %r6;
+	add.u64 %rd35, %rd35, %rd36;
+	sub.u64 %rd35, %rd35, 1;
+	div.u64 %rd35, %rd35, %rd36;
+	cvt.u64.u32 %rd37, %r5;
+	mul.lo.u64 %rd37, %rd37, %rd35;
+	add.u64 %rd37, %rd37, %rd11;
+	min.u64 %rd37, %rd37, %rd12;
+	add.u64 %rd38, %rd37, %rd35;
+	min.u64 %rd38, %rd38, %rd12;
+	// tail: elements [rd16, count) by the last block of the last rank
+	{tail}	sub.u32 %r11, %r4, 1;
+	setp.eq.u32 %p17, %r2, %r11;
+	sub.u32 %r13, %r6, 1;
+	setp.eq.and.u32 %p17, %r5, %r13, %p17;
+	add.u32 %r12, %r7, 1;
+"#,
+        tail = tail_range(f).trim_start()
+    );
+    s += &barrier("b1", "%r12", true);
+    s += "\t@!%p9 bra $L_red_sc;\n";
+    let mut body = reduce_over_ranks("rv", f, "%rd5", "%rd31", true);
+    body += &store_to_ranks("sv", f, "%rd6", "%rd32", true);
+    s += &strided("red_v", "%rd37", "%rd38", 4, &body);
+    s += "\tbra.uni $L_red_tail;\n$L_red_sc:\n";
+    let mut body = reduce_over_ranks("rs", f, "%rd5", "%rd31", false);
+    body += &store_to_ranks("ss", f, "%rd6", "%rd32", false);
+    s += &strided("red_s", "%rd37", "%rd38", es, &body);
+    s += "$L_red_tail:\n\t@!%p17 bra $L_red_done;\n";
+    let mut body = reduce_over_ranks("rt", f, "%rd5", "%rd31", false);
+    body += &store_to_ranks("st", f, "%rd6", "%rd32", false);
+    s += &strided("red_t", "%rd16", "%rd4", es, &body);
+    s += "$L_red_done:\n";
+    s += "\tadd.u32 %r14, %r7, 2;\n";
+    s += &barrier("b2", "%r14", false);
+    s += &epilogue();
+    s
+}
+
+/// The PTX text of one kernel family, as the generator writes it.
+pub fn generate(kernel: Kernel) -> String {
+    let mut s = HEADER.to_string();
+    for dtype in DType::ALL {
+        for op in Op::ALL {
+            let f = Flavor { dtype, op };
+            s += &match kernel {
+                Kernel::P2pOneShot => one_shot(&f),
+                Kernel::P2pTwoShot => two_shot(&f),
+            };
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn committed_ptx_matches_the_generator() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+        for k in Kernel::ALL {
+            let text = generate(k);
+            if std::env::var_os("CMM_REGEN_PTX").is_some() {
+                std::fs::write(dir.join(k.file()), &text).unwrap();
+            }
+            assert!(
+                k.ptx() == text,
+                "{} is stale: run CMM_REGEN_PTX=1 cargo test -p cuda-multimem-collectives",
+                k.file()
+            );
+        }
+    }
+
+    #[test]
+    fn every_entry_is_declared() {
+        for k in Kernel::ALL {
+            for d in DType::ALL {
+                for o in Op::ALL {
+                    let e = format!(".entry {}(", k.entry(d, o));
+                    assert!(k.ptx().contains(&e), "{e} missing");
+                }
+            }
+        }
+    }
+}

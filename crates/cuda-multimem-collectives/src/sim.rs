@@ -1,0 +1,268 @@
+//! Host-side equivalents of the PTX kernels, registered with the simulated driver. They follow
+//! the kernels' protocol step by step — the same work split per block and per rank, the same
+//! barrier (release stores to peers' signal slots, acquire loads of one's own, a timeout that
+//! sets the error word), the same counters and header parity — so a protocol bug shows on the
+//! simulator. The simulator runs one stream worker per device: the blocks of one launch run one
+//! after the other on that thread, and every device's thread runs concurrently.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
+
+use crate::half::{decode, encode};
+use crate::kernels::*;
+use crate::{DType, Op};
+
+/// Register every kernel's equivalent (once per process).
+pub(crate) fn register() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        for k in Kernel::ALL {
+            for d in DType::ALL {
+                for o in Op::ALL {
+                    register_kernel(&k.entry(d, o), move |a| run(k, d, o, a));
+                }
+            }
+        }
+    });
+}
+
+fn u32_at(addr: usize) -> &'static AtomicU32 {
+    // SAFETY: callers pass 4-byte aligned addresses inside a pad checked with `LaunchArgs::check`;
+    // device memory outlives the launch (freeing waits for the device's streams).
+    unsafe { &*(addr as *const AtomicU32) }
+}
+
+fn u64_at(addr: usize) -> &'static AtomicU64 {
+    // SAFETY: as `u32_at`, 8-byte aligned.
+    unsafe { &*(addr as *const AtomicU64) }
+}
+
+/// Read element `i` at `base`.
+fn ld(d: DType, base: usize, i: u64) -> f32 {
+    let a = base + i as usize * d.size();
+    // SAFETY: the range was checked with `LaunchArgs::check`; volatile, because other devices'
+    // threads write device memory concurrently (ordered by the protocol's acquire/release).
+    let bits = unsafe {
+        match d.size() {
+            4 => std::ptr::read_volatile(a as *const u32),
+            _ => std::ptr::read_volatile(a as *const u16) as u32,
+        }
+    };
+    decode(d, bits)
+}
+
+fn st(d: DType, base: usize, i: u64, v: f32) {
+    let a = base + i as usize * d.size();
+    let bits = encode(d, v);
+    // SAFETY: as `ld`, checked writable.
+    unsafe {
+        match d.size() {
+            4 => std::ptr::write_volatile(a as *mut u32, bits),
+            _ => std::ptr::write_volatile(a as *mut u16, bits as u16),
+        }
+    }
+}
+
+struct Ctx {
+    pad: usize,
+    rank: usize,
+    n: usize,
+    pads: Vec<usize>,
+    timeout: Duration,
+    sig: u64,
+}
+
+impl Ctx {
+    fn err(&self) -> &AtomicU32 {
+        u32_at(self.pad + OFF_ERR)
+    }
+
+    /// The barrier of block `b` at `val` (see the PTX `barrier`): signal every peer, then wait
+    /// for every peer, bounded by the timeout; check the header when `parity` is given.
+    fn barrier(&self, a: &LaunchArgs, b: usize, val: u32, parity: Option<u32>) {
+        a.jitter();
+        for t in (0..self.n).filter(|&t| t != self.rank) {
+            if let Some(p) = parity {
+                let slot = (p as usize * MAX_BLOCKS + b) * 8 + self.rank;
+                u64_at(self.pads[t] + OFF_HDR + 8 * slot).store(self.sig, Ordering::Relaxed);
+            }
+            u32_at(self.pads[t] + OFF_SIG + 4 * (b * 8 + self.rank)).store(val, Ordering::Release);
+        }
+        for t in (0..self.n).filter(|&t| t != self.rank) {
+            let slot = u32_at(self.pad + OFF_SIG + 4 * (b * 8 + t));
+            let start = Instant::now();
+            let mut spins = 0u32;
+            let arrived = loop {
+                if slot.load(Ordering::Acquire).wrapping_sub(val) as i32 >= 0 {
+                    break true;
+                }
+                if self.err().load(Ordering::Relaxed) != 0 {
+                    break false;
+                }
+                if start.elapsed() >= self.timeout {
+                    let _ = self.err().compare_exchange(
+                        0,
+                        ERR_TIMEOUT,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
+                    break false;
+                }
+                spins += 1;
+                if spins < 64 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            };
+            if arrived {
+                if let Some(p) = parity {
+                    let slot = (p as usize * MAX_BLOCKS + b) * 8 + t;
+                    let h = u64_at(self.pad + OFF_HDR + 8 * slot).load(Ordering::Relaxed);
+                    if h != self.sig {
+                        let _ = self.err().compare_exchange(
+                            0,
+                            ERR_MISMATCH,
+                            Ordering::Relaxed,
+                            Ordering::Relaxed,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
+    let pad = a.u64(0)? as usize;
+    let (inp, out, count) = (a.u64(1)? as usize, a.u64(2)? as usize, a.u64(3)?);
+    let (in_tab, out_tab) = (a.u64(4)? as usize, a.u64(5)? as usize);
+    a.check(pad, PAD_BYTES, true)?;
+    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
+    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
+    if n == 0 || n > MAX_RANKS || rank >= n {
+        return Err(KernelError::Failed(format!("bad pad: rank {rank} of {n}")));
+    }
+    let pads: Vec<usize> = (0..n)
+        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
+        .collect();
+    for &p in &pads {
+        a.check(p, PAD_BYTES, true)?;
+    }
+    let cx = Ctx {
+        pad,
+        rank,
+        n,
+        pads,
+        timeout: Duration::from_nanos(a.u64(7)?),
+        sig: a.u64(6)?,
+    };
+    let g = a.grid.0 as u64;
+    if g as usize > MAX_BLOCKS {
+        return Err(KernelError::Failed(format!("grid of {g} blocks")));
+    }
+    let es = d.size() as u64;
+    let v = 16 / es;
+    let aligned = (inp | out) % 16 == 0;
+    let units = if aligned { count / v } else { count };
+    let ub = if aligned { v } else { 1 }; // elements per unit
+    let per = units.div_ceil(g);
+    let tail_start = if aligned { units * v } else { count };
+    for b in 0..g {
+        let c = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
+        let parity = (c >> 1) & 1;
+        let bs = (b * per).min(units);
+        let be = (bs + per).min(units);
+        let last_block = b == g - 1;
+        match k {
+            Kernel::P2pOneShot => {
+                let half = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
+                let stages: Vec<usize> = (0..n)
+                    .map(|t| {
+                        u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize
+                            + parity as usize * half
+                    })
+                    .collect();
+                // copy in: units [bs, be), and the tail on the last block
+                let mut ranges = vec![(bs * ub, be * ub)];
+                if last_block {
+                    ranges.push((tail_start, count));
+                }
+                for &(lo, hi) in &ranges {
+                    let len = ((hi - lo) * es) as usize;
+                    let off = (lo * es) as usize;
+                    a.check(inp + off, len, false)?;
+                    a.check(stages[rank] + off, len, true)?;
+                    for i in lo..hi {
+                        st(d, stages[rank], i, ld(d, inp, i));
+                    }
+                }
+                cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
+                for &(lo, hi) in &ranges {
+                    let len = ((hi - lo) * es) as usize;
+                    let off = (lo * es) as usize;
+                    for s in &stages {
+                        a.check(s + off, len, false)?;
+                    }
+                    a.check(out + off, len, true)?;
+                    for i in lo..hi {
+                        let mut acc = ld(d, stages[0], i);
+                        for s in &stages[1..] {
+                            acc = op.apply(acc, ld(d, *s, i));
+                        }
+                        st(d, out, i, acc);
+                    }
+                }
+            }
+            Kernel::P2pTwoShot => {
+                a.check(in_tab, 8 * n, false)?;
+                a.check(out_tab, 8 * n, false)?;
+                let ins: Vec<usize> = (0..n)
+                    .map(|t| u64_at(in_tab + 8 * t).load(Ordering::Relaxed) as usize)
+                    .collect();
+                let outs: Vec<usize> = (0..n)
+                    .map(|t| u64_at(out_tab + 8 * t).load(Ordering::Relaxed) as usize)
+                    .collect();
+                let din = inp.wrapping_sub(ins[rank]);
+                let dout = out.wrapping_sub(outs[rank]);
+                let ins: Vec<usize> = ins.iter().map(|x| x.wrapping_add(din)).collect();
+                let outs: Vec<usize> = outs.iter().map(|x| x.wrapping_add(dout)).collect();
+                let pp = (be - bs).div_ceil(n as u64);
+                let ps = (bs + rank as u64 * pp).min(be);
+                let pe = (ps + pp).min(be);
+                let mut ranges = vec![(ps * ub, pe * ub)];
+                if last_block && rank == n - 1 {
+                    ranges.push((tail_start, count));
+                }
+                cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
+                for &(lo, hi) in &ranges {
+                    let len = ((hi - lo) * es) as usize;
+                    let off = (lo * es) as usize;
+                    for t in 0..n {
+                        a.check(ins[t] + off, len, false)?;
+                        a.check(outs[t] + off, len, true)?;
+                    }
+                    for i in lo..hi {
+                        let mut acc = ld(d, ins[0], i);
+                        for x in &ins[1..] {
+                            acc = op.apply(acc, ld(d, *x, i));
+                        }
+                        for o in &outs {
+                            st(d, *o, i, acc);
+                        }
+                    }
+                }
+                cx.barrier(a, b as usize, c.wrapping_add(2), None);
+            }
+        }
+        let mut j = b as usize;
+        while j < MAX_BLOCKS {
+            u32_at(pad + OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
+            j += g as usize;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,594 @@
+//! Allreduce: results equal a host reference (reduced in rank order) for every type and
+//! operator, sizes with odd counts and misaligned offsets, back-to-back calls with random
+//! per-device delays on teams of 2 to 8, graph replays; bad input is refused and a peer that
+//! disagrees or never arrives is reported, not waited for forever.
+
+use std::time::Duration;
+
+use cuda_multimem::{Driver, Error, Stream};
+use cuda_multimem_collectives::{
+    half, reference, Algorithm, AllReduceConfig, Communicator, DType, Op, SymmetricBuffer,
+};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::{env, sim, skip, Env, Rng};
+
+/// Random elements of `dtype` in [-1, 1), little-endian.
+fn random(rng: &mut Rng, dtype: DType, count: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        half::store(dtype, &mut v, rng.f32());
+    }
+    v
+}
+
+fn streams(comm: &Communicator) -> Vec<Stream> {
+    (0..comm.size())
+        .map(|r| Stream::new(comm.device(r).unwrap()).unwrap())
+        .collect()
+}
+
+fn sync(streams: &[Stream]) {
+    for s in streams {
+        s.synchronize().unwrap();
+    }
+}
+
+/// Write `data[r]` at element `offset` of rank r's part (read-modify-write of the whole part).
+fn put(buf: &SymmetricBuffer, rank: usize, byte_offset: usize, data: &[u8]) {
+    let mut all = vec![0u8; buf.len()];
+    buf.copy_to_host(rank, &mut all).unwrap();
+    all[byte_offset..byte_offset + data.len()].copy_from_slice(data);
+    buf.copy_from_host(rank, &all).unwrap();
+}
+
+fn get(buf: &SymmetricBuffer, rank: usize, byte_offset: usize, len: usize) -> Vec<u8> {
+    let mut all = vec![0u8; buf.len()];
+    buf.copy_to_host(rank, &mut all).unwrap();
+    all[byte_offset..byte_offset + len].to_vec()
+}
+
+fn first_mismatch(dtype: DType, got: &[u8], want: &[u8]) -> Option<String> {
+    let es = dtype.size();
+    (0..want.len() / es)
+        .find(|&i| got[i * es..(i + 1) * es] != want[i * es..(i + 1) * es])
+        .map(|i| {
+            format!(
+                "element {i}: got {} want {}",
+                half::load(dtype, got, i),
+                half::load(dtype, want, i)
+            )
+        })
+}
+
+/// One checked allreduce on every rank: random inputs at `in_off`, output at `out_off`.
+#[allow(clippy::too_many_arguments)]
+fn check_once(
+    comm: &Communicator,
+    s: &[Stream],
+    rng: &mut Rng,
+    buf_in: &SymmetricBuffer,
+    buf_out: &SymmetricBuffer,
+    (in_off, out_off): (usize, usize),
+    count: usize,
+    dtype: DType,
+    op: Op,
+) {
+    let n = comm.size();
+    let es = dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..n).map(|_| random(rng, dtype, count)).collect();
+    for (r, d) in inputs.iter().enumerate() {
+        put(buf_in, r, in_off * es, d);
+    }
+    for (r, st) in s.iter().enumerate() {
+        comm.all_reduce(r, buf_in, in_off, buf_out, out_off, count, dtype, op, st)
+            .unwrap();
+    }
+    sync(s);
+    comm.check().unwrap();
+    let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let want = reference(dtype, op, &refs);
+    for r in 0..n {
+        let got = get(buf_out, r, out_off * es, count * es);
+        if let Some(m) = first_mismatch(dtype, &got, &want) {
+            panic!(
+                "rank {r}, {count} x {} {} ({:?}), offsets {in_off}/{out_off}: {m}",
+                dtype.name(),
+                op.name(),
+                comm.choice(count, dtype).algorithm
+            );
+        }
+    }
+}
+
+fn team(e: &Env) -> Option<Communicator> {
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        skip(
+            "allreduce",
+            format!("needs 2 devices, the machine has {}", devices.len()),
+        );
+        return None;
+    }
+    if !devices[0].can_access_peer(&devices[1]).unwrap_or(false) {
+        skip(
+            "allreduce",
+            "devices 0 and 1 cannot access each other (no P2P)",
+        );
+        return None;
+    }
+    Some(Communicator::new(&devices[..2]).unwrap())
+}
+
+#[test]
+fn peer_to_peer_allreduce_equals_the_host_reference_for_every_dtype_and_op() {
+    let e = env();
+    let Some(comm) = team(&e) else { return };
+    let s = streams(&comm);
+    let mut rng = Rng::new(5);
+    let buf = comm.alloc(4 << 20).unwrap();
+    let out = comm.alloc(4 << 20).unwrap();
+    // small (one-shot), odd, vector-width tails, two-shot sizes; offsets break 16-byte alignment
+    let sizes = [1usize, 7, 1000, 4099, 40_000, 300_001];
+    for dtype in DType::ALL {
+        for op in Op::ALL {
+            for (i, &count) in sizes.iter().enumerate() {
+                let offs = match i % 3 {
+                    0 => (0, 0),
+                    1 => (3, 3),
+                    _ => (0, 5),
+                };
+                check_once(&comm, &s, &mut rng, &buf, &out, offs, count, dtype, op);
+                check_once(
+                    &comm,
+                    &s,
+                    &mut rng,
+                    &buf,
+                    &buf,
+                    (offs.0, offs.0),
+                    count,
+                    dtype,
+                    op,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn both_algorithms_give_the_same_bits_when_forced() {
+    let e = env();
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        return skip("both_algorithms", "needs 2 devices");
+    }
+    let mut rng = Rng::new(11);
+    for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let cfg = AllReduceConfig {
+            algorithm: Some(algorithm),
+            ..Default::default()
+        };
+        let comm = Communicator::with_config(&devices[..2], cfg).unwrap();
+        let s = streams(&comm);
+        let buf = comm.alloc(1 << 20).unwrap();
+        for count in [5usize, 12_345, 65_536] {
+            assert_eq!(comm.choice(count, DType::Bf16).algorithm, algorithm);
+            check_once(
+                &comm,
+                &s,
+                &mut rng,
+                &buf,
+                &buf,
+                (0, 0),
+                count,
+                DType::Bf16,
+                Op::Sum,
+            );
+        }
+    }
+}
+
+/// Back-to-back calls on a simulated team of `n` with random per-device delays: every call
+/// writes its own output region, all are checked at the end.
+fn back_to_back(n: usize, calls: usize, seed: u64) {
+    let e = sim(SimConfig::new(n, 13000));
+    let sim = e.sim.as_ref().unwrap();
+    sim.set_kernel_delays(Duration::from_micros(300), seed);
+    let comm = Communicator::with_config(
+        &e.driver.devices(),
+        AllReduceConfig {
+            one_shot_max_bytes: 8 << 10,
+            max_blocks: 4,
+            threads: 64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s = streams(&comm);
+    let mut rng = Rng::new(seed);
+    let region = 64 << 10;
+    let inp = comm.alloc(region).unwrap();
+    let out = comm.alloc(region * calls).unwrap();
+    let mut expected = Vec::new();
+    for c in 0..calls {
+        let dtype = DType::ALL[(rng.next_u64() % 3) as usize];
+        let op = Op::ALL[(rng.next_u64() % 3) as usize];
+        let es = dtype.size();
+        let count = 1 + (rng.next_u64() % (region as u64 / es as u64 - 16)) as usize;
+        let count = if c % 4 == 0 { count % 3000 + 1 } else { count };
+        let off = (rng.next_u64() % 8) as usize;
+        let count = count.min(region / es - off);
+        // inputs are written before any call is queued: they are read-only afterwards, so each
+        // call gets fresh data through its own input region (one per call)
+        let inputs: Vec<Vec<u8>> = (0..n).map(|_| random(&mut rng, dtype, count)).collect();
+        expected.push((dtype, op, count, off, inputs));
+    }
+    // the input buffer is shared, so run in groups: write inputs, then queue every call that
+    // reads them ... simplest honest form: one input region per call would need calls x region;
+    // instead each call's inputs are placed in its own slice of a large input buffer.
+    drop(inp);
+    let inp = comm.alloc(region * calls).unwrap();
+    for r in 0..n {
+        let mut all = vec![0u8; region * calls];
+        for (c, (dtype, _, _, off, inputs)) in expected.iter().enumerate() {
+            let at = c * region + off * dtype.size();
+            all[at..at + inputs[r].len()].copy_from_slice(&inputs[r]);
+        }
+        inp.copy_from_host(r, &all).unwrap();
+    }
+    for (c, (dtype, op, count, off, _)) in expected.iter().enumerate() {
+        let es = dtype.size();
+        let base = c * region / es;
+        for (r, st) in s.iter().enumerate() {
+            comm.all_reduce(
+                r,
+                &inp,
+                base + off,
+                &out,
+                base + off,
+                *count,
+                *dtype,
+                *op,
+                st,
+            )
+            .unwrap();
+        }
+    }
+    sync(&s);
+    comm.check().unwrap();
+    for r in 0..n {
+        let mut all = vec![0u8; region * calls];
+        out.copy_to_host(r, &mut all).unwrap();
+        for (c, (dtype, op, count, off, inputs)) in expected.iter().enumerate() {
+            let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference(*dtype, *op, &refs);
+            let at = c * region + off * dtype.size();
+            let got = &all[at..at + count * dtype.size()];
+            if let Some(m) = first_mismatch(*dtype, got, &want) {
+                panic!("team of {n}, call {c} ({count} x {dtype:?} {op:?}), rank {r}: {m}");
+            }
+        }
+    }
+}
+
+#[test]
+fn back_to_back_calls_with_random_delays_are_exact_on_a_team_of_2() {
+    back_to_back(2, 24, 1);
+}
+
+#[test]
+fn back_to_back_calls_with_random_delays_are_exact_on_a_team_of_3() {
+    back_to_back(3, 16, 2);
+}
+
+#[test]
+fn back_to_back_calls_with_random_delays_are_exact_on_a_team_of_5() {
+    back_to_back(5, 10, 3);
+}
+
+#[test]
+fn back_to_back_calls_with_random_delays_are_exact_on_a_team_of_8() {
+    back_to_back(8, 8, 4);
+}
+
+#[test]
+fn a_captured_graph_replays_the_allreduce_without_host_resets() {
+    let e = env();
+    let Some(comm) = team(&e) else { return };
+    let s = streams(&comm);
+    let d: &Driver = &e.driver;
+    let count = 5000;
+    let (dtype, op) = (DType::F32, Op::Sum);
+    let inp = comm.alloc(count * 4).unwrap();
+    let out = comm.alloc(count * 4).unwrap();
+    let mut execs = Vec::new();
+    for (r, st) in s.iter().enumerate() {
+        comm.device(r).unwrap().bind().unwrap();
+        let mut graph = std::ptr::null_mut();
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: a live stream of this device; capture mode global; out-pointers valid.
+        unsafe {
+            let begin = d.sys().cuStreamBeginCapture_v10010().unwrap();
+            assert_eq!(
+                begin(
+                    st.raw(),
+                    cuda_multimem_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL
+                ),
+                cuda_multimem_sys::CUresult::CUDA_SUCCESS
+            );
+        }
+        comm.all_reduce(r, &inp, 0, &out, 0, count, dtype, op, st)
+            .unwrap();
+        // SAFETY: ends the capture begun above; out-pointers valid.
+        unsafe {
+            let end = d.sys().cuStreamEndCapture().unwrap();
+            assert_eq!(
+                end(st.raw(), &mut graph),
+                cuda_multimem_sys::CUresult::CUDA_SUCCESS
+            );
+            let inst = d.sys().cuGraphInstantiateWithFlags().unwrap();
+            assert_eq!(
+                inst(&mut exec, graph, 0),
+                cuda_multimem_sys::CUresult::CUDA_SUCCESS
+            );
+            let destroy = d.sys().cuGraphDestroy().unwrap();
+            destroy(graph);
+        }
+        execs.push(exec);
+    }
+    let mut rng = Rng::new(77);
+    for replay in 0..4 {
+        let inputs: Vec<Vec<u8>> = (0..2).map(|_| random(&mut rng, dtype, count)).collect();
+        for (r, x) in inputs.iter().enumerate() {
+            inp.copy_from_host(r, x).unwrap();
+        }
+        for (r, st) in s.iter().enumerate() {
+            comm.device(r).unwrap().bind().unwrap();
+            // SAFETY: an executable graph of this device, a live stream.
+            unsafe {
+                let launch = d.sys().cuGraphLaunch().unwrap();
+                assert_eq!(
+                    launch(execs[r], st.raw()),
+                    cuda_multimem_sys::CUresult::CUDA_SUCCESS
+                );
+            }
+        }
+        sync(&s);
+        comm.check().unwrap();
+        let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference(dtype, op, &refs);
+        for r in 0..2 {
+            let got = get(&out, r, 0, count * 4);
+            assert!(
+                first_mismatch(dtype, &got, &want).is_none(),
+                "replay {replay}, rank {r}"
+            );
+        }
+    }
+    for (r, x) in execs.into_iter().enumerate() {
+        comm.device(r).unwrap().bind().unwrap();
+        // SAFETY: an executable graph we made, no longer running (streams synchronised).
+        unsafe { d.sys().cuGraphExecDestroy().unwrap()(x) };
+    }
+}
+
+fn invalid_arg(e: Error) -> &'static str {
+    match e {
+        Error::InvalidArgument { arg, .. } => arg,
+        e => panic!("expected an invalid argument, got {e}"),
+    }
+}
+
+#[test]
+fn bad_lengths_pointers_and_foreign_memory_are_refused_before_any_launch() {
+    let e = env();
+    let Some(comm) = team(&e) else { return };
+    let s = streams(&comm);
+    let buf = comm.alloc(4096).unwrap();
+    let p = buf.ptr(0).unwrap();
+    // SAFETY (each call): live streams of the rank's device; pointers are checked by the call.
+    unsafe {
+        assert_eq!(
+            invalid_arg(
+                comm.all_reduce_raw(0, p, p, 6, DType::F32, Op::Sum, s[0].raw())
+                    .unwrap_err()
+            ),
+            "bytes"
+        );
+        assert_eq!(
+            invalid_arg(
+                comm.all_reduce_raw(0, p + 2, p + 2, 8, DType::F32, Op::Sum, s[0].raw())
+                    .unwrap_err()
+            ),
+            "input"
+        );
+        assert_eq!(
+            invalid_arg(
+                comm.all_reduce_raw(0, p, p + 4096, 8, DType::F32, Op::Sum, s[0].raw())
+                    .unwrap_err()
+            ),
+            "output"
+        );
+        assert_eq!(
+            invalid_arg(
+                comm.all_reduce_raw(0, p, p, 8192, DType::F32, Op::Sum, s[0].raw())
+                    .unwrap_err()
+            ),
+            "input"
+        );
+        // rank 1's buffer is not rank 0's
+        let q = buf.ptr(1).unwrap();
+        assert_eq!(
+            invalid_arg(
+                comm.all_reduce_raw(0, q, q, 8, DType::F32, Op::Sum, s[0].raw())
+                    .unwrap_err()
+            ),
+            "input"
+        );
+        assert_eq!(
+            invalid_arg(
+                comm.all_reduce_raw(2, p, p, 8, DType::F32, Op::Sum, s[0].raw())
+                    .unwrap_err()
+            ),
+            "rank"
+        );
+    }
+    // overlapping but different ranges
+    assert_eq!(
+        invalid_arg(
+            comm.all_reduce(0, &buf, 0, &buf, 4, 64, DType::F32, Op::Sum, &s[0])
+                .unwrap_err()
+        ),
+        "output"
+    );
+    // a stream of the other device
+    assert_eq!(
+        invalid_arg(
+            comm.all_reduce(0, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[1])
+                .unwrap_err()
+        ),
+        "stream"
+    );
+    let other = Communicator::new(&e.driver.devices()[..2]).unwrap();
+    let foreign = other.alloc(4096).unwrap();
+    assert_eq!(
+        invalid_arg(
+            comm.all_reduce(0, &foreign, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[0])
+                .unwrap_err()
+        ),
+        "input"
+    );
+    assert!(Communicator::new(&e.driver.devices()[..1]).is_err());
+    // nothing was launched: a real call still works
+    let mut rng = Rng::new(3);
+    check_once(
+        &comm,
+        &s,
+        &mut rng,
+        &buf,
+        &buf,
+        (0, 0),
+        100,
+        DType::F32,
+        Op::Max,
+    );
+}
+
+fn short_timeout_team(n: usize) -> (Env, Communicator) {
+    let e = sim(SimConfig::new(n, 13000));
+    let comm = Communicator::with_config(
+        &e.driver.devices(),
+        AllReduceConfig {
+            timeout: Duration::from_millis(300),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    (e, comm)
+}
+
+#[test]
+fn ranks_that_disagree_on_the_size_are_reported_not_waited_for() {
+    let (_e, comm) = short_timeout_team(2);
+    let s = streams(&comm);
+    let buf = comm.alloc(1 << 16).unwrap();
+    comm.all_reduce(0, &buf, 0, &buf, 0, 100, DType::F32, Op::Sum, &s[0])
+        .unwrap();
+    comm.all_reduce(1, &buf, 0, &buf, 0, 101, DType::F32, Op::Sum, &s[1])
+        .unwrap();
+    sync(&s);
+    let err = comm.check().unwrap_err();
+    assert!(err.to_string().contains("different sizes"), "{err}");
+    // the team refuses further work
+    assert!(comm
+        .all_reduce(0, &buf, 0, &buf, 0, 100, DType::F32, Op::Sum, &s[0])
+        .is_err());
+}
+
+#[test]
+fn ranks_that_disagree_on_the_dtype_are_reported() {
+    let (_e, comm) = short_timeout_team(2);
+    let s = streams(&comm);
+    let buf = comm.alloc(1 << 16).unwrap();
+    comm.all_reduce(0, &buf, 0, &buf, 0, 200, DType::F16, Op::Sum, &s[0])
+        .unwrap();
+    comm.all_reduce(1, &buf, 0, &buf, 0, 200, DType::Bf16, Op::Sum, &s[1])
+        .unwrap();
+    sync(&s);
+    assert!(comm.check().is_err());
+}
+
+#[test]
+fn a_peer_that_never_arrives_is_a_timeout_not_a_hang() {
+    let (_e, comm) = short_timeout_team(3);
+    let s = streams(&comm);
+    let buf = comm.alloc(1 << 16).unwrap();
+    let t = std::time::Instant::now();
+    comm.all_reduce(0, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[0])
+        .unwrap();
+    comm.all_reduce(1, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[1])
+        .unwrap();
+    sync(&s);
+    assert!(t.elapsed() < Duration::from_secs(20));
+    match comm.check().unwrap_err() {
+        Error::Timeout { what, .. } => assert!(what.contains("barrier"), "{what}"),
+        e => panic!("expected a timeout, got {e}"),
+    }
+}
+
+#[test]
+fn a_second_stream_is_refused_while_the_first_has_work_in_flight() {
+    let (e, comm) = short_timeout_team(2);
+    let s = streams(&comm);
+    let extra = Stream::new(comm.device(0).unwrap()).unwrap();
+    let buf = comm.alloc(1 << 16).unwrap();
+    e.sim
+        .as_ref()
+        .unwrap()
+        .set_kernel_delays(Duration::from_millis(50), 9);
+    // rank 0 queues on s[0]; its kernel waits for rank 1, which has not been called yet
+    comm.all_reduce(0, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[0])
+        .unwrap();
+    let err = comm
+        .all_reduce(0, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &extra)
+        .unwrap_err();
+    assert_eq!(invalid_arg(err), "stream");
+    comm.all_reduce(1, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[1])
+        .unwrap();
+    sync(&s);
+    comm.check().unwrap();
+    // once idle, the other stream may take over
+    comm.all_reduce(0, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &extra)
+        .unwrap();
+    comm.all_reduce(1, &buf, 0, &buf, 0, 64, DType::F32, Op::Sum, &s[1])
+        .unwrap();
+    extra.synchronize().unwrap();
+    sync(&s);
+    comm.check().unwrap();
+}
+
+#[test]
+fn a_team_leaves_nothing_behind() {
+    let e = sim(SimConfig::new(2, 13000));
+    let sim = e.sim.as_ref().unwrap();
+    let before = sim.live_resources();
+    {
+        let comm = Communicator::new(&e.driver.devices()).unwrap();
+        let s = streams(&comm);
+        let buf = comm.alloc(1 << 12).unwrap();
+        comm.all_reduce(0, &buf, 0, &buf, 0, 10, DType::F32, Op::Sum, &s[0])
+            .unwrap();
+        comm.all_reduce(1, &buf, 0, &buf, 0, 10, DType::F32, Op::Sum, &s[1])
+            .unwrap();
+        sync(&s);
+    }
+    let after: std::collections::BTreeMap<_, _> = sim
+        .live_resources()
+        .into_iter()
+        .filter(|(k, _)| k != "primary contexts")
+        .collect();
+    let before: std::collections::BTreeMap<_, _> = before
+        .into_iter()
+        .filter(|(k, _)| k != "primary contexts")
+        .collect();
+    assert_eq!(after, before);
+}

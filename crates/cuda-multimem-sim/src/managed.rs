@@ -43,6 +43,10 @@ enum Loc {
     Device(i32),
     Host,
     HostNuma(i32),
+    /// A prefetch request for "the calling thread's node", recorded as such (a 13.0 driver
+    /// reports it back as `CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT`); pages go to the node it
+    /// resolves to.
+    HostNumaCurrent,
 }
 
 impl Loc {
@@ -50,7 +54,7 @@ impl Loc {
     fn legacy(self) -> i32 {
         match self {
             Loc::Device(d) => d,
-            Loc::Host | Loc::HostNuma(_) => DEVICE_CPU,
+            Loc::Host | Loc::HostNuma(_) | Loc::HostNumaCurrent => DEVICE_CPU,
         }
     }
     fn type_and_id(self) -> (CUmemLocationType, i32) {
@@ -58,13 +62,14 @@ impl Loc {
             Loc::Device(d) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
             Loc::Host => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, DEVICE_CPU),
             Loc::HostNuma(n) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, n),
+            Loc::HostNumaCurrent => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT, 0),
         }
     }
     /// The accessed-by bit of this processor (bit 0: the host; bit d+1: device d).
     fn bit(self) -> u128 {
         match self {
             Loc::Device(d) => 1 << (d as u32 + 1),
-            Loc::Host | Loc::HostNuma(_) => 1,
+            Loc::Host | Loc::HostNuma(_) | Loc::HostNumaCurrent => 1,
         }
     }
 }
@@ -194,17 +199,26 @@ fn location_id(l: &CUmemLocation) -> i32 {
 }
 
 /// A prefetch destination (`cuMemPrefetchAsync` v2 and the batch calls): a device with
-/// concurrent managed access, the host, a host NUMA node the host has, or the current thread's
-/// node. Device locality domains are `CUDA_ERROR_NOT_SUPPORTED`; other types are invalid.
+/// concurrent managed access (an ordinal the machine lacks is `CUDA_ERROR_INVALID_DEVICE`), the
+/// host, a host NUMA node the host has, or the current thread's node. Every other type,
+/// device locality domains included, is `CUDA_ERROR_INVALID_VALUE` (as measured on a 13.0
+/// driver).
 fn prefetch_location(st: &State, l: &CUmemLocation) -> SimResult<Loc> {
     use CUmemLocationType as T;
     match location_type(l) {
         T::CU_MEM_LOCATION_TYPE_DEVICE => managed_device(st, location_id(l)),
         T::CU_MEM_LOCATION_TYPE_HOST => Ok(Loc::Host),
         T::CU_MEM_LOCATION_TYPE_HOST_NUMA => numa(st, location_id(l)),
-        T::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => Ok(current_numa(st)),
-        T::CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN => Err(CUresult::CUDA_ERROR_NOT_SUPPORTED),
+        T::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => Ok(Loc::HostNumaCurrent),
         _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+/// Where pages prefetched to `l` end up.
+fn resolve(st: &State, l: Loc) -> Loc {
+    match l {
+        Loc::HostNumaCurrent => current_numa(st),
+        l => l,
     }
 }
 
@@ -264,24 +278,29 @@ fn advice_takes_location(advice: CUmem_advise) -> bool {
 }
 
 /// The location of `cuMemAdvise` v2 for `advice`, by its documented rules: preferred location
-/// takes a device, the host, a host NUMA node or the current node (not a locality domain);
-/// accessed-by takes a device or the host only.
+/// takes a device, the host, a host NUMA node or the current node (whose resolved node is
+/// recorded, as the documentation says); accessed-by takes a device or the host only. A device
+/// ordinal the machine lacks, a locality domain and every other type are
+/// `CUDA_ERROR_INVALID_VALUE` (as measured on a 13.0 driver); an existing device without
+/// concurrent managed access is `CUDA_ERROR_INVALID_DEVICE`.
 fn advice_location(st: &State, advice: CUmem_advise, l: &CUmemLocation) -> SimResult<Loc> {
     use CUmemLocationType as T;
+    let device = |id: i32| {
+        st.device(id)
+            .map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        managed_device(st, id)
+    };
     if advice == CUmem_advise::CU_MEM_ADVISE_SET_PREFERRED_LOCATION {
         return match location_type(l) {
-            T::CU_MEM_LOCATION_TYPE_DEVICE => managed_device(st, location_id(l)),
+            T::CU_MEM_LOCATION_TYPE_DEVICE => device(location_id(l)),
             T::CU_MEM_LOCATION_TYPE_HOST => Ok(Loc::Host),
             T::CU_MEM_LOCATION_TYPE_HOST_NUMA => numa(st, location_id(l)),
             T::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => Ok(current_numa(st)),
-            T::CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN => {
-                Err(CUresult::CUDA_ERROR_NOT_SUPPORTED)
-            }
             _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
         };
     }
     match location_type(l) {
-        T::CU_MEM_LOCATION_TYPE_DEVICE => managed_device(st, location_id(l)),
+        T::CU_MEM_LOCATION_TYPE_DEVICE => device(location_id(l)),
         T::CU_MEM_LOCATION_TYPE_HOST => Ok(Loc::Host),
         _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     }
@@ -334,7 +353,7 @@ fn perform(st: &State, ops: &[(Span, usize, usize, RangeOp)]) -> SimResult {
         }
         for p in &mut a.pages[s.first_page..s.end_page] {
             p.resident = match op {
-                RangeOp::Prefetch(l) | RangeOp::DiscardAndPrefetch(l) => Some(l),
+                RangeOp::Prefetch(l) | RangeOp::DiscardAndPrefetch(l) => Some(resolve(st, l)),
                 RangeOp::Discard => None,
             };
         }
@@ -417,6 +436,8 @@ fn batch_locations(
             std::slice::from_raw_parts(idxs, n),
         )
     };
+    // Documented: "each entry must be greater than the previous entry". (A 13.0 driver was
+    // measured to accept equal neighbours; the simulator holds callers to the documentation.)
     if idxs[0] != 0 || idxs.windows(2).any(|w| w[1] <= w[0]) || idxs[n - 1] >= count {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }

@@ -126,6 +126,11 @@ fn location_attribute(range: ManagedRange<'_>, legacy: R, t: R, id: R) -> Result
 /// The preferred location every page of `range` shares, as the driver reports it; `None` when
 /// some page has none or the pages disagree. Before CUDA 12.2 a host NUMA preference reads as
 /// [`Location::Host`] (the older attribute knows only "the CPU").
+///
+/// Measured on an H200 with driver 13.0: after a host-NUMA preference
+/// ([`Location::HostNuma`] or [`Location::HostNumaCurrent`]) the driver accepts the advice but
+/// reports no preferred location (type `CU_MEM_LOCATION_TYPE_INVALID`), so this returns `None`
+/// there; the documentation (and the simulator) report the node.
 pub fn preferred_location(range: ManagedRange<'_>) -> Result<Option<Location>> {
     location_attribute(
         range,

@@ -120,10 +120,8 @@ impl ManagedBuffer {
 
     /// The whole buffer as a range for the free functions.
     pub fn range(&self) -> ManagedRange<'_> {
-        // The buffer's own pointer and non-zero length: the arithmetic was checked when it was
-        // made, so this cannot fail; fall back to the unchecked constructor never.
-        ManagedRange::checked(&self.device, self.ptr, self.len)
-            .unwrap_or_else(|_| unreachable!("a ManagedBuffer has a valid, non-empty range"))
+        // The buffer's own pointer and length, checked (non-zero, no overflow) when it was made.
+        ManagedRange::trusted(&self.device, self.ptr, self.len)
     }
 
     /// The part `[offset, offset + len)`; empty parts and parts past the end are

@@ -24,8 +24,8 @@ pub enum Location {
     Host,
     /// Host memory on this NUMA node.
     HostNuma(i32),
-    /// Host memory on the NUMA node closest to the calling thread's CPU (as advice, the driver
-    /// records the node it resolves this to).
+    /// Host memory on the NUMA node closest to the calling thread's CPU. A 13.0 driver reports
+    /// a prefetch to it back as this location (not as the node it chose).
     HostNumaCurrent,
 }
 

@@ -65,6 +65,11 @@ impl<'a> ManagedRange<'a> {
         Ok(ManagedRange { device, ptr, len })
     }
 
+    /// A range its owner knows to be valid (a buffer's own pointer and non-zero length).
+    pub(crate) fn trusted(device: &'a Device, ptr: u64, len: usize) -> Self {
+        ManagedRange { device, ptr, len }
+    }
+
     /// Ask the driver whether the whole range is managed memory.
     fn check_managed(&self) -> Result<()> {
         self.device.bind()?;

@@ -127,10 +127,8 @@ fn location_attribute(range: ManagedRange<'_>, legacy: R, t: R, id: R) -> Result
 /// some page has none or the pages disagree. Before CUDA 12.2 a host NUMA preference reads as
 /// [`Location::Host`] (the older attribute knows only "the CPU").
 ///
-/// Measured on an H200 with driver 13.0: after a host-NUMA preference
-/// ([`Location::HostNuma`] or [`Location::HostNumaCurrent`]) the driver accepts the advice but
-/// reports no preferred location (type `CU_MEM_LOCATION_TYPE_INVALID`), so this returns `None`
-/// there; the documentation (and the simulator) report the node.
+/// See [`set_preferred_location`] for what a 13.0 driver was measured to report after a
+/// host-NUMA preference.
 pub fn preferred_location(range: ManagedRange<'_>) -> Result<Option<Location>> {
     location_attribute(
         range,
@@ -142,6 +140,12 @@ pub fn preferred_location(range: ManagedRange<'_>) -> Result<Option<Location>> {
 
 /// Set the preferred location of `range`: a device (with concurrent managed access), the host,
 /// a host NUMA node or the current thread's node (the last two from CUDA 12.2).
+///
+/// Measured on an H200 host with one NUMA node and driver 13.0 (2026-11-30): a host-NUMA
+/// preference ([`Location::HostNuma`] or [`Location::HostNumaCurrent`]) is accepted but does
+/// not change what [`preferred_location`] reports afterwards (the earlier preference, or none,
+/// stays). The driver documentation says the node becomes the preference, and the simulator
+/// does that; read the preference back if your code depends on it.
 pub fn set_preferred_location(range: ManagedRange<'_>, location: Location) -> Result<()> {
     advise(
         range,

@@ -29,8 +29,8 @@
 mod config;
 mod device;
 mod dispatch;
-mod managed;
 mod kernel;
+mod managed;
 mod memory;
 mod state;
 mod stream;
@@ -38,8 +38,8 @@ mod vmm;
 
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use dispatch::implemented;
-pub use managed::DISCARD_POISON;
 pub use kernel::{kernel_registered, register_kernel, KernelError, KernelFn, LaunchArgs};
+pub use managed::DISCARD_POISON;
 pub use state::{FailurePlan, Simulator, StartError};
 
 /// Every simulated area's exports.

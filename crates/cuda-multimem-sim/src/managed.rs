@@ -476,6 +476,8 @@ fn batch(
 }
 
 /// What a range attribute answers for `pages`.
+// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#[allow(clippy::manual_is_multiple_of)]
 fn attribute(
     st: &State,
     attr: CUmem_range_attribute,
@@ -527,7 +529,7 @@ fn attribute(
             write_i32(prefetched.map_or(DEVICE_INVALID, |l| l.type_and_id().1))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY => {
-            if size == 0 || !size.is_multiple_of(4) {
+            if size == 0 || size % 4 != 0 {
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
             let common = pages.iter().fold(u128::MAX, |acc, p| acc & p.accessed_by);

@@ -4,4 +4,5 @@
 mod allreduce;
 mod loader;
 mod managed;
+mod multicast;
 mod vmm;

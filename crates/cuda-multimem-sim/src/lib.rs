@@ -29,9 +29,11 @@
 mod config;
 mod device;
 mod dispatch;
+pub mod endpoint;
 mod kernel;
 mod managed;
 mod memory;
+pub mod multicast;
 mod state;
 mod stream;
 mod vmm;
@@ -52,6 +54,8 @@ pub(crate) fn all_exports() -> Vec<dispatch::Export> {
         vmm::exports(),
         managed::exports(),
         kernel::exports(),
+        endpoint::exports(),
+        multicast::exports(),
     ]
     .concat()
 }
@@ -60,5 +64,7 @@ pub(crate) fn all_exports() -> Vec<dispatch::Export> {
 pub(crate) fn teardown(st: &state::State) {
     stream::shutdown_all(st);
     vmm::teardown(st);
+    endpoint::teardown(st);
+    multicast::teardown(st);
     memory::teardown(st);
 }

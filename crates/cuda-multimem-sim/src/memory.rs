@@ -148,9 +148,27 @@ pub(crate) fn copy(st: &State, dst: usize, src: usize, len: usize) -> SimResult 
         return Ok(());
     }
     let m = st.ext::<Memory>();
-    if m.find(src).is_some() {
-        m.check(src, len, false)?;
+    let src_pieces = match m.find(src) {
+        Some(_) => m.check(src, len, false)?,
+        None => Vec::new(),
+    };
+    // A plain load through a multicast region reads the lowest bound device's memory.
+    let mut staged: Option<Vec<u8>> = None;
+    if src_pieces.iter().any(|p| p.2.is_some()) {
+        let mut buf = vec![0u8; len];
+        let mut done = 0;
+        for (a, n, redirect) in &src_pieces {
+            let from = match redirect {
+                Some((offset, r)) => r.targets(*offset, *n)?[0],
+                None => *a,
+            };
+            // SAFETY: `from..from+n` is checked, readable device memory; `buf` has `len` bytes.
+            unsafe { std::ptr::copy(from as *const u8, buf.as_mut_ptr().add(done), *n) };
+            done += n;
+        }
+        staged = Some(buf);
     }
+    let src = staged.as_ref().map_or(src, |b| b.as_ptr() as usize);
     let pieces = if m.find(dst).is_some() {
         Some(m.check(dst, len, true)?)
     } else {

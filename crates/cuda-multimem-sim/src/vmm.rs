@@ -65,6 +65,8 @@ struct Alloc {
 struct Mapping {
     size: usize,
     alloc: u64,
+    /// Offset of the mapping in its allocation.
+    offset: usize,
     /// Access per location `(type, id)`.
     access: BTreeMap<(u32, i32), u32>,
 }
@@ -589,6 +591,9 @@ sim_api! {
         out(handle, h)
     }
     cuMemRelease @ 10020 as PFN_cuMemRelease_v10020 => fn mem_release(st, handle: CUmemGenericAllocationHandle) {
+        if is_kind(handle, Kind::Multicast) {
+            return crate::multicast::release(st, handle);
+        }
         let vmm = st.ext::<Vmm>();
         let mut t = vmm.t.lock();
         let (id, _) = t.alloc_of(handle)?;
@@ -660,7 +665,7 @@ sim_api! {
         let vmm = st.ext::<Vmm>();
         let mut t = vmm.t.lock();
         let r = t.reservations.get(&(ptr as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        if r.size != size || !r.mappings.is_empty() {
+        if r.size != size || !r.mappings.is_empty() || crate::multicast::overlaps_mapping(st, ptr as usize, size) {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let r = t.reservations.remove(&(ptr as usize)).expect("checked");
@@ -673,6 +678,9 @@ sim_api! {
         Ok(())
     }
     cuMemMap @ 10020 as PFN_cuMemMap_v10020 => fn mem_map(st, ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: c_ulonglong) {
+        if is_kind(handle, Kind::Multicast) {
+            return crate::multicast::mem_map(st, ptr as usize, size, offset, handle, flags);
+        }
         if flags != 0 || size == 0 {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
@@ -698,13 +706,16 @@ sim_api! {
         if q == libc::MAP_FAILED {
             return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
-        r.mappings.insert(p, Mapping { size, alloc: aid, access: BTreeMap::new() });
+        r.mappings.insert(p, Mapping { size, alloc: aid, offset, access: BTreeMap::new() });
         t.allocs.get_mut(&aid).expect("checked").refs += 1;
         st.ext::<Memory>().insert(p, Region { len: size, kind: RegionKind::Mapping, device, readable: false, writable: false, redirect: None });
         st.live_add("vmm mappings", 1);
         Ok(())
     }
     cuMemUnmap @ 10020 as PFN_cuMemUnmap_v10020 => fn mem_unmap(st, ptr: CUdeviceptr, size: usize) {
+        if let Some(r) = crate::multicast::mem_unmap(st, ptr as usize, size) {
+            return r;
+        }
         let vmm = st.ext::<Vmm>();
         let mut t = vmm.t.lock();
         let (rs, starts) = t.tiling(ptr as usize, size)?;
@@ -726,6 +737,9 @@ sim_api! {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let descs = std::slice::from_raw_parts(desc, count);
+        if let Some(r) = crate::multicast::mem_set_access(st, ptr as usize, size, descs) {
+            return r;
+        }
         let vmm = st.ext::<Vmm>();
         let mut t = vmm.t.lock();
         let (rs, starts) = t.tiling(ptr as usize, size)?;
@@ -792,6 +806,9 @@ sim_api! {
         if sh.is_null() || flags != 0 {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
+        if is_kind(handle, Kind::Multicast) {
+            return crate::multicast::export(st, sh, handle, ty);
+        }
         let vmm = st.ext::<Vmm>();
         let t = vmm.t.lock();
         let (_, a) = t.alloc_of(handle)?;
@@ -819,6 +836,9 @@ sim_api! {
                 if raw > i32::MAX as usize {
                     return Err(bad);
                 }
+                if let Some(r) = crate::multicast::import_fd(st, raw as RawFd) {
+                    return out(handle, r?);
+                }
                 let link = fd_link(raw as RawFd).ok_or(bad)?;
                 let (lt, id, ht, rdma) = parse_memfd_link(&link).ok_or(bad)?;
                 let size = fstat(raw as RawFd)?.st_size as usize;
@@ -830,6 +850,9 @@ sim_api! {
             }
             HT_FABRIC => {
                 let b = read(os as *const CUmemFabricHandle)?;
+                if let Some(r) = crate::multicast::import_fabric(st, &b.data) {
+                    return out(handle, r?);
+                }
                 let (fd, size, lt, id, ht, rdma) = fabric_open(&b.data)?;
                 out(handle, import(st, fd, size, lt, id, ht, rdma))
             }
@@ -837,6 +860,72 @@ sim_api! {
             _ => Err(bad),
         }
     }
+}
+
+/// What multicast and endpoint binds need to know of an allocation.
+pub(crate) struct AllocInfo {
+    /// A new descriptor of the allocation's memfd.
+    pub fd: OwnedFd,
+    pub size: usize,
+    /// The device whose memory it is.
+    pub device: Option<i32>,
+    /// The host NUMA node whose memory it is.
+    pub numa: Option<i32>,
+    /// Whether it was created with a shareable handle type.
+    pub shareable: bool,
+}
+
+fn info(a: &Alloc) -> SimResult<AllocInfo> {
+    Ok(AllocInfo {
+        fd: dup_fd(a.fd.as_raw_fd())?,
+        size: a.size,
+        device: (a.loc_type == LOC_DEVICE).then_some(a.loc_id),
+        numa: (a.loc_type == LOC_HOST_NUMA).then_some(a.loc_id),
+        shareable: a.handle_types != 0,
+    })
+}
+
+/// The allocation behind a handle (multicast and endpoint `BindMem`).
+pub(crate) fn allocation_info(st: &State, handle: u64) -> SimResult<AllocInfo> {
+    let vmm = st.ext::<Vmm>();
+    let t = vmm.t.lock();
+    info(t.alloc_of(handle)?.1)
+}
+
+/// The allocation mapped at `addr`, the offset of `addr` in it, and the bytes mapped from `addr`
+/// to the end of that mapping (multicast and endpoint `BindAddr`).
+pub(crate) fn allocation_at(st: &State, addr: usize) -> SimResult<(AllocInfo, usize, usize)> {
+    let vmm = st.ext::<Vmm>();
+    let t = vmm.t.lock();
+    let bad = CUresult::CUDA_ERROR_INVALID_VALUE;
+    let (rs, r) = t.reservations.range(..=addr).next_back().ok_or(bad)?;
+    if addr >= rs + r.size {
+        return Err(bad);
+    }
+    let (ms, m) = r.mappings.range(..=addr).next_back().ok_or(bad)?;
+    if addr >= ms + m.size {
+        return Err(bad);
+    }
+    let a = t.allocs.get(&m.alloc).ok_or(bad)?;
+    Ok((info(a)?, m.offset + (addr - ms), ms + m.size - addr))
+}
+
+/// Whether `[ptr, ptr + size)` lies inside one reservation and overlaps none of its mappings
+/// (multicast `cuMemMap`).
+pub(crate) fn free_in_reservation(st: &State, ptr: usize, size: usize) -> bool {
+    let vmm = st.ext::<Vmm>();
+    let t = vmm.t.lock();
+    let Some(end) = ptr.checked_add(size) else {
+        return false;
+    };
+    let Some((rs, r)) = t.reservations.range(..=ptr).next_back() else {
+        return false;
+    };
+    end <= rs + r.size
+        && r.mappings
+            .range(..end)
+            .next_back()
+            .is_none_or(|(s, m)| s + m.size <= ptr)
 }
 
 /// End of a session: unmap and free everything still there.

@@ -14,9 +14,12 @@
 
 mod device;
 mod driver;
+pub mod endpoint;
 pub mod error;
 pub mod managed;
+pub mod multicast;
 mod stream;
+pub mod team;
 pub mod vmm;
 
 pub use device::Device;

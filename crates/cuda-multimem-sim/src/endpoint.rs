@@ -1,0 +1,758 @@
+//! CUDA 13.3 logical endpoints: id ranges, unicast and multicast endpoints, asynchronous
+//! construction observed through `cuLogicalEndpointQuery`, binds, limits, fabric export/import, and
+//! the 13.5 fabric copy that moves data through them.
+//!
+//! Model (following the `cuda.h` documentation of each call):
+//! - ids are reserved in ranges (`IdReserve`) and released in any sub-range whose endpoints were all
+//!   destroyed (`IdRelease`);
+//! - an endpoint is constructed once its team is complete (unicast: at once; multicast: when
+//!   `numDevices` devices were added) and then after [`SimConfig::endpoint_ready_polls`] further
+//!   queries that cover it; a bind is refused (`CUDA_ERROR_INVALID_VALUE`, as documented) until a
+//!   query over it answered "ready";
+//! - binds are per device at an offset, aligned to the bind alignment that `GetLimits` reports
+//!   (the device's minimum VMM granularity), inside the endpoint's size;
+//! - `Destroy` unbinds what this process bound; the endpoint's resources go with its last id;
+//! - fabric handles are 64 bytes (a magic, the process id, the endpoint's object id, a checksum);
+//!   another process's handle is `CUDA_ERROR_NOT_SUPPORTED` (the simulator shares no state between
+//!   processes).
+//!
+//! [`SimConfig::endpoint_ready_polls`]: crate::SimConfig::endpoint_ready_polls
+// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cuda_multimem_sys::*;
+use parking_lot::Mutex;
+
+use crate::dispatch::sim_api;
+use crate::memory::{Memory, RegionKind};
+use crate::state::{current, out, read, SimResult, State};
+
+/// The most ids one process may hold reserved.
+const MAX_IDS: u64 = 1 << 16;
+/// Largest multicast endpoint (per device), in bytes.
+const MAX_MULTICAST_SIZE: u64 = 64 << 30;
+const FABRIC_MAGIC: &[u8; 8] = b"SIMLEP01";
+/// `ipcHandleTypes` is a bitmask over `CUlogicalEndpointIpcHandleType`: bit `1 << type`, as the
+/// device attribute `LOGICAL_ENDPOINT_SUPPORTED_HANDLE_TYPES` reports it.
+const FABRIC_FLAG: c_uint =
+    1 << CUlogicalEndpointIpcHandleType::CU_LOGICAL_ENDPOINT_IPC_HANDLE_TYPE_FABRIC.0;
+const COUNTED_OPS: c_uint = CUlogicalEndpointFlag::CU_LOGICAL_ENDPOINT_FLAG_COUNTED_OPS.0;
+
+static NEXT_OBJECT: AtomicU64 = AtomicU64::new(1);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Type {
+    Unicast(i32),
+    Multicast(u32),
+}
+
+/// One binding: `len` bytes of a device's memory at endpoint offset `offset`.
+#[derive(Debug, Clone)]
+struct Binding {
+    len: u64,
+    /// The host address of the bound memory.
+    target: usize,
+    /// A private view of an allocation made by `BindMem` (unmapped at unbind).
+    view: Option<(usize, usize)>,
+    /// The id through which it was bound (unbound when that id is destroyed).
+    via: u32,
+}
+
+/// The endpoint's resources, shared by every id that refers to it (created or imported).
+struct Object {
+    id: u64,
+    ty: Type,
+    size: u64,
+    ipc: c_uint,
+    align: u64,
+    devices: Vec<i32>,
+    /// Queries that covered it since its team was complete.
+    polls: u32,
+    /// (device, offset) -> binding
+    bindings: BTreeMap<(i32, u64), Binding>,
+    /// Ids referring to it.
+    refs: u32,
+}
+
+impl Object {
+    fn constructed(&self, needed: u32) -> bool {
+        self.complete() && self.polls >= needed
+    }
+    fn complete(&self) -> bool {
+        match self.ty {
+            Type::Unicast(_) => true,
+            Type::Multicast(n) => self.devices.len() as u32 == n,
+        }
+    }
+}
+
+struct Endpoint {
+    object: u64,
+    /// A query covering this id answered "ready".
+    seen_ready: bool,
+    imported: bool,
+}
+
+#[derive(Default)]
+struct Inner {
+    reserved: BTreeSet<u32>,
+    next: u32,
+    endpoints: HashMap<u32, Endpoint>,
+    objects: HashMap<u64, Object>,
+}
+
+/// Logical endpoint state of a session.
+#[derive(Default)]
+pub(crate) struct Endpoints {
+    inner: Mutex<Inner>,
+}
+
+fn invalid<T>() -> SimResult<T> {
+    Err(CUresult::CUDA_ERROR_INVALID_VALUE)
+}
+
+/// Decoded, validated properties.
+struct Prop {
+    ty: Type,
+    size: u64,
+    ipc: c_uint,
+}
+
+/// Validate `prop` against the machine; returns it with the bind alignment and maximum size.
+///
+/// # Safety
+/// `p` is null or valid for one read.
+unsafe fn prop(st: &State, p: *const CUlogicalEndpointProp) -> SimResult<(Prop, u64, u64)> {
+    // SAFETY: the caller's promise.
+    let p = unsafe { read(p)? };
+    let t = p.type_;
+    // SAFETY: plain integers in a union; the type field says which one is meant.
+    let (ty, devices): (Type, Vec<i32>) = unsafe {
+        if t == CUlogicalEndpointType::CU_LOGICAL_ENDPOINT_TYPE_UNICAST {
+            let d = p.__bindgen_anon_1.unicast.device;
+            st.device(d)
+                .map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+            (Type::Unicast(d), vec![d])
+        } else if t == CUlogicalEndpointType::CU_LOGICAL_ENDPOINT_TYPE_MULTICAST {
+            let n = p.__bindgen_anon_1.multicast.numDevices;
+            if n == 0 || n as usize > st.device_count() {
+                return invalid();
+            }
+            (Type::Multicast(n), (0..st.device_count() as i32).collect())
+        } else {
+            return invalid();
+        }
+    };
+    if p.ipcHandleTypes & !FABRIC_FLAG != 0 || p.flags & !COUNTED_OPS != 0 {
+        return invalid();
+    }
+    let supported = |d: i32| -> SimResult<bool> {
+        let c = st.device(d)?;
+        Ok(match ty {
+            Type::Unicast(_) => c.logical_endpoint_unicast,
+            Type::Multicast(_) => c.logical_endpoint_multicast,
+        } && (p.flags & COUNTED_OPS == 0 || c.logical_endpoint_multicast)
+            && (p.ipcHandleTypes & FABRIC_FLAG == 0 || c.fabric_handle))
+    };
+    // Unicast: the owner must support it; multicast: some device must (members are checked as
+    // they are added).
+    let mut any = false;
+    for &d in &devices {
+        any |= supported(d)?;
+    }
+    if !any {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let align = devices
+        .iter()
+        .filter_map(|&d| st.device(d).ok())
+        .map(|c| c.granularity.0 as u64)
+        .max()
+        .unwrap_or(2 << 20);
+    let max = match ty {
+        Type::Unicast(d) => st.device(d)?.memory / align * align,
+        Type::Multicast(_) => MAX_MULTICAST_SIZE,
+    };
+    Ok((
+        Prop {
+            ty,
+            size: p.size,
+            ipc: p.ipcHandleTypes,
+        },
+        align,
+        max,
+    ))
+}
+
+/// The ids `[base, base + count)`, refusing overflow and zero counts.
+fn id_range(base: u32, count: u32) -> SimResult<std::ops::Range<u32>> {
+    let end = base
+        .checked_add(count)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if count == 0 {
+        return invalid();
+    }
+    Ok(base..end)
+}
+
+impl Inner {
+    fn endpoint(&self, id: u32) -> SimResult<(&Endpoint, &Object)> {
+        let e = self
+            .endpoints
+            .get(&id)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let o = self
+            .objects
+            .get(&e.object)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        Ok((e, o))
+    }
+
+    /// Check a bind's arguments; returns the object id.
+    fn check_bind(
+        &self,
+        id: u32,
+        dev: i32,
+        offset: u64,
+        size: u64,
+        flags: c_ulonglong,
+        shareable: Option<bool>,
+    ) -> SimResult<u64> {
+        let (e, o) = self.endpoint(id)?;
+        if flags != 0 || !e.seen_ready || size == 0 {
+            return invalid();
+        }
+        match o.ty {
+            Type::Unicast(owner) if owner != dev || e.imported => return invalid(),
+            Type::Multicast(_) if !o.devices.contains(&dev) => return invalid(),
+            _ => {}
+        }
+        if offset % o.align != 0 || size % o.align != 0 {
+            return invalid();
+        }
+        if offset.checked_add(size).is_none_or(|end| end > o.size) {
+            return invalid();
+        }
+        // Exported-capable or imported multicast endpoints bind only shareable memory.
+        if matches!(o.ty, Type::Multicast(_))
+            && (o.ipc != 0 || e.imported)
+            && shareable == Some(false)
+        {
+            return invalid();
+        }
+        let end = offset + size;
+        let overlaps = o
+            .bindings
+            .range((dev, 0)..(dev, end))
+            .any(|(&(_, off), b)| off + b.len > offset);
+        if overlaps {
+            return invalid();
+        }
+        Ok(e.object)
+    }
+
+    fn unbind_all_via(&mut self, id: u32, st: &State) {
+        let Some(e) = self.endpoints.get(&id) else {
+            return;
+        };
+        let Some(o) = self.objects.get_mut(&e.object) else {
+            return;
+        };
+        let gone: Vec<_> = o
+            .bindings
+            .iter()
+            .filter(|(_, b)| b.via == id)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            if let Some(b) = o.bindings.remove(&k) {
+                release_binding(st, &b);
+            }
+        }
+    }
+}
+
+fn release_binding(st: &State, b: &Binding) {
+    if let Some((a, l)) = b.view {
+        crate::memory::unmap(a, l);
+    }
+    st.live_add("logical endpoint bindings", -1);
+}
+
+/// Whether `[ptr, ptr + size)` is VMM-mapped memory of device `dev` (one or more mappings).
+fn is_mapped_on(st: &State, dev: i32, ptr: usize, size: usize) -> bool {
+    let m = st.ext::<Memory>();
+    let mut a = ptr;
+    let Some(end) = ptr.checked_add(size) else {
+        return false;
+    };
+    while a < end {
+        match m.find(a) {
+            Some((s, r)) if r.kind == RegionKind::Mapping && r.device == Some(dev) => a = s + r.len,
+            _ => return false,
+        }
+    }
+    true
+}
+
+fn fabric_bytes(object: u64) -> [u8; 64] {
+    let mut b = [0u8; 64];
+    b[..8].copy_from_slice(FABRIC_MAGIC);
+    b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    b[16..24].copy_from_slice(&object.to_le_bytes());
+    let sum = checksum(&b[..56]);
+    b[56..].copy_from_slice(&sum.to_le_bytes());
+    b
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Addresses of every device's memory bound to endpoint `id` at `[offset, offset + len)`: one per
+/// bound device (multicast), or the owner's (unicast). For simulated kernels and fabric copies.
+/// The range must lie inside one binding per device.
+pub fn endpoint_targets(id: u32, offset: u64, len: u64) -> Result<Vec<usize>, CUresult> {
+    let st = current().ok_or(CUresult::CUDA_ERROR_DEINITIALIZED)?;
+    let eps = st.ext::<Endpoints>();
+    let g = eps.inner.lock();
+    let (e, o) = g.endpoint(id)?;
+    if !e.seen_ready {
+        return invalid();
+    }
+    let end = offset
+        .checked_add(len)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let mut targets = Vec::new();
+    for (&(_, off), b) in &o.bindings {
+        if off <= offset && end <= off + b.len {
+            targets.push(b.target + (offset - off) as usize);
+        }
+    }
+    if targets.is_empty() {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+    }
+    Ok(targets)
+}
+
+/// One planned fabric copy.
+enum Copy {
+    /// (dst, src, len)
+    PtrPtr(usize, usize, usize),
+    /// (endpoint, offset, src, len)
+    PtrLe(u32, u64, usize, usize),
+    /// (dst, endpoint, offset, len)
+    LePtr(usize, u32, u64, usize),
+}
+
+/// End of a session: drop every binding's private view.
+pub(crate) fn teardown(st: &State) {
+    let eps = st.ext::<Endpoints>();
+    let mut g = eps.inner.lock();
+    for o in g.objects.values_mut() {
+        for b in std::mem::take(&mut o.bindings).into_values() {
+            if let Some((a, l)) = b.view {
+                crate::memory::unmap(a, l);
+            }
+        }
+    }
+}
+
+/// Bind `size` bytes of allocation `a` from `at`, checking that it is `dev`'s memory (or the
+/// memory of `dev`'s nearest host NUMA node).
+#[allow(clippy::too_many_arguments)]
+fn bind_view(
+    st: &State,
+    id: u32,
+    dev: i32,
+    offset: u64,
+    size: u64,
+    flags: c_ulonglong,
+    a: crate::vmm::AllocInfo,
+    at: usize,
+) -> SimResult {
+    let ok = match (a.device, a.numa) {
+        (Some(d), _) => d == dev,
+        (None, Some(n)) => st.device(dev)?.host_numa_id == n,
+        _ => false,
+    };
+    if !ok || size == 0 {
+        return invalid();
+    }
+    // SAFETY: a fresh shared mapping of a memfd at least `at + size` long (checked by the callers).
+    let v = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&a.fd),
+            at as libc::off_t,
+        )
+    };
+    if v == libc::MAP_FAILED {
+        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    let v = v as usize;
+    bind(
+        st,
+        id,
+        dev,
+        offset,
+        size,
+        flags,
+        v,
+        Some((v, size as usize)),
+        Some(a.shareable),
+    )
+}
+
+/// Bind memory at host address `target` (a view of `view` if made for it).
+#[allow(clippy::too_many_arguments)]
+fn bind(
+    st: &State,
+    id: u32,
+    dev: i32,
+    offset: u64,
+    size: u64,
+    flags: c_ulonglong,
+    target: usize,
+    view: Option<(usize, usize)>,
+    shareable: Option<bool>,
+) -> SimResult {
+    let eps = st.ext::<Endpoints>();
+    let mut g = eps.inner.lock();
+    let obj = match g.check_bind(id, dev, offset, size, flags, shareable) {
+        Ok(o) => o,
+        Err(e) => {
+            if let Some((a, l)) = view {
+                crate::memory::unmap(a, l);
+            }
+            return Err(e);
+        }
+    };
+    let o = g
+        .objects
+        .get_mut(&obj)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    o.bindings.insert(
+        (dev, offset),
+        Binding {
+            len: size,
+            target,
+            view,
+            via: id,
+        },
+    );
+    st.live_add("logical endpoint bindings", 1);
+    Ok(())
+}
+
+sim_api! {
+    cuLogicalEndpointIdReserve @ 13030 as PFN_cuLogicalEndpointIdReserve_v13030 => fn id_reserve(st, base: *mut CUlogicalEndpointId, count: cuuint32_t) {
+        if base.is_null() || count == 0 {
+            return invalid();
+        }
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        if g.reserved.len() as u64 + count as u64 > MAX_IDS {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // First fit from the rolling cursor (ids are not reused at once, which catches stale ids).
+        let mut b = g.next;
+        loop {
+            let Some(end) = b.checked_add(count) else {
+                b = 0;
+                continue;
+            };
+            match g.reserved.range(b..end).next_back() {
+                None => break,
+                Some(&taken) => b = taken + 1,
+            }
+        }
+        for i in b..b + count {
+            g.reserved.insert(i);
+        }
+        g.next = b + count;
+        st.live_add("logical endpoint ids", count as i64);
+        out(base, b)
+    }
+    cuLogicalEndpointIdRelease @ 13030 as PFN_cuLogicalEndpointIdRelease_v13030 => fn id_release(st, base: CUlogicalEndpointId, count: cuuint32_t) {
+        let r = id_range(base, count)?;
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        if r.clone().any(|i| !g.reserved.contains(&i) || g.endpoints.contains_key(&i)) {
+            return invalid();
+        }
+        for i in r {
+            g.reserved.remove(&i);
+        }
+        st.live_add("logical endpoint ids", -(count as i64));
+        Ok(())
+    }
+    cuLogicalEndpointGetLimits @ 13030 as PFN_cuLogicalEndpointGetLimits_v13030 => fn get_limits(st, align: *mut cuuint64_t, max: *mut cuuint64_t, p: *const CUlogicalEndpointProp) {
+        if align.is_null() || max.is_null() {
+            return invalid();
+        }
+        let (_, a, m) = prop(st, p)?;
+        out(align, a)?;
+        out(max, m)
+    }
+    cuLogicalEndpointCreate @ 13030 as PFN_cuLogicalEndpointCreate_v13030 => fn create(st, id: CUlogicalEndpointId, p: *const CUlogicalEndpointProp) {
+        let (p, align, max) = prop(st, p)?;
+        if p.size == 0 || p.size % align != 0 || p.size > max {
+            return invalid();
+        }
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        if !g.reserved.contains(&id) || g.endpoints.contains_key(&id) {
+            return invalid();
+        }
+        let oid = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
+        g.objects.insert(oid, Object {
+            id: oid, ty: p.ty, size: p.size, ipc: p.ipc, align,
+            devices: match p.ty { Type::Unicast(d) => vec![d], Type::Multicast(_) => Vec::new() },
+            polls: 0, bindings: BTreeMap::new(), refs: 1,
+        });
+        g.endpoints.insert(id, Endpoint { object: oid, seen_ready: false, imported: false });
+        st.live_add("logical endpoints", 1);
+        Ok(())
+    }
+    cuLogicalEndpointAddDevice @ 13030 as PFN_cuLogicalEndpointAddDevice_v13030 => fn add_device(st, id: CUlogicalEndpointId, dev: CUdevice) {
+        let c = st.device(dev).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        let oid = g.endpoint(id)?.0.object;
+        let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let Type::Multicast(n) = o.ty else { return invalid() };
+        if o.devices.contains(&dev) || o.devices.len() as u32 >= n {
+            return invalid();
+        }
+        // Counted operations come with multicast endpoint support on the simulated devices.
+        if !c.logical_endpoint_multicast {
+            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        }
+        if o.devices.first().is_some_and(|&d| !crate::device::same_clique(st, d, dev)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+        }
+        o.devices.push(dev);
+        Ok(())
+    }
+    cuLogicalEndpointQuery @ 13030 as PFN_cuLogicalEndpointQuery_v13030 => fn query(st, id: CUlogicalEndpointId, count: cuuint32_t, status: *mut c_int) {
+        if status.is_null() {
+            return invalid();
+        }
+        let r = id_range(id, count)?;
+        let needed = st.config.endpoint_ready_polls;
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        let mut objs = Vec::new();
+        for i in r.clone() {
+            objs.push(g.endpoint(i)?.0.object);
+        }
+        objs.sort_unstable();
+        objs.dedup();
+        let mut all = true;
+        for oid in &objs {
+            let o = g.objects.get_mut(oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+            if o.complete() && o.polls < needed {
+                o.polls += 1;
+            }
+            all &= o.constructed(needed);
+        }
+        if all {
+            for i in r {
+                if let Some(e) = g.endpoints.get_mut(&i) {
+                    e.seen_ready = true;
+                }
+            }
+        }
+        out(status, all as c_int)
+    }
+    cuLogicalEndpointDestroy @ 13030 as PFN_cuLogicalEndpointDestroy_v13030 => fn destroy(st, id: CUlogicalEndpointId) {
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        g.endpoint(id)?;
+        g.unbind_all_via(id, st);
+        let e = g.endpoints.remove(&id).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let last = match g.objects.get_mut(&e.object) {
+            Some(o) => {
+                o.refs -= 1;
+                o.refs == 0
+            }
+            None => false,
+        };
+        if last {
+            g.objects.remove(&e.object);
+        }
+        st.live_add("logical endpoints", -1);
+        Ok(())
+    }
+    cuLogicalEndpointBindAddr @ 13030 as PFN_cuLogicalEndpointBindAddr_v13030 => fn bind_addr(st, id: CUlogicalEndpointId, dev: CUdevice, offset: cuuint64_t, ptr: *mut c_void, size: cuuint64_t, flags: c_ulonglong) {
+        st.device(dev).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let align = {
+            let eps = st.ext::<Endpoints>();
+            let g = eps.inner.lock();
+            g.endpoint(id)?.1.align
+        };
+        if (ptr as u64) % align != 0 || !is_mapped_on(st, dev, ptr as usize, size as usize) {
+            return invalid();
+        }
+        let (a, at, mapped) = crate::vmm::allocation_at(st, ptr as usize)?;
+        if size as usize > mapped {
+            return invalid();
+        }
+        bind_view(st, id, dev, offset, size, flags, a, at)
+    }
+    cuLogicalEndpointBindMem @ 13030 as PFN_cuLogicalEndpointBindMem_v13030 => fn bind_mem(st, id: CUlogicalEndpointId, dev: CUdevice, offset: cuuint64_t, mem: CUmemGenericAllocationHandle, mem_offset: cuuint64_t, size: cuuint64_t, flags: c_ulonglong) {
+        st.device(dev).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let a = crate::vmm::allocation_info(st, mem)?;
+        let align = {
+            let eps = st.ext::<Endpoints>();
+            let g = eps.inner.lock();
+            g.endpoint(id)?.1.align
+        };
+        if mem_offset % align != 0 || mem_offset.checked_add(size).is_none_or(|e| e > a.size as u64) {
+            return invalid();
+        }
+        bind_view(st, id, dev, offset, size, flags, a, mem_offset as usize)
+    }
+    cuLogicalEndpointUnbind @ 13030 as PFN_cuLogicalEndpointUnbind_v13030 => fn unbind(st, id: CUlogicalEndpointId, dev: CUdevice, offset: cuuint64_t, size: cuuint64_t) {
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        let oid = g.endpoint(id)?.0.object;
+        let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        if size == 0 || offset % o.align != 0 || size % o.align != 0 {
+            return invalid();
+        }
+        let end = offset.checked_add(size).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        // The offset starts a binding, and the range encloses whole bindings exactly.
+        if !o.bindings.contains_key(&(dev, offset)) {
+            return invalid();
+        }
+        let covered: Vec<(u64, u64)> = o.bindings.range((dev, offset)..(dev, end)).map(|(&(_, off), b)| (off, b.len)).collect();
+        let mut at = offset;
+        for &(off, len) in &covered {
+            if off != at {
+                return invalid();
+            }
+            at = off + len;
+        }
+        if at != end {
+            return invalid();
+        }
+        for (off, _) in covered {
+            if let Some(b) = o.bindings.remove(&(dev, off)) {
+                release_binding(st, &b);
+            }
+        }
+        Ok(())
+    }
+    cuLogicalEndpointExport @ 13030 as PFN_cuLogicalEndpointExport_v13030 => fn export(st, handle: *mut c_void, id: CUlogicalEndpointId, ty: CUlogicalEndpointIpcHandleType) {
+        if handle.is_null() || ty != CUlogicalEndpointIpcHandleType::CU_LOGICAL_ENDPOINT_IPC_HANDLE_TYPE_FABRIC {
+            return invalid();
+        }
+        let eps = st.ext::<Endpoints>();
+        let g = eps.inner.lock();
+        let (_, o) = g.endpoint(id)?;
+        if o.ipc & FABRIC_FLAG == 0 {
+            return invalid();
+        }
+        let b = fabric_bytes(o.id);
+        std::ptr::copy_nonoverlapping(b.as_ptr(), handle as *mut u8, 64);
+        Ok(())
+    }
+    cuLogicalEndpointImport @ 13030 as PFN_cuLogicalEndpointImport_v13030 => fn import(st, id: CUlogicalEndpointId, handle: *const c_void, ty: CUlogicalEndpointIpcHandleType) {
+        if handle.is_null() || ty != CUlogicalEndpointIpcHandleType::CU_LOGICAL_ENDPOINT_IPC_HANDLE_TYPE_FABRIC {
+            return invalid();
+        }
+        let mut b = [0u8; 64];
+        std::ptr::copy_nonoverlapping(handle as *const u8, b.as_mut_ptr(), 64);
+        if &b[..8] != FABRIC_MAGIC || b[56..] != checksum(&b[..56]).to_le_bytes() {
+            return invalid();
+        }
+        let pid = u32::from_le_bytes(b[8..12].try_into().unwrap_or_default());
+        if pid != std::process::id() {
+            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let oid = u64::from_le_bytes(b[16..24].try_into().unwrap_or_default());
+        let eps = st.ext::<Endpoints>();
+        let mut g = eps.inner.lock();
+        if !g.reserved.contains(&id) || g.endpoints.contains_key(&id) {
+            return invalid();
+        }
+        let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        o.refs += 1;
+        g.endpoints.insert(id, Endpoint { object: oid, seen_ready: false, imported: true });
+        st.live_add("logical endpoints", 1);
+        Ok(())
+    }
+    cuFabricCpyBatchAsync @ 13050 as PFN_cuFabricCpyBatchAsync_v13050 => fn fabric_cpy_batch_async(st, n: usize, ops: *mut CUDA_FABRIC_COPY_BATCH_OP, flags: c_ulonglong, stream: CUstream) {
+        if flags != 0 || (n > 0 && ops.is_null()) || stream.is_null() {
+            return invalid();
+        }
+        let ops: Vec<CUDA_FABRIC_COPY_BATCH_OP> = if n == 0 { Vec::new() } else { std::slice::from_raw_parts(ops, n).to_vec() };
+        let ptr = CUfabricCpyOperandType::CU_FABRIC_COPY_OPERAND_TYPE_POINTER;
+        let le = CUfabricCpyOperandType::CU_FABRIC_COPY_OPERAND_TYPE_LOGICAL_ENDPOINT;
+        // Validate every operation at enqueue time (operands of no-op sizes too).
+        let mut plan = Vec::with_capacity(ops.len());
+        {
+            let eps = st.ext::<Endpoints>();
+            let g = eps.inner.lock();
+            for op in &ops {
+                if op.flags != 0 {
+                    return invalid();
+                }
+                let check_le = |id: u32, offset: u64, unicast_only: bool| -> SimResult<()> {
+                    let (e, o) = g.endpoint(id)?;
+                    if !e.seen_ready || offset.checked_add(op.size as u64).is_none_or(|end| end > o.size) {
+                        return invalid();
+                    }
+                    if unicast_only && !matches!(o.ty, Type::Unicast(_)) {
+                        return invalid();
+                    }
+                    Ok(())
+                };
+                match (op.src.type_, op.dst.type_) {
+                    (s, d) if s == ptr && d == ptr => plan.push(Copy::PtrPtr(op.dst.op.ptr.ptr as usize, op.src.op.ptr.ptr as usize, op.size)),
+                    (s, d) if s == ptr && d == le => {
+                        check_le(op.dst.op.le.id, op.dst.op.le.offset, false)?;
+                        plan.push(Copy::PtrLe(op.dst.op.le.id, op.dst.op.le.offset, op.src.op.ptr.ptr as usize, op.size));
+                    }
+                    (s, d) if s == le && d == ptr => {
+                        check_le(op.src.op.le.id, op.src.op.le.offset, true)?;
+                        plan.push(Copy::LePtr(op.dst.op.ptr.ptr as usize, op.src.op.le.id, op.src.op.le.offset, op.size));
+                    }
+                    _ => return invalid(),
+                }
+            }
+        }
+        let s2 = st.clone();
+        let plan = Arc::new(plan);
+        crate::stream::enqueue(st, stream, Arc::new(move || {
+            for c in plan.iter() {
+                match *c {
+                    Copy::PtrPtr(dst, src, len) => crate::memory::copy(&s2, dst, src, len)?,
+                    Copy::PtrLe(id, off, src, len) if len > 0 => {
+                        for t in endpoint_targets(id, off, len as u64)? {
+                            crate::memory::copy(&s2, t, src, len)?;
+                        }
+                    }
+                    Copy::LePtr(dst, id, off, len) if len > 0 => {
+                        let t = endpoint_targets(id, off, len as u64)?;
+                        crate::memory::copy(&s2, dst, t[0], len)?;
+                    }
+                    _ => {}
+                }
+            }
+            Ok(())
+        }))
+    }
+}

@@ -1,0 +1,798 @@
+//! Multicast objects (`cuMulticast*`, drivers from 12.1) and the VMM calls on their handles:
+//! `cuMemMap`/`cuMemUnmap`/`cuMemSetAccess` of a multicast range, `cuMemRelease`, and export /
+//! import as a POSIX fd or a fabric handle.
+//!
+//! Model (following the `cuda.h` documentation of each call):
+//! - a multicast object has a team size, a size per device (a multiple of the minimum multicast
+//!   granularity, which is the largest minimum VMM granularity of the multicast-capable devices;
+//!   the recommended one is 32 times that), and exportable handle types;
+//! - devices are added once each, from the same NVLink clique (`CUDA_ERROR_INVALID_DEVICE`
+//!   otherwise), a device without multicast is `CUDA_ERROR_NOT_SUPPORTED`, and no device can be
+//!   added once memory was bound;
+//! - binds and `cuMemMap` block until every device was added. The real driver blocks forever; the
+//!   simulator waits [`BLOCK_LIMIT`] for another thread to add the missing devices and then fails
+//!   with `CUDA_ERROR_ILLEGAL_STATE`, so a mistaken test fails instead of hanging;
+//! - each bind makes a private view of the bound memory (a shared mapping of the allocation's
+//!   memfd), so the binding survives an unmap of the address it was bound from, as physical memory
+//!   does;
+//! - a store through a multicast mapping reaches every device bound at that offset (the mapping's
+//!   memory region carries a [`Redirect`]); a plain load reads the lowest bound device;
+//!   [`multicast_targets`] gives simulated kernels every bound device's address for
+//!   `multimem.ld_reduce` / `st` / `red`;
+//! - order rules, stricter than the documentation spells out (the anchors' measured pitfalls): an
+//!   unbind while the object is mapped, and releasing the object's last handle while memory is
+//!   bound, are refused with `CUDA_ERROR_ILLEGAL_STATE`, changing nothing;
+//! - export: a POSIX fd is a memfd describing the object; a fabric handle is 64 bytes (magic,
+//!   process id, object id, description, checksum). Imported in the exporting process, either
+//!   refers to the same object; imported in another process, to a replica with the same
+//!   description whose team is treated as complete (the simulator shares no state between
+//!   processes, so bindings made in one process are not visible in the other).
+// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_int, c_ulonglong, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuda_multimem_sys::*;
+use parking_lot::{Condvar, Mutex};
+
+use crate::dispatch::sim_api;
+use crate::memory::{Memory, Redirect, Region, RegionKind};
+use crate::state::{current, is_kind, new_handle, out, read, Kind, SimResult, State};
+
+/// How long a bind or map waits for missing devices before the simulator calls it a deadlock.
+pub const BLOCK_LIMIT: Duration = Duration::from_secs(2);
+
+const HT_POSIX: u64 = CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0 as u64;
+const HT_FABRIC: u64 = CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0 as u64;
+const MEMFD_PREFIX: &str = "cuda-multimem-sim-mc/";
+const FABRIC_MAGIC: &[u8; 8] = b"SIMMC001";
+const RECOMMENDED_FACTOR: usize = 32;
+
+static NEXT_OBJECT: AtomicU64 = AtomicU64::new(1);
+
+#[derive(Debug)]
+struct Binding {
+    len: usize,
+    /// Host address of the bound memory (inside `view`).
+    target: usize,
+    /// The private view `(addr, len)` made for this binding.
+    view: (usize, usize),
+}
+
+struct Object {
+    num_devices: u32,
+    size: usize,
+    handle_types: u64,
+    gran: usize,
+    devices: Vec<i32>,
+    /// An import from another process: the team is complete there.
+    replica: bool,
+    /// Exported or imported: binds only shareable memory.
+    shared: bool,
+    /// (device, offset) -> binding
+    bindings: BTreeMap<(i32, usize), Binding>,
+    /// Live handles referring to it, plus live mappings.
+    refs: u32,
+    handles: u32,
+    mappings: u32,
+}
+
+impl Object {
+    fn complete(&self) -> bool {
+        self.replica || self.devices.len() as u32 == self.num_devices
+    }
+}
+
+struct McMapping {
+    object: u64,
+    size: usize,
+    /// Offset into the object.
+    offset: usize,
+}
+
+#[derive(Default)]
+struct Tables {
+    objects: HashMap<u64, Object>,
+    /// handle -> object
+    handles: HashMap<u64, u64>,
+    /// start address -> mapping
+    mappings: BTreeMap<usize, McMapping>,
+}
+
+/// Multicast state of a session.
+#[derive(Default)]
+pub(crate) struct Multicasts {
+    t: Mutex<Tables>,
+    added: Condvar,
+}
+
+fn invalid<T>() -> SimResult<T> {
+    Err(CUresult::CUDA_ERROR_INVALID_VALUE)
+}
+
+/// (minimum, recommended) granularity for `prop`, validating it.
+fn granularity(st: &State, p: &CUmulticastObjectProp) -> SimResult<(usize, usize)> {
+    if p.numDevices == 0 || p.flags != 0 {
+        return invalid();
+    }
+    if p.handleTypes & !(HT_POSIX | HT_FABRIC) != 0 {
+        return invalid();
+    }
+    let capable: Vec<_> = st
+        .config
+        .devices
+        .iter()
+        .filter(|d| d.multicast && d.vmm)
+        .collect();
+    if capable.is_empty() {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    if p.numDevices as usize > st.device_count() {
+        return invalid();
+    }
+    if p.handleTypes & HT_POSIX != 0 && !capable.iter().any(|d| d.posix_fd_handle) {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    if p.handleTypes & HT_FABRIC != 0
+        && (!capable.iter().any(|d| d.fabric_handle) || st.version() < 12030)
+    {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let min = capable
+        .iter()
+        .map(|d| d.granularity.0)
+        .max()
+        .unwrap_or(2 << 20);
+    Ok((min, min * RECOMMENDED_FACTOR))
+}
+
+impl Tables {
+    fn object_of(&self, handle: u64) -> SimResult<u64> {
+        if !is_kind(handle, Kind::Multicast) {
+            return invalid();
+        }
+        self.handles
+            .get(&handle)
+            .copied()
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
+    }
+}
+
+/// Wait (up to [`BLOCK_LIMIT`]) until the object of `handle` has every device; returns the
+/// locked tables and the object id.
+fn wait_complete<'a>(
+    mc: &'a Multicasts,
+    handle: u64,
+) -> SimResult<(parking_lot::MutexGuard<'a, Tables>, u64)> {
+    let deadline = Instant::now() + BLOCK_LIMIT;
+    let mut g = mc.t.lock();
+    loop {
+        let oid = g.object_of(handle)?;
+        if g.objects.get(&oid).is_some_and(Object::complete) {
+            return Ok((g, oid));
+        }
+        if mc.added.wait_until(&mut g, deadline).timed_out() {
+            let oid = g.object_of(handle)?;
+            if g.objects.get(&oid).is_some_and(Object::complete) {
+                return Ok((g, oid));
+            }
+            return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+        }
+    }
+}
+
+/// A shared view of `len` bytes of an allocation's memfd from `offset`.
+fn view_of(fd: RawFd, offset: usize, len: usize) -> SimResult<usize> {
+    // SAFETY: a fresh shared mapping of a memfd at least `offset + len` long (checked by the
+    // caller); no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    Ok(p as usize)
+}
+
+/// The memory a bind names, once resolved.
+struct Source {
+    fd: OwnedFd,
+    offset: usize,
+    device: Option<i32>,
+    numa: Option<i32>,
+    shareable: bool,
+}
+
+/// Bind `size` bytes of `src` at `mc_offset` for `dev` (`None`: the memory's own device).
+fn bind(
+    st: &State,
+    handle: u64,
+    dev: Option<i32>,
+    mc_offset: usize,
+    src: Source,
+    size: usize,
+    flags: c_ulonglong,
+) -> SimResult {
+    if flags != 0 || size == 0 {
+        return invalid();
+    }
+    // Which device the binding is for: the named one (v2), whose memory it must be (device memory)
+    // or whose nearest NUMA node it must be (host NUMA memory); else the memory's device.
+    let dev = match (dev, src.device, src.numa) {
+        (Some(d), Some(m), _) if d != m => return Err(CUresult::CUDA_ERROR_INVALID_DEVICE),
+        (Some(d), None, Some(n)) if st.device(d)?.host_numa_id != n => return invalid(),
+        (Some(d), _, _) => d,
+        (None, Some(m), _) => m,
+        (None, None, _) => return invalid(),
+    };
+    let mc = st.ext::<Multicasts>();
+    let (mut g, oid) = wait_complete(&mc, handle)?;
+    let o = g
+        .objects
+        .get_mut(&oid)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if !o.replica && !o.devices.contains(&dev) {
+        return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+    }
+    if mc_offset % o.gran != 0 || size % o.gran != 0 || src.offset % o.gran != 0 {
+        return invalid();
+    }
+    if mc_offset.checked_add(size).is_none_or(|e| e > o.size) {
+        return invalid();
+    }
+    if o.shared && !src.shareable {
+        return invalid();
+    }
+    let end = mc_offset + size;
+    if o.bindings
+        .range((dev, 0)..(dev, end))
+        .any(|(&(_, off), b)| off + b.len > mc_offset)
+    {
+        return invalid();
+    }
+    let v = view_of(src.fd.as_raw_fd(), src.offset, size)?;
+    o.bindings.insert(
+        (dev, mc_offset),
+        Binding {
+            len: size,
+            target: v,
+            view: (v, size),
+        },
+    );
+    st.live_add("multicast bindings", 1);
+    Ok(())
+}
+
+fn source_of_handle(st: &State, mem: u64, mem_offset: usize, size: usize) -> SimResult<Source> {
+    let a = crate::vmm::allocation_info(st, mem)?;
+    if mem_offset.checked_add(size).is_none_or(|e| e > a.size) {
+        return invalid();
+    }
+    Ok(Source {
+        fd: a.fd,
+        offset: mem_offset,
+        device: a.device,
+        numa: a.numa,
+        shareable: a.shareable,
+    })
+}
+
+fn source_of_addr(st: &State, ptr: usize, size: usize) -> SimResult<Source> {
+    let (a, offset, mapped) = crate::vmm::allocation_at(st, ptr)?;
+    // The bound range lies inside one mapping of one allocation.
+    if size > mapped || offset.checked_add(size).is_none_or(|e| e > a.size) {
+        return invalid();
+    }
+    Ok(Source {
+        fd: a.fd,
+        offset,
+        device: a.device,
+        numa: a.numa,
+        shareable: a.shareable,
+    })
+}
+
+fn unbind(st: &State, handle: u64, dev: i32, mc_offset: usize, size: usize) -> SimResult {
+    st.device(dev)
+        .map_err(|_| CUresult::CUDA_ERROR_INVALID_DEVICE)?;
+    let mc = st.ext::<Multicasts>();
+    let mut g = mc.t.lock();
+    let oid = g.object_of(handle)?;
+    let o = g
+        .objects
+        .get_mut(&oid)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if mc_offset % o.gran != 0
+        || size % o.gran != 0
+        || mc_offset.checked_add(size).is_none_or(|e| e > o.size)
+    {
+        return invalid();
+    }
+    match o.bindings.get(&(dev, mc_offset)) {
+        Some(b) if b.len == size => {}
+        _ => return invalid(),
+    }
+    if o.mappings > 0 {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+    }
+    let b = o.bindings.remove(&(dev, mc_offset)).expect("checked");
+    crate::memory::unmap(b.view.0, b.view.1);
+    st.live_add("multicast bindings", -1);
+    Ok(())
+}
+
+/// Drop one reference of object `oid`; frees it at zero.
+fn unref(st: &State, g: &mut Tables, oid: u64) {
+    let Some(o) = g.objects.get_mut(&oid) else {
+        return;
+    };
+    o.refs -= 1;
+    if o.refs == 0 {
+        let o = g.objects.remove(&oid).expect("present");
+        for b in o.bindings.into_values() {
+            crate::memory::unmap(b.view.0, b.view.1);
+            st.live_add("multicast bindings", -1);
+        }
+        st.live_add("multicast objects", -1);
+    }
+}
+
+struct McRedirect {
+    object: u64,
+    offset: usize,
+}
+
+impl Redirect for McRedirect {
+    fn targets(&self, offset: usize, len: usize) -> SimResult<Vec<usize>> {
+        let st = current().ok_or(CUresult::CUDA_ERROR_DEINITIALIZED)?;
+        targets_of(&st, self.object, self.offset + offset, len)
+    }
+}
+
+fn targets_of(st: &State, oid: u64, at: usize, len: usize) -> SimResult<Vec<usize>> {
+    let mc = st.ext::<Multicasts>();
+    let g = mc.t.lock();
+    let o = g
+        .objects
+        .get(&oid)
+        .ok_or(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)?;
+    let end = at
+        .checked_add(len)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    // Bindings are ordered by device, so targets come lowest device first.
+    let t: Vec<usize> = o
+        .bindings
+        .iter()
+        .filter(|(&(_, off), b)| off <= at && end <= off + b.len)
+        .map(|(&(_, off), b)| b.target + (at - off))
+        .collect();
+    if t.is_empty() {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+    }
+    Ok(t)
+}
+
+/// For simulated kernels: the address of every bound device's memory behind the multicast
+/// address range `[addr, addr + len)` (lowest device first), to implement `multimem.ld_reduce`
+/// (read all, reduce), `multimem.st` and `multimem.red` (write / update all). The range must lie
+/// inside one multicast mapping and one binding per device; `CUDA_ERROR_ILLEGAL_ADDRESS` otherwise.
+pub fn multicast_targets(addr: usize, len: usize) -> Result<Vec<usize>, CUresult> {
+    let st = current().ok_or(CUresult::CUDA_ERROR_DEINITIALIZED)?;
+    let (oid, at) = {
+        let mc = st.ext::<Multicasts>();
+        let g = mc.t.lock();
+        let (&start, m) = g
+            .mappings
+            .range(..=addr)
+            .next_back()
+            .ok_or(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)?;
+        if addr.checked_add(len).is_none_or(|e| e > start + m.size) {
+            return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        }
+        (m.object, m.offset + (addr - start))
+    };
+    targets_of(&st, oid, at, len)
+}
+
+/// `cuMemMap` of a multicast handle (called by the VMM area for handles of the multicast kind).
+pub(crate) fn mem_map(
+    st: &State,
+    ptr: usize,
+    size: usize,
+    offset: usize,
+    handle: u64,
+    flags: c_ulonglong,
+) -> SimResult {
+    if flags != 0 || size == 0 {
+        return invalid();
+    }
+    if !crate::vmm::free_in_reservation(st, ptr, size) {
+        return invalid();
+    }
+    let mc = st.ext::<Multicasts>();
+    let (mut g, oid) = wait_complete(&mc, handle)?;
+    let end = ptr + size;
+    if g.mappings
+        .range(..end)
+        .next_back()
+        .is_some_and(|(s, m)| s + m.size > ptr)
+    {
+        return invalid();
+    }
+    let o = g
+        .objects
+        .get_mut(&oid)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if ptr % o.gran != 0
+        || size % o.gran != 0
+        || offset % o.gran != 0
+        || offset.checked_add(size).is_none_or(|e| e > o.size)
+    {
+        return invalid();
+    }
+    o.refs += 1;
+    o.mappings += 1;
+    g.mappings.insert(
+        ptr,
+        McMapping {
+            object: oid,
+            size,
+            offset,
+        },
+    );
+    st.ext::<Memory>().insert(
+        ptr,
+        Region {
+            len: size,
+            kind: RegionKind::Multicast,
+            device: None,
+            readable: false,
+            writable: false,
+            redirect: Some(Arc::new(McRedirect {
+                object: oid,
+                offset,
+            })),
+        },
+    );
+    st.live_add("multicast mappings", 1);
+    Ok(())
+}
+
+/// Whether `[ptr, ptr + size)` overlaps a multicast mapping.
+pub(crate) fn overlaps_mapping(st: &State, ptr: usize, size: usize) -> bool {
+    let mc = st.ext::<Multicasts>();
+    let g = mc.t.lock();
+    let end = ptr.saturating_add(size);
+    g.mappings
+        .range(..end)
+        .next_back()
+        .is_some_and(|(s, m)| s + m.size > ptr)
+}
+
+/// `cuMemUnmap` of a multicast mapping: `None` when the range is not one (the VMM area handles it).
+pub(crate) fn mem_unmap(st: &State, ptr: usize, size: usize) -> Option<SimResult> {
+    let mc = st.ext::<Multicasts>();
+    let g = mc.t.lock();
+    let m = g.mappings.get(&ptr)?;
+    if m.size != size {
+        return Some(invalid());
+    }
+    // Queued work may still store through it.
+    drop(g);
+    for dev in 0..st.device_count() as i32 {
+        if let Err(e) = crate::stream::synchronize_device(st, dev) {
+            return Some(Err(e));
+        }
+    }
+    let mut g = mc.t.lock();
+    let m = g.mappings.remove(&ptr)?;
+    st.ext::<Memory>().remove(ptr);
+    if let Some(o) = g.objects.get_mut(&m.object) {
+        o.mappings -= 1;
+    }
+    unref(st, &mut g, m.object);
+    st.live_add("multicast mappings", -1);
+    Some(Ok(()))
+}
+
+/// `cuMemSetAccess` over a multicast mapping: `None` when the range is not one.
+pub(crate) fn mem_set_access(
+    st: &State,
+    ptr: usize,
+    size: usize,
+    descs: &[CUmemAccessDesc],
+) -> Option<SimResult> {
+    let mc = st.ext::<Multicasts>();
+    let g = mc.t.lock();
+    let m = g.mappings.get(&ptr)?;
+    let r = (|| {
+        if m.size != size {
+            return invalid();
+        }
+        let o = g
+            .objects
+            .get(&m.object)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let (mut r, mut w) = (false, false);
+        for d in descs {
+            if d.location.type_ != CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE {
+                return invalid();
+            }
+            // SAFETY: `id` is the member for device locations.
+            let dev = unsafe { d.location.__bindgen_anon_1.id };
+            st.device(dev)
+                .map_err(|_| CUresult::CUDA_ERROR_INVALID_DEVICE)?;
+            if !o.replica && !o.devices.contains(&dev) {
+                return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+            }
+            match d.flags {
+                CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => (r, w) = (true, true),
+                CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => r = true,
+                CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE => {}
+                _ => return invalid(),
+            }
+        }
+        st.ext::<Memory>().set_access(ptr, r || w, w);
+        Ok(())
+    })();
+    Some(r)
+}
+
+/// `cuMemRelease` of a multicast handle.
+pub(crate) fn release(st: &State, handle: u64) -> SimResult {
+    let mc = st.ext::<Multicasts>();
+    let mut g = mc.t.lock();
+    let oid = g.object_of(handle)?;
+    let o = g
+        .objects
+        .get_mut(&oid)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if o.handles == 1 && !o.bindings.is_empty() {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+    }
+    o.handles -= 1;
+    g.handles.remove(&handle);
+    unref(st, &mut g, oid);
+    Ok(())
+}
+
+/// The description carried by exported handles: team size, size, handle types, granularity.
+fn describe(oid: u64, o: &Object) -> [u8; 64] {
+    let mut b = [0u8; 64];
+    b[..8].copy_from_slice(FABRIC_MAGIC);
+    b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    b[12..16].copy_from_slice(&o.num_devices.to_le_bytes());
+    b[16..24].copy_from_slice(&oid.to_le_bytes());
+    b[24..32].copy_from_slice(&(o.size as u64).to_le_bytes());
+    b[32..40].copy_from_slice(&o.handle_types.to_le_bytes());
+    b[40..48].copy_from_slice(&(o.gran as u64).to_le_bytes());
+    let c = checksum(&b[..56]);
+    b[56..].copy_from_slice(&c.to_le_bytes());
+    b
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// `cuMemExportToShareableHandle` of a multicast handle.
+pub(crate) fn export(
+    st: &State,
+    sh: *mut c_void,
+    handle: u64,
+    ty: CUmemAllocationHandleType,
+) -> SimResult {
+    let mc = st.ext::<Multicasts>();
+    let mut g = mc.t.lock();
+    let oid = g.object_of(handle)?;
+    let o = g
+        .objects
+        .get_mut(&oid)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let t = ty.0 as u64;
+    if t != HT_POSIX && t != HT_FABRIC {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    if o.handle_types & t == 0 {
+        return invalid();
+    }
+    let d = describe(oid, o);
+    o.shared = true;
+    if t == HT_POSIX {
+        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{oid}")).unwrap_or_default();
+        // SAFETY: a NUL-terminated name; the fd returned is owned below.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: 64 readable bytes written to our own memfd.
+        if unsafe { libc::write(fd.as_raw_fd(), d.as_ptr().cast(), d.len()) } != d.len() as isize {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: the caller passes room for an int (the documented out type for POSIX fds).
+        unsafe { out(sh as *mut c_int, fd.into_raw_fd()) }
+    } else {
+        // SAFETY: the caller passes room for a CUmemFabricHandle.
+        unsafe { out(sh as *mut CUmemFabricHandle, CUmemFabricHandle { data: d }) }
+    }
+}
+
+/// Import from a description: the same object in this process, else a replica.
+fn import_description(st: &State, b: &[u8; 64]) -> SimResult<u64> {
+    if &b[..8] != FABRIC_MAGIC || b[56..] != checksum(&b[..56]).to_le_bytes() {
+        return invalid();
+    }
+    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+    let mc = st.ext::<Multicasts>();
+    let mut g = mc.t.lock();
+    let oid = if u32_at(8) == std::process::id() {
+        let oid = u64_at(16);
+        let o = g
+            .objects
+            .get_mut(&oid)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        o.refs += 1;
+        o.handles += 1;
+        oid
+    } else {
+        let (n, size, ht, gran) = (
+            u32_at(12),
+            u64_at(24) as usize,
+            u64_at(32),
+            u64_at(40) as usize,
+        );
+        if n == 0 || size == 0 || gran == 0 || size % gran != 0 {
+            return invalid();
+        }
+        let oid = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
+        g.objects.insert(
+            oid,
+            Object {
+                num_devices: n,
+                size,
+                handle_types: ht,
+                gran,
+                devices: Vec::new(),
+                replica: true,
+                shared: true,
+                bindings: BTreeMap::new(),
+                refs: 1,
+                handles: 1,
+                mappings: 0,
+            },
+        );
+        st.live_add("multicast objects", 1);
+        oid
+    };
+    g.objects.get_mut(&oid).expect("present").shared = true;
+    let h = new_handle(Kind::Multicast);
+    g.handles.insert(h, oid);
+    Ok(h)
+}
+
+/// `cuMemImportFromShareableHandle` of a POSIX fd: `None` when the fd is not an exported
+/// multicast object (the VMM area handles it).
+pub(crate) fn import_fd(st: &State, fd: RawFd) -> Option<SimResult<u64>> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    let link = link.to_string_lossy();
+    link.strip_prefix("/memfd:")?.strip_prefix(MEMFD_PREFIX)?;
+    let mut b = [0u8; 64];
+    // SAFETY: 64 writable bytes; pread on the caller's fd does not move its offset.
+    let n = unsafe { libc::pread(fd, b.as_mut_ptr().cast(), 64, 0) };
+    if n != 64 {
+        return Some(invalid());
+    }
+    Some(import_description(st, &b))
+}
+
+/// `cuMemImportFromShareableHandle` of a fabric handle: `None` when it is not a multicast one.
+pub(crate) fn import_fabric(st: &State, b: &[u8; 64]) -> Option<SimResult<u64>> {
+    (&b[..8] == FABRIC_MAGIC).then(|| import_description(st, b))
+}
+
+/// End of a session: drop every binding's view.
+pub(crate) fn teardown(st: &State) {
+    let mc = st.ext::<Multicasts>();
+    let mut g = mc.t.lock();
+    for o in g.objects.values_mut() {
+        for b in std::mem::take(&mut o.bindings).into_values() {
+            crate::memory::unmap(b.view.0, b.view.1);
+        }
+    }
+    g.objects.clear();
+    g.handles.clear();
+    g.mappings.clear();
+}
+
+sim_api! {
+    cuMulticastGetGranularity @ 12010 as PFN_cuMulticastGetGranularity_v12010 => fn get_granularity(st, g: *mut usize, prop: *const CUmulticastObjectProp, option: CUmulticastGranularity_flags) {
+        if g.is_null() {
+            return invalid();
+        }
+        let p = read(prop)?;
+        let (min, rec) = granularity(st, &p)?;
+        match option {
+            CUmulticastGranularity_flags::CU_MULTICAST_GRANULARITY_MINIMUM => out(g, min),
+            CUmulticastGranularity_flags::CU_MULTICAST_GRANULARITY_RECOMMENDED => out(g, rec),
+            _ => invalid(),
+        }
+    }
+    cuMulticastCreate @ 12010 as PFN_cuMulticastCreate_v12010 => fn create(st, h: *mut CUmemGenericAllocationHandle, prop: *const CUmulticastObjectProp) {
+        if h.is_null() {
+            return invalid();
+        }
+        let p = read(prop)?;
+        let (min, _) = granularity(st, &p)?;
+        if p.size == 0 || p.size % min != 0 {
+            return invalid();
+        }
+        let oid = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
+        let handle = new_handle(Kind::Multicast);
+        let mc = st.ext::<Multicasts>();
+        let mut g = mc.t.lock();
+        g.objects.insert(oid, Object {
+            num_devices: p.numDevices, size: p.size, handle_types: p.handleTypes, gran: min, devices: Vec::new(),
+            replica: false, shared: false, bindings: BTreeMap::new(), refs: 1, handles: 1, mappings: 0,
+        });
+        g.handles.insert(handle, oid);
+        st.live_add("multicast objects", 1);
+        out(h, handle)
+    }
+    cuMulticastAddDevice @ 12010 as PFN_cuMulticastAddDevice_v12010 => fn add_device(st, h: CUmemGenericAllocationHandle, dev: CUdevice) {
+        let c = st.device(dev)?;
+        let mc = st.ext::<Multicasts>();
+        let mut g = mc.t.lock();
+        let oid = g.object_of(h)?;
+        let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        if !c.multicast || !c.vmm {
+            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        }
+        if o.devices.contains(&dev) || o.devices.len() as u32 >= o.num_devices || !o.bindings.is_empty() {
+            return invalid();
+        }
+        if o.devices.first().is_some_and(|&d| !crate::device::same_clique(st, d, dev)) {
+            return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+        }
+        o.devices.push(dev);
+        mc.added.notify_all();
+        Ok(())
+    }
+    cuMulticastBindMem @ 12010 as PFN_cuMulticastBindMem_v12010 => fn bind_mem(st, h: CUmemGenericAllocationHandle, mc_offset: usize, mem: CUmemGenericAllocationHandle, mem_offset: usize, size: usize, flags: c_ulonglong) {
+        let src = source_of_handle(st, mem, mem_offset, size)?;
+        bind(st, h, None, mc_offset, src, size, flags)
+    }
+    cuMulticastBindMem @ 13010 as PFN_cuMulticastBindMem_v13010 => fn bind_mem_v2(st, h: CUmemGenericAllocationHandle, dev: CUdevice, mc_offset: usize, mem: CUmemGenericAllocationHandle, mem_offset: usize, size: usize, flags: c_ulonglong) {
+        st.device(dev).map_err(|_| CUresult::CUDA_ERROR_INVALID_DEVICE)?;
+        let src = source_of_handle(st, mem, mem_offset, size)?;
+        bind(st, h, Some(dev), mc_offset, src, size, flags)
+    }
+    cuMulticastBindAddr @ 12010 as PFN_cuMulticastBindAddr_v12010 => fn bind_addr(st, h: CUmemGenericAllocationHandle, mc_offset: usize, ptr: CUdeviceptr, size: usize, flags: c_ulonglong) {
+        let src = source_of_addr(st, ptr as usize, size)?;
+        bind(st, h, None, mc_offset, src, size, flags)
+    }
+    cuMulticastBindAddr @ 13010 as PFN_cuMulticastBindAddr_v13010 => fn bind_addr_v2(st, h: CUmemGenericAllocationHandle, dev: CUdevice, mc_offset: usize, ptr: CUdeviceptr, size: usize, flags: c_ulonglong) {
+        st.device(dev).map_err(|_| CUresult::CUDA_ERROR_INVALID_DEVICE)?;
+        let src = source_of_addr(st, ptr as usize, size)?;
+        bind(st, h, Some(dev), mc_offset, src, size, flags)
+    }
+    cuMulticastUnbind @ 12010 as PFN_cuMulticastUnbind_v12010 => fn unbind_(st, h: CUmemGenericAllocationHandle, dev: CUdevice, mc_offset: usize, size: usize) {
+        unbind(st, h, dev, mc_offset, size)
+    }
+}

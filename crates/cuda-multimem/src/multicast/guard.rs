@@ -1,0 +1,103 @@
+//! The site policy that keeps NVLink multicast off: `NCCL_NVLS_ENABLE=0` (NCCL's switch, set by
+//! sites for every library) or `CUDA_MULTIMEM_DISABLE_MULTICAST=1` (ours).
+//!
+//! The variables are read at every check, so a program (or a test harness) that changes them sees
+//! the change at once. The policy protects real hardware: a simulated driver creates no hardware
+//! multicast object, so it is exempt from the variables (that is how the `multicast` example and
+//! the suite exercise multicast on machines that forbid it). [`disable_multicast_on_this_thread`]
+//! refuses multicast on the calling thread for every driver, simulated or real — tests use it to
+//! check the refusal without touching the process environment that other tests share. Nothing can
+//! lift the variables' refusal for a real driver.
+
+use std::cell::Cell;
+
+use crate::{Driver, Error, Result};
+
+/// NCCL's switch: `NCCL_NVLS_ENABLE=0` turns NVLink SHARP / multicast off.
+pub const NVLS_ENABLE_ENV: &str = "NCCL_NVLS_ENABLE";
+/// This library's switch: `CUDA_MULTIMEM_DISABLE_MULTICAST=1` turns multicast off.
+pub const DISABLE_MULTICAST_ENV: &str = "CUDA_MULTIMEM_DISABLE_MULTICAST";
+
+thread_local! {
+    static FORCED_OFF: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Why the environment forbids multicast, reading the variables through `lookup` (a pure function
+/// of the values, so it is testable without changing the process environment).
+///
+/// `NCCL_NVLS_ENABLE` disables when it is `0` (as NCCL reads it: an integer, zero is off).
+/// `CUDA_MULTIMEM_DISABLE_MULTICAST` disables for any value except empty, `0`, `false`, `no` and
+/// `off` — an unrecognised value fails safe.
+pub fn policy_from(lookup: impl Fn(&str) -> Option<String>) -> std::result::Result<(), String> {
+    if let Some(v) = lookup(NVLS_ENABLE_ENV) {
+        if v.trim().parse::<i64>() == Ok(0) {
+            return Err(format!("{NVLS_ENABLE_ENV}={v} is set"));
+        }
+    }
+    if let Some(v) = lookup(DISABLE_MULTICAST_ENV) {
+        let t = v.trim().to_ascii_lowercase();
+        if !matches!(t.as_str(), "" | "0" | "false" | "no" | "off") {
+            return Err(format!("{DISABLE_MULTICAST_ENV}={v} is set"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether this process's environment allows NVLink multicast on real GPUs: `Ok(())`, or the
+/// reason it does not, naming the variable (`NCCL_NVLS_ENABLE=0 is set`). Also refused while
+/// [`disable_multicast_on_this_thread`] is in force on the calling thread. `cargo xtask info`
+/// prints this.
+pub fn multicast_allowed() -> std::result::Result<(), String> {
+    if FORCED_OFF.with(|c| c.get()) > 0 {
+        return Err(
+            "multicast is disabled on this thread (disable_multicast_on_this_thread)".into(),
+        );
+    }
+    policy_from(|k| std::env::var(k).ok())
+}
+
+/// Whether `driver` may create multicast objects and multicast endpoints: the environment decides
+/// for a real driver ([`multicast_allowed`]); a simulated driver is refused only under
+/// [`disable_multicast_on_this_thread`].
+pub fn multicast_allowed_for(driver: &Driver) -> std::result::Result<(), String> {
+    if FORCED_OFF.with(|c| c.get()) > 0 {
+        return Err(
+            "multicast is disabled on this thread (disable_multicast_on_this_thread)".into(),
+        );
+    }
+    if driver.is_simulated() {
+        return Ok(());
+    }
+    policy_from(|k| std::env::var(k).ok())
+}
+
+/// Check the policy before any driver call of `what`.
+pub(crate) fn check(driver: &Driver, what: &'static str) -> Result<()> {
+    multicast_allowed_for(driver).map_err(|reason| Error::Disabled {
+        feature: what,
+        reason,
+    })
+}
+
+/// While the returned value lives, the calling thread behaves as if `CUDA_MULTIMEM_DISABLE_MULTICAST=1`
+/// were set, for every driver (simulated ones included). Nests.
+#[must_use = "multicast is disabled only while the returned guard lives"]
+pub fn disable_multicast_on_this_thread() -> MulticastOff {
+    FORCED_OFF.with(|c| c.set(c.get() + 1));
+    MulticastOff {
+        _not_send: std::marker::PhantomData,
+    }
+}
+
+/// Returned by [`disable_multicast_on_this_thread`]; multicast comes back (as far as the
+/// environment allows) when it is dropped. Tied to its thread.
+#[derive(Debug)]
+pub struct MulticastOff {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for MulticastOff {
+    fn drop(&mut self) {
+        FORCED_OFF.with(|c| c.set(c.get().saturating_sub(1)));
+    }
+}

@@ -1267,3 +1267,26 @@ fn a_second_device_takes_prefetches_and_advice() {
     s1.synchronize().unwrap();
     assert_eq!(buf.host_slice().unwrap(), &data[..]);
 }
+
+#[test]
+fn host_access_waits_for_queued_work_without_waking_idle_devices() {
+    let e = sim(SimConfig::new(2, 13000));
+    let sim = e.sim.as_ref().unwrap();
+    let d = device0(&e);
+    let s = Stream::new(&d).unwrap();
+    let mut buf = ManagedBuffer::new(&d, 32 * MIB).unwrap();
+    buf.host_slice_mut().unwrap().fill(1);
+    let rs = ranges(&buf, 16, 2 * MIB);
+    managed::discard_many(&rs, &s).unwrap();
+    // No synchronize: host access itself waits for the queued discard.
+    assert!(buf
+        .host_slice()
+        .unwrap()
+        .iter()
+        .all(|&b| b == DISCARD_POISON));
+    assert_eq!(
+        sim.live_resources().get("primary contexts"),
+        Some(&1),
+        "device 1 was never used and gets no context"
+    );
+}

@@ -183,15 +183,27 @@ impl ManagedBuffer {
         super::discard_and_prefetch(self.range(), location, stream)
     }
 
-    /// Wait for all work queued on every device of the driver, so no range operation or
-    /// copy is still pending on this memory.
+    /// Wait for all work queued on every device of the driver whose primary context is active
+    /// (work can be queued nowhere else), so no range operation or copy is still pending on
+    /// this memory. Devices without an active context are left alone (no context is created).
     fn quiesce(&self) -> Result<()> {
         for d in self.device.driver().devices() {
+            let (mut flags, mut active) = (0u32, 0i32);
+            // SAFETY: two plain values written through valid pointers.
+            unsafe {
+                cu!(
+                    d.driver(),
+                    cuDevicePrimaryCtxGetState(d.ordinal(), &mut flags, &mut active)
+                )
+            }?;
+            if active == 0 {
+                continue;
+            }
             d.bind()?;
             // SAFETY: a context is current; the call only waits.
             unsafe { cu!(d.driver(), cuCtxSynchronize_v2000()) }?;
         }
-        Ok(())
+        self.device.bind()
     }
 
     fn check_host_access(&self) -> Result<()> {

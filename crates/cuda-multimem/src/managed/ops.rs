@@ -15,11 +15,26 @@ const BATCH_ABI: i32 = 13000;
 
 /// The mean range size from which [`PrefetchPolicy::Auto`] uses the batch call: 1 MiB.
 ///
-/// Measured on an H200 with driver 13.0 (ANCHORS.md), for ranges first touched on the host and
-/// moved to GPU 0: 4096 ranges of 64 KiB took 132 ms as a loop of `cuMemPrefetchAsync` and
+/// The anchor measurements (ANCHORS.md; H200, driver 13.0, ranges first touched on the host and
+/// moved to GPU 0): 4096 ranges of 64 KiB took 132 ms as a loop of `cuMemPrefetchAsync` and
 /// 136–149 ms as one `cuMemPrefetchBatchAsync` (the batch is no faster); 2048 ranges of 2 MiB
-/// took 234–253 ms as a loop and 173–188 ms as a batch (the batch is about 25 % faster). The
-/// threshold sits between the two measured sizes.
+/// took 234–253 ms as a loop and 173–188 ms as a batch (the batch is about 25 % faster).
+///
+/// Our own run through this API (2026-11-30, `nvidia-h200-x2`, driver 13.0, same setup, two runs
+/// each) puts the crossover between 256 KiB and 1 MiB:
+///
+/// | ranges | loop | batch |
+/// | --- | --- | --- |
+/// | 4096 × 32 KiB | 139–142 ms | 171–172 ms |
+/// | 4096 × 64 KiB | 123–129 ms | 131–137 ms |
+/// | 4096 × 128 KiB | 178–179 ms | 189–195 ms |
+/// | 1024 × 256 KiB | 37–39 ms | 46–50 ms |
+/// | 512 × 1 MiB | 49–50 ms | 30–31 ms |
+/// | 1024 × 2 MiB | 119–134 ms | 85–86 ms |
+/// | 16 × 2 MiB | 1.9–2.1 ms | 1.6 ms |
+///
+/// (One run of 256 × 256 KiB favoured the batch, 17 ms against 10 ms; the larger 256 KiB run
+/// above did not.) Hence: batch from a mean of 1 MiB, loop below.
 pub const AUTO_BATCH_MIN_MEAN_RANGE: usize = 1 << 20;
 
 /// How [`prefetch_many_with`] issues many prefetches.

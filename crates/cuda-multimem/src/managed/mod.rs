@@ -14,6 +14,26 @@
 //! - Range operations ([`prefetch`], [`discard`], [`discard_and_prefetch`] and their `_many`
 //!   forms) are stream-ordered: they are queued on a [`Stream`](crate::Stream).
 //!
+//! ```
+//! use cuda_multimem::managed::{self, Location, ManagedBuffer};
+//! use cuda_multimem::{Driver, Stream};
+//!
+//! let driver = Driver::from_selection("sim:devices=1,version=13000")?; // or Driver::load()
+//! let gpu = driver.device(0)?;
+//! let stream = Stream::new(&gpu)?;
+//! let mut buf = ManagedBuffer::new(&gpu, 4 << 20)?;
+//! buf.host_slice_mut()?.fill(7);
+//! buf.set_preferred_location(Location::device(&gpu))?;
+//! // The whole buffer to the GPU, or parts of it, one call for many ranges:
+//! buf.prefetch(Location::device(&gpu), &stream)?;
+//! let halves = [buf.subrange(0, 2 << 20)?, buf.subrange(2 << 20, 2 << 20)?];
+//! managed::prefetch_many(&halves, &[Location::Host], &stream)?;
+//! stream.synchronize()?;
+//! assert_eq!(buf.last_prefetch_location()?, Some(Location::Host));
+//! assert!(buf.host_slice()?.iter().all(|&b| b == 7));
+//! # Ok::<(), cuda_multimem::Error>(())
+//! ```
+//!
 //! Driver versions: from CUDA 12.2 locations travel as `CUmemLocation` (host NUMA nodes
 //! included); before 12.2 the older `CUdevice` ABIs of `cuMemAdvise` and `cuMemPrefetchAsync`
 //! are used, and host-NUMA locations are [`Error::Unsupported`](crate::Error::Unsupported),

@@ -278,12 +278,14 @@ fn batch(
                 )
             )
         },
+        // SAFETY: as stated above the match.
         BatchOp::Discard => unsafe {
             cu!(
                 driver,
                 cuMemDiscardBatchAsync(ptrs.as_mut_ptr(), sizes.as_mut_ptr(), n, 0, stream.raw())
             )
         },
+        // SAFETY: as stated above the match.
         BatchOp::DiscardAndPrefetch => unsafe {
             cu!(
                 driver,

@@ -2,7 +2,9 @@
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
 
 mod allreduce;
+mod endpoint;
 mod loader;
 mod managed;
 mod multicast;
+mod team;
 mod vmm;

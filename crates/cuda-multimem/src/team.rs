@@ -287,6 +287,15 @@ impl std::fmt::Debug for Team {
     }
 }
 
+impl Drop for Team {
+    fn drop(&mut self) {
+        // Work queued by `store` finishes before its endpoint, bindings and memory go.
+        if let Some(s) = self.stream.get() {
+            let _ = s.synchronize();
+        }
+    }
+}
+
 impl Team {
     /// A builder for a team of `devices`.
     pub fn builder(devices: &[Device]) -> TeamBuilder {
@@ -405,11 +414,14 @@ impl Team {
                         self.stream.get_or_init(|| s)
                     }
                 };
+                // The driver reads the source in stream order: stage it in memory we own, so a
+                // failed synchronisation below cannot leave the driver reading the caller's slice.
+                let staging: Box<[u8]> = data.into();
                 let mut src = CUfabricCpyOperand {
                     type_: CUfabricCpyOperandType::CU_FABRIC_COPY_OPERAND_TYPE_POINTER,
                     ..Default::default()
                 };
-                src.op.ptr.ptr = data.as_ptr() as CUdeviceptr;
+                src.op.ptr.ptr = staging.as_ptr() as CUdeviceptr;
                 let mut dst = CUfabricCpyOperand {
                     type_: CUfabricCpyOperandType::CU_FABRIC_COPY_OPERAND_TYPE_LOGICAL_ENDPOINT,
                     ..Default::default()
@@ -425,7 +437,15 @@ impl Team {
                 // SAFETY: one operation; the source is readable for `size` bytes until the stream
                 // is synchronised below; the endpoint is live and bound.
                 unsafe { cu!(driver, cuFabricCpyBatchAsync(1, &mut op, 0, stream.raw())) }?;
-                stream.synchronize()
+                match stream.synchronize() {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        // The copy may still be in flight: the staging buffer must outlive it.
+                        // Leaked deliberately (only on this failure path).
+                        std::mem::forget(staging);
+                        Err(e)
+                    }
+                }
             }
         }
     }

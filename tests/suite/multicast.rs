@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use cuda_multimem::multicast::{
     disable_multicast_on_this_thread, multicast_allowed, multicast_allowed_for, policy_from,
     MulticastObject, MulticastSpec, DISABLE_MULTICAST_ENV, NVLS_ENABLE_ENV,
+    NVSHMEM_DISABLE_NVLS_ENV, TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV,
 };
 use cuda_multimem::sys::{CUdeviceptr, CUmulticastObjectProp, CUresult};
 use cuda_multimem::vmm::{Access, Granularity, HandleTypes, Location, Mapping, PhysicalAllocation};
@@ -702,6 +703,10 @@ fn the_policy_reads_both_variables_and_fails_safe() {
     );
     assert!(policy_from(with(DISABLE_MULTICAST_ENV, "0")).is_ok());
     assert!(policy_from(with(DISABLE_MULTICAST_ENV, "")).is_ok());
+    let e = policy_from(with(TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV, "1")).unwrap_err();
+    assert!(e.contains(TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV), "{e}");
+    let e = policy_from(with(NVSHMEM_DISABLE_NVLS_ENV, "1")).unwrap_err();
+    assert!(e.contains(NVSHMEM_DISABLE_NVLS_ENV), "{e}");
 }
 
 /// Child mode of the next test: the environment it was started with must give this answer.
@@ -734,6 +739,8 @@ fn the_environment_variables_are_read_at_each_call_in_a_fresh_process() {
             .args(["--exact", name, "--test-threads=1"])
             .env_remove(NVLS_ENABLE_ENV)
             .env_remove(DISABLE_MULTICAST_ENV)
+            .env_remove(TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV)
+            .env_remove(NVSHMEM_DISABLE_NVLS_ENV)
             .envs(vars.iter().copied())
             .env(CHILD_EXPECT, expect)
             .output()

@@ -38,15 +38,9 @@ fn granularity(d: &Device) -> (Value, Value) {
     )
 }
 
-/// Why multicast creation is refused by policy, if it is.
+/// Why multicast creation is refused by policy, if it is (the library's own guard decides).
 pub fn multicast_policy() -> Option<String> {
-    if std::env::var("NCCL_NVLS_ENABLE").is_ok_and(|v| v.trim() == "0") {
-        return Some("NCCL_NVLS_ENABLE=0 is set".into());
-    }
-    if std::env::var("CUDA_MULTIMEM_DISABLE_MULTICAST").is_ok_and(|v| v.trim() == "1") {
-        return Some("CUDA_MULTIMEM_DISABLE_MULTICAST=1 is set".into());
-    }
-    None
+    cuda_multimem::multicast::multicast_allowed().err()
 }
 
 /// Build the report.

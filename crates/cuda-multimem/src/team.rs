@@ -70,18 +70,15 @@ impl TeamBuilder {
     /// member's memory, and (multicast object) map the multicast range for all members. A failure
     /// half-way undoes what was done.
     pub fn build(&self) -> Result<Team> {
+        // Both backends are NVLink multicast: the guard comes before any driver call.
+        if let Some(d) = self.devices.first() {
+            crate::multicast::guard::check(d.driver(), "multicast teams")?;
+        }
         let driver = self.check_members()?;
         let backend = match self.backend {
             Some(b) => b,
             None => choose_backend(&driver, &self.devices)?,
         };
-        crate::multicast::guard::check(
-            &driver,
-            match backend {
-                Backend::MulticastObject => "multicast objects",
-                Backend::LogicalEndpoint => "multicast logical endpoints",
-            },
-        )?;
         match backend {
             Backend::MulticastObject => self.build_multicast(&driver),
             Backend::LogicalEndpoint => self.build_endpoint(&driver),

@@ -1,5 +1,7 @@
 //! The site policy that keeps NVLink multicast off: `NCCL_NVLS_ENABLE=0` (NCCL's switch, set by
-//! sites for every library) or `CUDA_MULTIMEM_DISABLE_MULTICAST=1` (ours).
+//! sites for every library) or `CUDA_MULTIMEM_DISABLE_MULTICAST=1` (ours); the other libraries'
+//! switches that such sites set alongside, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1` and
+//! `NVSHMEM_DISABLE_NVLS=1`, are honoured too.
 //!
 //! The variables are read at every check, so a program (or a test harness) that changes them sees
 //! the change at once. The policy protects real hardware: a simulated driver creates no hardware
@@ -18,6 +20,11 @@ pub const NVLS_ENABLE_ENV: &str = "NCCL_NVLS_ENABLE";
 /// This library's switch: `CUDA_MULTIMEM_DISABLE_MULTICAST=1` turns multicast off.
 pub const DISABLE_MULTICAST_ENV: &str = "CUDA_MULTIMEM_DISABLE_MULTICAST";
 
+/// PyTorch symmetric memory's switch, honoured as well.
+pub const TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV: &str = "TORCH_SYMM_MEM_DISABLE_MULTICAST";
+/// NVSHMEM's switch, honoured as well.
+pub const NVSHMEM_DISABLE_NVLS_ENV: &str = "NVSHMEM_DISABLE_NVLS";
+
 thread_local! {
     static FORCED_OFF: Cell<u32> = const { Cell::new(0) };
 }
@@ -26,18 +33,25 @@ thread_local! {
 /// of the values, so it is testable without changing the process environment).
 ///
 /// `NCCL_NVLS_ENABLE` disables when it is `0` (as NCCL reads it: an integer, zero is off).
-/// `CUDA_MULTIMEM_DISABLE_MULTICAST` disables for any value except empty, `0`, `false`, `no` and
-/// `off` — an unrecognised value fails safe.
+/// `CUDA_MULTIMEM_DISABLE_MULTICAST` (and `TORCH_SYMM_MEM_DISABLE_MULTICAST`,
+/// `NVSHMEM_DISABLE_NVLS`) disables for any value except empty, `0`, `false`, `no` and `off` — an
+/// unrecognised value fails safe.
 pub fn policy_from(lookup: impl Fn(&str) -> Option<String>) -> std::result::Result<(), String> {
     if let Some(v) = lookup(NVLS_ENABLE_ENV) {
         if v.trim().parse::<i64>() == Ok(0) {
             return Err(format!("{NVLS_ENABLE_ENV}={v} is set"));
         }
     }
-    if let Some(v) = lookup(DISABLE_MULTICAST_ENV) {
-        let t = v.trim().to_ascii_lowercase();
-        if !matches!(t.as_str(), "" | "0" | "false" | "no" | "off") {
-            return Err(format!("{DISABLE_MULTICAST_ENV}={v} is set"));
+    for var in [
+        DISABLE_MULTICAST_ENV,
+        TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV,
+        NVSHMEM_DISABLE_NVLS_ENV,
+    ] {
+        if let Some(v) = lookup(var) {
+            let t = v.trim().to_ascii_lowercase();
+            if !matches!(t.as_str(), "" | "0" | "false" | "no" | "off") {
+                return Err(format!("{var}={v} is set"));
+            }
         }
     }
     Ok(())

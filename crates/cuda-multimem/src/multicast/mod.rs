@@ -18,7 +18,8 @@ pub(crate) mod guard;
 
 pub use guard::{
     disable_multicast_on_this_thread, multicast_allowed, multicast_allowed_for, policy_from,
-    MulticastOff, DISABLE_MULTICAST_ENV, NVLS_ENABLE_ENV,
+    MulticastOff, DISABLE_MULTICAST_ENV, NVLS_ENABLE_ENV, NVSHMEM_DISABLE_NVLS_ENV,
+    TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV,
 };
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};

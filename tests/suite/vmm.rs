@@ -163,7 +163,7 @@ fn a_new_mapping_has_no_access_until_set_and_read_only_refuses_writes() {
 fn memory_comes_back_after_twenty_big_allocations() {
     let e = env();
     let dev = e.driver.device(0).unwrap();
-    let size = 256 * MIB;
+    let size = 1 << 30;
     // Warm up (contexts, driver pools), then measure.
     drop(
         VmmBuffer::new(
@@ -189,7 +189,7 @@ fn memory_comes_back_after_twenty_big_allocations() {
         drop(b);
     }
     let (free1, _) = dev.memory_info().unwrap();
-    // Other processes may use the GPU too: allow 64 MiB of noise, far less than 20 × 256 MiB.
+    // Other processes may use the GPU too: allow 64 MiB of noise, far less than 20 × 1 GiB.
     assert!(
         free1 + 64 * MIB >= free0,
         "memory did not come back: free {free0} before, {free1} after"
@@ -759,4 +759,406 @@ fn host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node() {
         .create(2 * MIB)
         .is_err());
     let _ = Arc::strong_count(&a);
+}
+
+/// Environment variable that makes [`posix_fd_child_process`] the child half of
+/// [`a_posix_fd_shares_an_allocation_with_another_process`]: the number of the inherited socket.
+const CHILD_SOCKET_ENV: &str = "CUDA_MULTIMEM_TEST_VMM_CHILD_SOCKET";
+
+/// Send `data` and one fd over a Unix socket (SCM_RIGHTS).
+fn send_fd(sock: std::os::fd::RawFd, fd: std::os::fd::RawFd, data: &[u8]) {
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: an all-zero msghdr is valid; the fields set below point at live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer has room for one header with one int (CMSG_SPACE above).
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, fd);
+        assert_eq!(
+            libc::sendmsg(sock, &msg, 0),
+            data.len() as isize,
+            "sendmsg: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Receive up to `buf.len()` bytes and one fd (SCM_RIGHTS).
+fn recv_fd(sock: std::os::fd::RawFd, buf: &mut [u8]) -> (usize, std::os::fd::OwnedFd) {
+    use std::os::fd::FromRawFd;
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: an all-zero msghdr is valid; the fields set below point at live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the buffers are live; the kernel writes at most their sizes.
+    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    assert!(n > 0, "recvmsg: {}", std::io::Error::last_os_error());
+    // SAFETY: the kernel filled the control buffer; we check the header before reading the fd.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        assert!(
+            !c.is_null() && (*c).cmsg_type == libc::SCM_RIGHTS,
+            "no fd received"
+        );
+        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
+        (n as usize, std::os::fd::OwnedFd::from_raw_fd(fd))
+    }
+}
+
+#[test]
+fn a_posix_fd_shares_an_allocation_with_another_process() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    const NAME: &str = "a_posix_fd_shares_an_allocation_with_another_process";
+    let e = env();
+    let d = &e.driver;
+    if !d.device(0).unwrap().supports_posix_fd_handle().unwrap() {
+        return skip(NAME, "device 0 has no POSIX-fd handle support");
+    }
+    let size = 2 * gran(d);
+    let a = PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(HandleTypes::POSIX_FD)
+        .create(size)
+        .unwrap();
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    let seed = 0x5eed_u64;
+    htod(d, m.device_ptr(), &random(size, seed)).unwrap();
+    let fd = a.export_posix_fd().unwrap();
+
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let child_fd = theirs.as_raw_fd();
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "vmm::posix_fd_child_process",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_SOCKET_ENV, child_fd.to_string())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    // SAFETY: between fork and exec only async-signal-safe fcntl calls run; they touch the
+    // child's copy of the socket fd, so it survives exec there (and nowhere else).
+    unsafe {
+        cmd.pre_exec(move || {
+            let f = libc::fcntl(child_fd, libc::F_GETFD);
+            if f < 0 || libc::fcntl(child_fd, libc::F_SETFD, f & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    drop(theirs);
+    let mut msg = [0u8; 16];
+    msg[..8].copy_from_slice(&(size as u64).to_le_bytes());
+    msg[8..].copy_from_slice(&seed.to_le_bytes());
+    send_fd(mine.as_raw_fd(), fd.as_raw_fd(), &msg);
+    drop(fd); // the child holds its own copy now
+    let mut reply = Vec::new();
+    (&mine).read_to_end(&mut reply).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let log = format!(
+        "child stdout:\n{}\nchild stderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "child failed ({}):\n{log}",
+        out.status
+    );
+    assert_eq!(reply, b"ok", "child reply; {log}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the child test did not run: {log}"
+    );
+    // The child wrote the complement of what it read.
+    let expected: Vec<u8> = random(size, seed).iter().map(|b| !b).collect();
+    let mut back = vec![0u8; size];
+    dtoh(d, &mut back, m.device_ptr()).unwrap();
+    assert!(
+        back == expected,
+        "the child's writes are not visible to the parent"
+    );
+}
+
+/// The child half of [`a_posix_fd_shares_an_allocation_with_another_process`]: receives the fd,
+/// imports and maps it, checks the parent's data, writes its complement, replies "ok".
+#[test]
+#[ignore = "child process of a_posix_fd_shares_an_allocation_with_another_process; runs only when spawned by it"]
+fn posix_fd_child_process() {
+    use std::io::Write;
+    use std::os::fd::{AsFd, FromRawFd};
+    let Some(sock) = std::env::var(CHILD_SOCKET_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    else {
+        return skip(
+            "posix_fd_child_process",
+            "the child half of a_posix_fd_shares_an_allocation_with_another_process; runs only when spawned by it",
+        );
+    };
+    // SAFETY: the parent passed us this socket fd, inherited, owned by nobody else here.
+    let mut sock = unsafe { std::os::unix::net::UnixStream::from_raw_fd(sock) };
+    let mut msg = [0u8; 16];
+    let (n, fd) = recv_fd(std::os::fd::AsRawFd::as_raw_fd(&sock), &mut msg);
+    assert_eq!(n, 16);
+    let size = u64::from_le_bytes(msg[..8].try_into().unwrap()) as usize;
+    let seed = u64::from_le_bytes(msg[8..].try_into().unwrap());
+    let e = env();
+    let d = &e.driver;
+    let a = PhysicalAllocation::import_posix_fd(d, fd.as_fd(), size).unwrap();
+    drop(fd);
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    let mut got = vec![0u8; size];
+    dtoh(d, &mut got, m.device_ptr()).unwrap();
+    assert!(
+        got == random(size, seed),
+        "the child does not see the parent's data"
+    );
+    let flipped: Vec<u8> = got.iter().map(|b| !b).collect();
+    htod(d, m.device_ptr(), &flipped).unwrap();
+    // Make sure the writes landed before telling the parent.
+    let mut again = vec![0u8; size];
+    dtoh(d, &mut again, m.device_ptr()).unwrap();
+    assert!(again == flipped);
+    drop((m, a));
+    sock.write_all(b"ok").unwrap();
+}
+
+/// Call a raw driver entry point and return its status.
+macro_rules! raw {
+    ($d:expr, $f:ident ( $($a:expr),* $(,)? )) => {{
+        let f = $d.sys().$f().unwrap();
+        // SAFETY: every pointer argument points at a live local of the right type.
+        unsafe { f($($a),*) }
+    }};
+}
+
+#[test]
+fn the_driver_rules_hold_at_the_raw_calls() {
+    use cuda_multimem::sys::{
+        CUmemAccessDesc, CUmemAccess_flags, CUmemAllocationHandleType, CUmemAllocationProp,
+        CUmemGenericAllocationHandle,
+    };
+    let e = env();
+    let d = &e.driver;
+    d.device(0).unwrap().bind().unwrap();
+    let g = gran(d);
+    let spec = AllocationSpec {
+        handle_types: HandleTypes::POSIX_FD,
+        ..AllocationSpec::device(0)
+    };
+    let prop = spec.raw();
+    let mut h: CUmemGenericAllocationHandle = 0;
+    let ok = CUresult::CUDA_SUCCESS;
+    let invalid = CUresult::CUDA_ERROR_INVALID_VALUE;
+    assert_eq!(
+        raw!(d, cuMemCreate(&mut h, g + 4096, &prop, 0)),
+        invalid,
+        "unaligned size"
+    );
+    assert_eq!(
+        raw!(d, cuMemCreate(&mut h, 0, &prop, 0)),
+        invalid,
+        "zero size"
+    );
+    let mut bad_dev = prop;
+    bad_dev.location.__bindgen_anon_1.id = d.device_count() as i32;
+    assert_eq!(
+        raw!(d, cuMemCreate(&mut h, g, &bad_dev, 0)),
+        CUresult::CUDA_ERROR_INVALID_DEVICE
+    );
+    assert_eq!(raw!(d, cuMemCreate(&mut h, g, &prop, 0)), ok);
+
+    // Properties come back as created.
+    let mut got = CUmemAllocationProp::default();
+    assert_eq!(
+        raw!(d, cuMemGetAllocationPropertiesFromHandle(&mut got, h)),
+        ok
+    );
+    assert_eq!(got.requestedHandleTypes, prop.requestedHandleTypes);
+    assert_eq!(Location::from_raw(&got.location), Some(Location::Device(0)));
+
+    let mut va: CUdeviceptr = 0;
+    assert_eq!(raw!(d, cuMemAddressReserve(&mut va, 2 * g, 0, 0, 0)), ok);
+    assert_eq!(raw!(d, cuMemMap(va, g, 0, h, 0)), ok);
+    assert_eq!(raw!(d, cuMemMap(va, g, 0, h, 0)), invalid, "double map");
+    assert_ne!(
+        raw!(d, cuMemMap(va + g as u64, 2 * g, 0, h, 0)),
+        ok,
+        "past the reservation and the allocation"
+    );
+    let rw = CUmemAccessDesc {
+        location: Location::Device(0).raw(),
+        flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    assert_eq!(
+        raw!(d, cuMemSetAccess(va, g / 2, &rw, 1)),
+        invalid,
+        "part of a mapping"
+    );
+    assert_eq!(
+        raw!(d, cuMemSetAccess(va, 2 * g, &rw, 1)),
+        invalid,
+        "past the mapped range"
+    );
+    assert_eq!(raw!(d, cuMemSetAccess(va, g, &rw, 1)), ok);
+    let mut flags = 0u64;
+    let l0 = Location::Device(0).raw();
+    assert_eq!(raw!(d, cuMemGetAccess(&mut flags, &l0, va)), ok);
+    assert_eq!(
+        flags,
+        CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE.0 as u64
+    );
+    assert_eq!(
+        raw!(d, cuMemGetAccess(&mut flags, &l0, va + g as u64)),
+        invalid,
+        "unmapped address"
+    );
+
+    // Retain gives a handle to the same allocation, which needs its own release.
+    let mut h2: CUmemGenericAllocationHandle = 0;
+    assert_eq!(
+        raw!(
+            d,
+            cuMemRetainAllocationHandle(&mut h2, va as usize as *mut std::ffi::c_void)
+        ),
+        ok
+    );
+    assert_eq!(
+        raw!(d, cuMemGetAllocationPropertiesFromHandle(&mut got, h2)),
+        ok
+    );
+    assert_eq!(got.requestedHandleTypes, prop.requestedHandleTypes);
+    assert_eq!(raw!(d, cuMemRelease(h2)), ok);
+
+    // An export of a type not chosen at creation fails; the chosen one works.
+    let mut fab = cuda_multimem::sys::CUmemFabricHandle::default();
+    assert_eq!(
+        raw!(
+            d,
+            cuMemExportToShareableHandle(
+                (&mut fab as *mut cuda_multimem::sys::CUmemFabricHandle).cast(),
+                h,
+                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+                0
+            )
+        ),
+        invalid
+    );
+    let mut fd: i32 = -1;
+    assert_eq!(
+        raw!(
+            d,
+            cuMemExportToShareableHandle(
+                (&mut fd as *mut i32).cast(),
+                h,
+                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0
+            )
+        ),
+        ok
+    );
+    assert!(fd >= 0);
+    // SAFETY: the driver gave us this fd.
+    drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+
+    // The handle may go while mapped; the reservation may not be freed while mapped.
+    assert_eq!(raw!(d, cuMemRelease(h)), ok);
+    assert_eq!(raw!(d, cuMemRelease(h)), invalid, "released twice");
+    assert_eq!(
+        raw!(d, cuMemAddressFree(va, 2 * g)),
+        invalid,
+        "freed while mapped"
+    );
+    assert_eq!(raw!(d, cuMemUnmap(va, g / 2)), invalid, "part of a mapping");
+    assert_eq!(raw!(d, cuMemUnmap(va, g)), ok);
+    assert_eq!(raw!(d, cuMemAddressFree(va, g)), invalid, "wrong size");
+    assert_eq!(raw!(d, cuMemAddressFree(va, 2 * g)), ok);
+    if let Some(s) = &e.sim {
+        assert!(
+            s.live_resources().keys().all(|k| !k.starts_with("vmm")),
+            "{:?}",
+            s.live_resources()
+        );
+    }
+}
+
+#[test]
+fn a_device_without_vmm_refuses_physical_allocations() {
+    let e = sim(SimConfig::new(1, 13000).with_all(|d| d.vmm = false));
+    let r = PhysicalAllocation::builder(&e.driver, Location::Device(0)).create(2 * MIB);
+    assert!(
+        matches!(
+            r,
+            Err(Error::Driver {
+                code: CUresult::CUDA_ERROR_NOT_SUPPORTED,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(!e.driver.device(0).unwrap().supports_vmm().unwrap());
+}
+
+#[test]
+fn host_allocations_are_mapped_for_a_device_and_cannot_be_exported() {
+    const NAME: &str = "host_allocations_are_mapped_for_a_device_and_cannot_be_exported";
+    let e = env();
+    let d = &e.driver;
+    let host_vmm = d
+        .device(0)
+        .unwrap()
+        .attribute_opt(cuda_multimem::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+        .unwrap()
+        .unwrap_or(0)
+        != 0;
+    let r = PhysicalAllocation::builder(d, Location::Host).create(2 * MIB);
+    if !host_vmm {
+        assert!(r.is_err(), "host VMM unsupported but created");
+        return skip(NAME, "the driver has no host VMM allocations");
+    }
+    let a = r.unwrap();
+    assert_eq!(a.spec().location, Location::Host);
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    let data = random(a.size(), 15);
+    htod(d, m.device_ptr(), &data).unwrap();
+    let mut back = vec![0u8; a.size()];
+    dtoh(d, &mut back, m.device_ptr()).unwrap();
+    assert!(back == data);
+    assert!(matches!(
+        PhysicalAllocation::builder(d, Location::Host)
+            .handle_types(HandleTypes::FABRIC)
+            .create(2 * MIB),
+        Err(Error::InvalidArgument {
+            arg: "handle_types",
+            ..
+        })
+    ));
 }

@@ -171,9 +171,6 @@ fn check_prop(
     if !prop.win32HandleMetaData.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    if ht & HT_FABRIC != 0 && st.version() < 12030 {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
     let (lt, id) = location(&prop.location);
     let g = granularity_for(st, lt, id, ht)?;
     Ok((lt, id, ht, g))
@@ -689,8 +686,12 @@ sim_api! {
         let (aid, a) = t.alloc_of(handle)?;
         let (min, _) = granularity_for(st, a.loc_type, a.loc_id, 0).unwrap_or(st.config.devices[0].granularity);
         let p = ptr as usize;
-        if p % min != 0 || size % min != 0 || offset % min != 0 || offset.checked_add(size).is_none_or(|e| e > a.size) {
+        if p % min != 0 || size % min != 0 || offset % min != 0 {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        // Measured on a 13.0 driver: a range past the allocation's end is "not supported".
+        if offset.checked_add(size).is_none_or(|e| e > a.size) {
+            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
         }
         let raw = a.fd.as_raw_fd();
         let device = (a.loc_type == LOC_DEVICE).then_some(a.loc_id);

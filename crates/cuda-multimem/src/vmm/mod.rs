@@ -47,7 +47,8 @@ pub enum Location {
 }
 
 impl Location {
-    pub(crate) fn raw(self) -> CUmemLocation {
+    /// The driver's location struct.
+    pub fn raw(self) -> CUmemLocation {
         let mut l = CUmemLocation::default();
         let (t, id) = match self {
             Location::Device(d) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
@@ -59,7 +60,8 @@ impl Location {
         l
     }
 
-    pub(crate) fn from_raw(l: &CUmemLocation) -> Option<Location> {
+    /// From the driver's location struct (`None` for types other than device, host, host NUMA).
+    pub fn from_raw(l: &CUmemLocation) -> Option<Location> {
         // SAFETY: `id` is the union member for device, host and host-NUMA locations; reading an
         // int is valid for any bit pattern.
         let id = unsafe { l.__bindgen_anon_1.id };

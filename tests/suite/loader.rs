@@ -258,3 +258,28 @@ fn the_driver_answers_missing_symbols_as_the_loader_expects() {
     assert_eq!(rc, cuda_multimem_sys::CUresult::CUDA_ERROR_INVALID_VALUE);
     assert!(null);
 }
+
+#[test]
+fn a_failing_proc_address_call_is_not_cached() {
+    let (sim, d) = sim_driver(13000);
+    sim.inject_failure(cuda_multimem_sim::FailurePlan {
+        call: Some("cuGetProcAddress".into()),
+        skip: 0,
+        code: cuda_multimem_sys::CUresult::CUDA_ERROR_NOT_INITIALIZED,
+    });
+    let e = d.cuStreamCreate().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LoadError::Driver {
+                call: "cuGetProcAddress",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        d.cuStreamCreate().is_ok(),
+        "a transient failure must not stick to the symbol"
+    );
+}

@@ -13,6 +13,7 @@ fn feature(available: bool, why_not: impl Into<String>) -> Value {
     }
 }
 
+#[allow(clippy::field_reassign_with_default)] // an FFI struct with a union, filled field by field
 fn granularity(d: &Device) -> (Value, Value) {
     use cuda_multimem::sys::*;
     let mut prop = CUmemAllocationProp::default();

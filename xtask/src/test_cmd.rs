@@ -23,7 +23,7 @@ impl Tally {
         for line in output.lines() {
             let l = line.trim();
             if let Some(rest) = l.strip_prefix("test result: ") {
-                for part in rest.split(|c| c == ';' || c == '.') {
+                for part in rest.split([';', '.']) {
                     let mut it = part.split_whitespace();
                     let (Some(n), Some(what)) = (it.next(), it.next()) else {
                         continue;

@@ -307,7 +307,18 @@ impl Driver {
     /// Resolve row `index` of [`SYMBOLS`] as an untyped address.
     pub fn raw(&self, index: usize) -> Result<*mut c_void, LoadError> {
         let info = &SYMBOLS[index];
-        let r = *self.slots[index].get_or_init(|| self.lookup(info));
+        // Definitive answers (an address, or a symbol the driver lacks) are cached; a failing
+        // cuGetProcAddress call itself (a transient status) is not, so a later call asks again.
+        let r = match self.slots[index].get() {
+            Some(r) => *r,
+            None => {
+                let r = self.lookup(info);
+                if !matches!(r, Err(MissOrCode::Code(_))) {
+                    let _ = self.slots[index].set(r);
+                }
+                r
+            }
+        };
         match r {
             Ok(p) => Ok(p as *mut c_void),
             Err(MissOrCode::Miss(reason)) => Err(LoadError::Unsupported {

@@ -1089,6 +1089,32 @@ fn the_driver_rules_hold_at_the_raw_calls() {
     // SAFETY: the driver gave us this fd.
     drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
 
+    // Garbage shareable handles: an fd number that is not open, a fabric handle of zeros.
+    let mut imported: CUmemGenericAllocationHandle = 0;
+    let not_open = 1_000_000usize as *mut std::ffi::c_void;
+    assert_ne!(
+        raw!(
+            d,
+            cuMemImportFromShareableHandle(
+                &mut imported,
+                not_open,
+                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            )
+        ),
+        ok
+    );
+    let mut zeros = cuda_multimem::sys::CUmemFabricHandle::default();
+    assert_ne!(
+        raw!(
+            d,
+            cuMemImportFromShareableHandle(
+                &mut imported,
+                (&mut zeros as *mut cuda_multimem::sys::CUmemFabricHandle).cast(),
+                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC
+            )
+        ),
+        ok
+    );
     // The handle may go while mapped; the reservation may not be freed while mapped.
     assert_eq!(raw!(d, cuMemRelease(h)), ok);
     assert_eq!(raw!(d, cuMemRelease(h)), invalid, "released twice");

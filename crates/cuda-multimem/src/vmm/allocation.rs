@@ -197,6 +197,11 @@ impl AllocationBuilder {
 
     /// The size `create(size)` would allocate.
     pub fn rounded_size(&self, size: usize) -> Result<usize> {
+        Ok(self.rounded(size)?.0)
+    }
+
+    /// The rounded size and the minimum granularity.
+    fn rounded(&self, size: usize) -> Result<(usize, usize)> {
         if size == 0 {
             return Err(Error::invalid("size", "0 bytes; expected at least 1"));
         }
@@ -206,8 +211,14 @@ impl AllocationBuilder {
             Rounding::UpToRecommended => (Granularity::Recommended, true),
         };
         let g = self.spec.granularity(&self.driver, which)?;
+        let min = match which {
+            Granularity::Minimum => g,
+            Granularity::Recommended => {
+                self.spec.granularity(&self.driver, Granularity::Minimum)?
+            }
+        };
         if size % g == 0 {
-            return Ok(size);
+            return Ok((size, min));
         }
         if !round {
             return Err(Error::invalid(
@@ -215,17 +226,19 @@ impl AllocationBuilder {
                 format!("{size} bytes is not a multiple of the allocation granularity {g}"),
             ));
         }
-        size.checked_next_multiple_of(g).ok_or_else(|| {
-            Error::invalid(
-                "size",
-                format!("{size} bytes overflows when rounded to {g}"),
-            )
-        })
+        size.checked_next_multiple_of(g)
+            .map(|s| (s, min))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "size",
+                    format!("{size} bytes overflows when rounded to {g}"),
+                )
+            })
     }
 
     /// Allocate `size` bytes (`cuMemCreate`), rounded as the policy says.
     pub fn create(&self, size: usize) -> Result<Arc<PhysicalAllocation>> {
-        let size = self.rounded_size(size)?;
+        let (size, granularity) = self.rounded(size)?;
         let prop = self.spec.raw();
         let mut h: CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer and property block; flags must be 0.
@@ -235,6 +248,7 @@ impl AllocationBuilder {
             handle: h,
             size,
             spec: self.spec,
+            granularity,
         }))
     }
 }
@@ -248,6 +262,8 @@ pub struct PhysicalAllocation {
     handle: CUmemGenericAllocationHandle,
     size: usize,
     spec: AllocationSpec,
+    /// Minimum granularity, asked once.
+    granularity: usize,
 }
 
 impl std::fmt::Debug for PhysicalAllocation {
@@ -294,9 +310,10 @@ impl PhysicalAllocation {
         &self.driver
     }
 
-    /// The minimum granularity of this allocation: offsets and sizes of mappings are multiples.
-    pub fn granularity(&self) -> Result<usize> {
-        self.spec.granularity(&self.driver, Granularity::Minimum)
+    /// The minimum granularity of this allocation: offsets and sizes of mappings are multiples
+    /// of it (asked of the driver once, when the allocation was made or imported).
+    pub fn granularity(&self) -> usize {
+        self.granularity
     }
 
     /// Export as a POSIX file descriptor (needs [`HandleTypes::posix_fd`] at creation). Another
@@ -423,6 +440,7 @@ impl PhysicalAllocation {
             handle: h,
             size,
             spec: AllocationSpec::device(0),
+            granularity: 0,
         };
         let mut prop = CUmemAllocationProp::default();
         // SAFETY: valid out-pointer and a live handle.
@@ -434,7 +452,8 @@ impl PhysicalAllocation {
             handle_types: HandleTypes::from_raw(prop.requestedHandleTypes),
             gpu_direct_rdma: prop.allocFlags.gpuDirectRDMACapable != 0,
         };
-        let g = a.granularity()?;
+        let g = a.spec.granularity(driver, Granularity::Minimum)?;
+        a.granularity = g;
         if size % g != 0 {
             return Err(Error::invalid(
                 "size",

@@ -70,7 +70,7 @@ impl Mapping {
                 "0 bytes; expected at least one granule",
             ));
         }
-        let g = allocation.granularity()?;
+        let g = allocation.granularity();
         for (arg, v) in [
             ("size", size),
             ("reservation_offset", reservation_offset),

@@ -117,3 +117,13 @@ pub(crate) fn page_size() -> usize {
         4096
     }
 }
+
+// Other layers (multicast, endpoints, teams, the allreduce) share these across threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<PhysicalAllocation>();
+    send_sync::<Reservation>();
+    send_sync::<Mapping>();
+    send_sync::<VmmBuffer>();
+    send_sync::<AllocationBuilder>();
+};

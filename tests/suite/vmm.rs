@@ -761,12 +761,12 @@ fn host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node() {
     let _ = Arc::strong_count(&a);
 }
 
-/// Environment variable that makes [`posix_fd_child_process`] the child half of
-/// [`a_posix_fd_shares_an_allocation_with_another_process`]: the number of the inherited socket.
+/// Environment variable that makes [`shareable_handle_child_process`] the child half of the
+/// two-process tests: the number of the inherited socket.
 const CHILD_SOCKET_ENV: &str = "CUDA_MULTIMEM_TEST_VMM_CHILD_SOCKET";
 
-/// Send `data` and one fd over a Unix socket (SCM_RIGHTS).
-fn send_fd(sock: std::os::fd::RawFd, fd: std::os::fd::RawFd, data: &[u8]) {
+/// Send `data`, and `fd` if given, over a Unix socket (SCM_RIGHTS).
+fn send_msg(sock: std::os::fd::RawFd, fd: Option<std::os::fd::RawFd>, data: &[u8]) {
     let mut iov = libc::iovec {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
@@ -778,26 +778,30 @@ fn send_fd(sock: std::os::fd::RawFd, fd: std::os::fd::RawFd, data: &[u8]) {
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer has room for one header with one int (CMSG_SPACE above).
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, fd);
-        assert_eq!(
-            libc::sendmsg(sock, &msg, 0),
-            data.len() as isize,
-            "sendmsg: {}",
-            std::io::Error::last_os_error()
-        );
+    if let Some(fd) = fd {
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: the control buffer has room for one header with one int (CMSG_SPACE above).
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, fd);
+        }
     }
+    // SAFETY: msg points at live buffers.
+    let n = unsafe { libc::sendmsg(sock, &msg, 0) };
+    assert_eq!(
+        n,
+        data.len() as isize,
+        "sendmsg: {}",
+        std::io::Error::last_os_error()
+    );
 }
 
-/// Receive up to `buf.len()` bytes and one fd (SCM_RIGHTS).
-fn recv_fd(sock: std::os::fd::RawFd, buf: &mut [u8]) -> (usize, std::os::fd::OwnedFd) {
+/// Receive up to `buf.len()` bytes and an fd, if one came (SCM_RIGHTS).
+fn recv_msg(sock: std::os::fd::RawFd, buf: &mut [u8]) -> (usize, Option<std::os::fd::OwnedFd>) {
     use std::os::fd::FromRawFd;
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -815,45 +819,82 @@ fn recv_fd(sock: std::os::fd::RawFd, buf: &mut [u8]) -> (usize, std::os::fd::Own
     // SAFETY: the buffers are live; the kernel writes at most their sizes.
     let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
     assert!(n > 0, "recvmsg: {}", std::io::Error::last_os_error());
-    // SAFETY: the kernel filled the control buffer; we check the header before reading the fd.
-    unsafe {
+    // SAFETY: the kernel filled the control buffer; the header is checked before the fd is read.
+    let fd = unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
-        assert!(
-            !c.is_null() && (*c).cmsg_type == libc::SCM_RIGHTS,
-            "no fd received"
-        );
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
-        (n as usize, std::os::fd::OwnedFd::from_raw_fd(fd))
-    }
+        (!c.is_null() && (*c).cmsg_type == libc::SCM_RIGHTS).then(|| {
+            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
+            std::os::fd::OwnedFd::from_raw_fd(fd)
+        })
+    };
+    (n as usize, fd)
 }
 
-#[test]
-fn a_posix_fd_shares_an_allocation_with_another_process() {
+/// How the parent hands an allocation to the child.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Share {
+    /// A POSIX fd, passed with SCM_RIGHTS.
+    PosixFd,
+    /// The 64 bytes of a fabric handle, in the message.
+    Fabric,
+}
+
+/// The parent half of the two-process tests: allocate with the handle type, write random data,
+/// hand the handle to a child (this test binary, running [`shareable_handle_child_process`]),
+/// and check that the child saw the data and that its writes (the complement) are visible here.
+fn share_with_a_child_process(name: &str, share: Share) {
     use std::io::Read;
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
-    const NAME: &str = "a_posix_fd_shares_an_allocation_with_another_process";
     let e = env();
     let d = &e.driver;
-    if !d.device(0).unwrap().supports_posix_fd_handle().unwrap() {
-        return skip(NAME, "device 0 has no POSIX-fd handle support");
+    let dev = d.device(0).unwrap();
+    let (supported, types) = match share {
+        Share::PosixFd => (
+            dev.supports_posix_fd_handle().unwrap(),
+            HandleTypes::POSIX_FD,
+        ),
+        Share::Fabric => (dev.supports_fabric_handle().unwrap(), HandleTypes::FABRIC),
+    };
+    if !supported {
+        return skip(name, format!("device 0 does not support {share:?} handles"));
     }
     let size = 2 * gran(d);
-    let a = PhysicalAllocation::builder(d, Location::Device(0))
-        .handle_types(HandleTypes::POSIX_FD)
+    let a = match PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(types)
         .create(size)
-        .unwrap();
+    {
+        Ok(a) => a,
+        Err(Error::Driver { code, .. })
+            if share == Share::Fabric && code == CUresult::CUDA_ERROR_NOT_PERMITTED =>
+        {
+            return skip(
+                name,
+                "cuMemCreate with a fabric handle type is not permitted here (no IMEX channel)",
+            );
+        }
+        Err(e) => panic!("{e}"),
+    };
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
-    let seed = 0x5eed_u64;
+    let seed = 0x5eed_u64 + share as u64;
     htod(d, m.device_ptr(), &random(size, seed)).unwrap();
-    let fd = a.export_posix_fd().unwrap();
+    let mut msg = [0u8; 80];
+    msg[..8].copy_from_slice(&(size as u64).to_le_bytes());
+    msg[8..16].copy_from_slice(&seed.to_le_bytes());
+    let fd = match share {
+        Share::PosixFd => Some(a.export_posix_fd().unwrap()),
+        Share::Fabric => {
+            msg[16..].copy_from_slice(a.export_fabric().unwrap().as_bytes());
+            None
+        }
+    };
 
     let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
     let child_fd = theirs.as_raw_fd();
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
-        "vmm::posix_fd_child_process",
+        "vmm::shareable_handle_child_process",
         "--ignored",
         "--nocapture",
         "--test-threads=1",
@@ -874,10 +915,7 @@ fn a_posix_fd_shares_an_allocation_with_another_process() {
     }
     let child = cmd.spawn().unwrap();
     drop(theirs);
-    let mut msg = [0u8; 16];
-    msg[..8].copy_from_slice(&(size as u64).to_le_bytes());
-    msg[8..].copy_from_slice(&seed.to_le_bytes());
-    send_fd(mine.as_raw_fd(), fd.as_raw_fd(), &msg);
+    send_msg(mine.as_raw_fd(), fd.as_ref().map(|f| f.as_raw_fd()), &msg);
     drop(fd); // the child holds its own copy now
     let mut reply = Vec::new();
     (&mine).read_to_end(&mut reply).unwrap();
@@ -907,11 +945,27 @@ fn a_posix_fd_shares_an_allocation_with_another_process() {
     );
 }
 
-/// The child half of [`a_posix_fd_shares_an_allocation_with_another_process`]: receives the fd,
+#[test]
+fn a_posix_fd_shares_an_allocation_with_another_process() {
+    share_with_a_child_process(
+        "a_posix_fd_shares_an_allocation_with_another_process",
+        Share::PosixFd,
+    );
+}
+
+#[test]
+fn a_fabric_handle_shares_an_allocation_with_another_process() {
+    share_with_a_child_process(
+        "a_fabric_handle_shares_an_allocation_with_another_process",
+        Share::Fabric,
+    );
+}
+
+/// The child half of the two-process tests: receives the handle (an fd, or fabric bytes),
 /// imports and maps it, checks the parent's data, writes its complement, replies "ok".
 #[test]
-#[ignore = "child process of a_posix_fd_shares_an_allocation_with_another_process; runs only when spawned by it"]
-fn posix_fd_child_process() {
+#[ignore = "child process of the two-process sharing tests; runs only when spawned by them"]
+fn shareable_handle_child_process() {
     use std::io::Write;
     use std::os::fd::{AsFd, FromRawFd};
     let Some(sock) = std::env::var(CHILD_SOCKET_ENV)
@@ -919,21 +973,23 @@ fn posix_fd_child_process() {
         .and_then(|v| v.parse::<i32>().ok())
     else {
         return skip(
-            "posix_fd_child_process",
-            "the child half of a_posix_fd_shares_an_allocation_with_another_process; runs only when spawned by it",
+            "shareable_handle_child_process",
+            "the child half of the two-process sharing tests; runs only when spawned by them",
         );
     };
     // SAFETY: the parent passed us this socket fd, inherited, owned by nobody else here.
     let mut sock = unsafe { std::os::unix::net::UnixStream::from_raw_fd(sock) };
-    let mut msg = [0u8; 16];
-    let (n, fd) = recv_fd(std::os::fd::AsRawFd::as_raw_fd(&sock), &mut msg);
-    assert_eq!(n, 16);
+    let mut msg = [0u8; 80];
+    let (n, fd) = recv_msg(std::os::fd::AsRawFd::as_raw_fd(&sock), &mut msg);
+    assert_eq!(n, 80);
     let size = u64::from_le_bytes(msg[..8].try_into().unwrap()) as usize;
-    let seed = u64::from_le_bytes(msg[8..].try_into().unwrap());
+    let seed = u64::from_le_bytes(msg[8..16].try_into().unwrap());
     let e = env();
     let d = &e.driver;
-    let a = PhysicalAllocation::import_posix_fd(d, fd.as_fd(), size).unwrap();
-    drop(fd);
+    let a = match fd {
+        Some(fd) => PhysicalAllocation::import_posix_fd(d, fd.as_fd(), size).unwrap(),
+        None => PhysicalAllocation::import_fabric(d, &msg[16..], size).unwrap(),
+    };
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     let mut got = vec![0u8; size];
     dtoh(d, &mut got, m.device_ptr()).unwrap();

@@ -717,13 +717,15 @@ sim_api! {
         if let Some(r) = crate::multicast::mem_unmap(st, ptr as usize, size) {
             return r;
         }
+        // Work queued on the devices may still touch the range: let it finish first, before
+        // taking the VMM lock (a queued operation may need it). A failed operation's status
+        // stays with its stream; it does not stop the unmap.
+        for dev in 0..st.device_count() as i32 {
+            let _ = crate::stream::synchronize_device(st, dev);
+        }
         let vmm = st.ext::<Vmm>();
         let mut t = vmm.t.lock();
         let (rs, starts) = t.tiling(ptr as usize, size)?;
-        // Work queued on the device may still touch the range: let it finish first.
-        for dev in 0..st.device_count() as i32 {
-            crate::stream::synchronize_device(st, dev)?;
-        }
         reserve_fixed(ptr as usize, size)?;
         for s in starts {
             let m = t.reservations.get_mut(&rs).expect("found").mappings.remove(&s).expect("tiled");

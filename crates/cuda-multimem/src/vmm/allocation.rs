@@ -446,13 +446,20 @@ impl PhysicalAllocation {
         // SAFETY: valid out-pointer and a live handle.
         unsafe { cu!(driver, cuMemGetAllocationPropertiesFromHandle(&mut prop, h)) }?;
         a.spec = AllocationSpec {
-            location: super::Location::from_raw(&prop.location).ok_or_else(|| {
+            location: Location::from_raw(&prop.location).ok_or_else(|| {
                 Error::invalid("handle", "the imported allocation has an unknown location")
             })?,
             handle_types: HandleTypes::from_raw(prop.requestedHandleTypes),
             gpu_direct_rdma: prop.allocFlags.gpuDirectRDMACapable != 0,
         };
-        let g = a.spec.granularity(driver, Granularity::Minimum)?;
+        // The exporter's device ordinal may not exist here (another node of the fabric): then
+        // the granularity of this process's device 0 stands in.
+        let g = match a.spec.location {
+            Location::Device(dev) if dev < 0 || dev as usize >= driver.device_count() => {
+                AllocationSpec::device(0).granularity(driver, Granularity::Minimum)?
+            }
+            _ => a.spec.granularity(driver, Granularity::Minimum)?,
+        };
         a.granularity = g;
         if size % g != 0 {
             return Err(Error::invalid(

@@ -7,14 +7,46 @@
 //! while it is mapped. When the last owner of each goes, `cuMemUnmap`, `cuMemAddressFree` and
 //! `cuMemRelease` run, and the device memory is free again (`cuMemGetInfo` shows it).
 //!
-//! ```no_run
-//! use cuda_multimem::vmm::{Access, Location, Mapping, PhysicalAllocation};
-//! let driver = cuda_multimem::Driver::from_env()?;
-//! let alloc = PhysicalAllocation::builder(&driver, Location::Device(0)).create(2 << 20)?;
-//! let mapping = Mapping::map_whole(&alloc, &[(Location::Device(0), Access::ReadWrite)])?;
-//! println!("{:#x}", mapping.device_ptr());
+//! ```
+//! use cuda_multimem::vmm::{
+//!     Access, HandleTypes, Location, Mapping, PhysicalAllocation, Reservation, VmmBuffer,
+//! };
+//! use cuda_multimem::Driver;
+//!
+//! let driver = Driver::from_selection("sim:devices=2,version=13000")?; // or Driver::load()
+//! // Physical memory on device 0, exportable to other processes as a POSIX fd.
+//! let alloc = PhysicalAllocation::builder(&driver, Location::Device(0))
+//!     .handle_types(HandleTypes::POSIX_FD)
+//!     .create(3 << 20)?; // rounded up to the granularity (2 MiB here): 4 MiB
+//! assert_eq!(alloc.size(), 4 << 20);
+//! // Reserve, map, grant access: device 0 reads and writes, device 1 (a peer) reads.
+//! let range = Reservation::new(&driver, alloc.size())?;
+//! let mapping = Mapping::new(&range, 0, &alloc, 0, alloc.size())?;
+//! mapping.set_access(&[
+//!     (Location::Device(0), Access::ReadWrite),
+//!     (Location::Device(1), Access::ReadOnly),
+//! ])?;
+//! let fd = alloc.export_posix_fd()?; // send it to another process (SCM_RIGHTS)
+//! drop((alloc, range)); // the mapping keeps both alive ...
+//! assert_eq!(mapping.access(Location::Device(1))?, Access::ReadOnly);
+//! drop(mapping); // ... until now: unmap, free the range, release the memory
+//! # drop(fd);
+//!
+//! // A buffer that grows and keeps its contents.
+//! let builder = PhysicalAllocation::builder(&driver, Location::Device(0));
+//! let mut buf = VmmBuffer::new(builder, 2 << 20, &[])?;
+//! let stayed = buf.grow(8 << 20)?;
+//! println!("{:#x}, {} bytes, same address: {stayed}", buf.device_ptr(), buf.size());
 //! # Ok::<(), cuda_multimem::Error>(())
 //! ```
+//!
+//! Rules the types check before any driver call: sizes and offsets are multiples of the
+//! allocation's minimum granularity ([`PhysicalAllocation::granularity`]) and lie inside the
+//! allocation and the reservation; devices exist; host allocations have no shareable handle
+//! types; imported handles and their claimed sizes are untrusted (see
+//! [`PhysicalAllocation::import_posix_fd`]). Everything else the driver checks, and its status
+//! comes back as [`Error::Driver`] naming the call.
+
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
 

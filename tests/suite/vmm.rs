@@ -647,7 +647,11 @@ fn fabric_handles_round_trip_and_garbage_is_rejected() {
         matches!(too_big, Err(Error::InvalidArgument { arg: "size", .. })),
         "{too_big:?}"
     );
-    let _ = FabricHandle::from_bytes(h.as_bytes()).unwrap();
+    assert_eq!(FabricHandle::from_bytes(h.as_bytes()).unwrap(), h);
+    // Once every owner of the allocation is gone, its fabric handle imports no more.
+    drop((m2, b, m, a));
+    let stale = PhysicalAllocation::import_fabric(d, h.as_bytes(), g);
+    assert!(stale.is_err(), "a released allocation imported: {stale:?}");
 }
 
 #[test]
@@ -721,7 +725,7 @@ fn peer_reads_through_its_own_access_descriptor() {
 }
 
 #[test]
-fn host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node() {
+fn host_numa_allocations_work_where_the_driver_has_host_numa_vmm() {
     let e = env();
     let d = &e.driver;
     let ok_host = d
@@ -735,7 +739,7 @@ fn host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node() {
     if !ok_host {
         assert!(r.is_err(), "host-NUMA VMM unsupported but created");
         return skip(
-            "host_numa_allocations_need_a_13_driver_era_host_vmm_and_a_real_node",
+            "host_numa_allocations_work_where_the_driver_has_host_numa_vmm",
             "no host-NUMA VMM on this driver",
         );
     }

@@ -1248,3 +1248,25 @@ fn host_allocations_are_mapped_for_a_device_and_cannot_be_exported() {
         })
     ));
 }
+
+#[test]
+fn an_imported_allocation_reports_what_the_exporter_created() {
+    let e = sim(SimConfig::new(2, 13030));
+    let d = &e.driver;
+    let a = PhysicalAllocation::builder(d, Location::Device(1))
+        .handle_types(HandleTypes {
+            posix_fd: true,
+            fabric: true,
+        })
+        .gpu_direct_rdma(true)
+        .create(2 * MIB)
+        .unwrap();
+    let fd = a.export_posix_fd().unwrap();
+    let b = PhysicalAllocation::import_posix_fd(d, std::os::fd::AsFd::as_fd(&fd), 2 * MIB).unwrap();
+    assert_eq!(b.spec(), a.spec());
+    assert_eq!(b.size(), 2 * MIB);
+    assert_eq!(b.granularity(), a.granularity());
+    let c = PhysicalAllocation::import_fabric(d, a.export_fabric().unwrap().as_bytes(), 2 * MIB)
+        .unwrap();
+    assert_eq!(c.spec(), a.spec());
+}

@@ -242,12 +242,7 @@ fn the_driver_answers_missing_symbols_as_the_loader_expects() {
         assert_eq!(status, Q::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
         assert!(null);
     }
-    if v >= 13000
-        && cuda_multimem_sim::implemented()
-            .iter()
-            .any(|(n, _)| *n == "cuMemPrefetchBatchAsync")
-        || e.sim.is_none() && v >= 13000
-    {
+    if v >= 13000 {
         let (rc, status, null) = ask(c"cuMemPrefetchBatchAsync", 12000);
         eprintln!("cuMemPrefetchBatchAsync at 12000: rc={rc}, status={status:?}");
         assert_eq!(status, Q::CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);

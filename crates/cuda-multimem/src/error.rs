@@ -122,13 +122,6 @@ impl Error {
     pub fn is_unsupported(&self) -> bool {
         matches!(self, Error::Unsupported { .. })
     }
-
-    pub(crate) fn os(call: &'static str) -> Self {
-        Error::Os {
-            call,
-            message: std::io::Error::last_os_error().to_string(),
-        }
-    }
 }
 
 /// Turn a status into a result naming the call.

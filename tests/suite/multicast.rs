@@ -778,3 +778,164 @@ fn the_capability_report_matches_the_driver_version() {
     let le = d0.logical_endpoint_multicast().unwrap();
     assert_eq!(le.is_some(), e.driver.version() >= 13030, "{le:?}");
 }
+
+/// Child mode of the next tests: `fd:<descriptor>` or `fabric:<hex bytes>` of the exported object.
+const CHILD_FD: &str = "CUDA_MULTIMEM_MC_CHILD_HANDLE";
+
+/// The importing process: add device 1, bind its memory, map, then follow the parent's script.
+fn multicast_child(handle: &str) {
+    use std::io::{BufRead, Write};
+    let e = sim(SimConfig::new(2, 13010));
+    let d = &e.driver;
+    let spec = MulticastSpec::new(2, 2 * MIB).handle_types(HandleTypes::POSIX_FD);
+    let o = match handle.split_once(':') {
+        Some(("fd", n)) => {
+            // SAFETY: the parent passed this descriptor to us, open and not close-on-exec.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(n.parse().unwrap()) };
+            MulticastObject::import_posix_fd(d, fd, &spec).unwrap()
+        }
+        Some(("fabric", hex)) => {
+            let bytes: Vec<u8> = (0..hex.len() / 2)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+                .collect();
+            let spec = spec.handle_types(HandleTypes::FABRIC);
+            MulticastObject::import_fabric(d, &bytes, &spec).unwrap()
+        }
+        _ => panic!("bad child handle {handle}"),
+    };
+    let dev1 = d.device(1).unwrap();
+    o.add_device(&dev1).unwrap();
+    let mem = PhysicalAllocation::builder(d, Location::Device(1))
+        .handle_types(HandleTypes::POSIX_FD)
+        .create(2 * MIB)
+        .unwrap();
+    let own = Mapping::map_whole(&mem, &[(Location::Device(1), Access::ReadWrite)]).unwrap();
+    let b = o.bind_mem(&dev1, 0, &mem, 0, 2 * MIB).unwrap();
+    let map = o.map_whole(std::slice::from_ref(&dev1)).unwrap();
+    let mut lines = std::io::stdin().lock().lines();
+    let say = |s: &str| {
+        println!("@@{s}");
+        std::io::stdout().flush().unwrap();
+    };
+    say("BOUND");
+    assert_eq!(lines.next().unwrap().unwrap(), "CHECK");
+    let mut back = vec![0u8; 4096];
+    dtoh(d, &mut back, own.device_ptr()).unwrap();
+    say(if back == random(4096, 77) {
+        "SAW-OK"
+    } else {
+        "SAW-BAD"
+    });
+    htod(d, map.device_ptr() + 8192, &random(4096, 78)).unwrap();
+    say("STORED");
+    assert_eq!(lines.next().unwrap().unwrap(), "DONE");
+    drop((map, b, o, own, mem));
+}
+
+#[test]
+fn a_multicast_object_exported_as_a_posix_fd_works_in_another_process() {
+    if let Ok(h) = std::env::var(CHILD_FD) {
+        return multicast_child(&h);
+    }
+    across_processes(false);
+}
+
+#[test]
+fn a_multicast_object_exported_as_a_fabric_handle_works_in_another_process() {
+    if let Ok(h) = std::env::var(CHILD_FD) {
+        return multicast_child(&h);
+    }
+    across_processes(true);
+}
+
+/// The exporting process: create, export, add device 0, start the importer, bind, map; each
+/// side's store through its own multicast mapping reaches the other's memory.
+fn across_processes(fabric: bool) {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::fd::AsRawFd;
+    let e = sim(SimConfig::new(2, 13010));
+    let d = &e.driver;
+    let ht = HandleTypes {
+        posix_fd: true,
+        fabric,
+    };
+    let spec = MulticastSpec::new(2, 2 * MIB).handle_types(ht);
+    let o = MulticastObject::new(d, &spec).unwrap();
+    let exported = o.export_posix_fd().unwrap();
+    // A copy without close-on-exec for the child.
+    // SAFETY: dup of a descriptor we own; the new one is closed below.
+    let inherited = unsafe { libc::dup(exported.as_raw_fd()) };
+    assert!(inherited >= 0);
+    let (name, handle) = if fabric {
+        let h = o.export_fabric().unwrap();
+        let hex: String = h.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+        (
+            "a_multicast_object_exported_as_a_fabric_handle_works_in_another_process",
+            format!("fabric:{hex}"),
+        )
+    } else {
+        (
+            "a_multicast_object_exported_as_a_posix_fd_works_in_another_process",
+            format!("fd:{inherited}"),
+        )
+    };
+    let dev0 = d.device(0).unwrap();
+    o.add_device(&dev0).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            &format!("multicast::{name}"),
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env(CHILD_FD, handle)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // SAFETY: our copy; the child has its own.
+    unsafe { libc::close(inherited) };
+    let mut to_child = child.stdin.take().unwrap();
+    let mut from_child = BufReader::new(child.stdout.take().unwrap()).lines();
+    // libtest prints "test <name> ... " before the child's own lines: look for the marker.
+    let mut expect = |what: &str| loop {
+        let l = from_child.next().expect("child output").unwrap();
+        if let Some(i) = l.find("@@") {
+            let got = l[i + 2..].trim().to_string();
+            if got.starts_with("SAW-") || got == what {
+                return got;
+            }
+        }
+    };
+    let mem = PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(ht)
+        .create(2 * MIB)
+        .unwrap();
+    let own = Mapping::map_whole(&mem, &[(Location::Device(0), Access::ReadWrite)]).unwrap();
+    // Waits (the driver's blocking, simulated by polling the shared table) for the child's device.
+    let b = o.bind_mem(&dev0, 0, &mem, 0, 2 * MIB).unwrap();
+    let map = o.map_whole(std::slice::from_ref(&dev0)).unwrap();
+    assert_eq!(expect("BOUND"), "BOUND");
+    let data = random(4096, 77);
+    htod(d, map.device_ptr(), &data).unwrap();
+    let mut back = vec![0u8; 4096];
+    dtoh(d, &mut back, own.device_ptr()).unwrap();
+    assert!(back == data, "the parent's own memory");
+    writeln!(to_child, "CHECK").unwrap();
+    assert_eq!(
+        expect("SAW-OK"),
+        "SAW-OK",
+        "the child's memory got the parent's store"
+    );
+    assert_eq!(expect("STORED"), "STORED");
+    dtoh(d, &mut back, own.device_ptr() + 8192).unwrap();
+    assert!(
+        back == random(4096, 78),
+        "the child's store reached the parent's memory"
+    );
+    writeln!(to_child, "DONE").unwrap();
+    drop(to_child);
+    assert!(child.wait().unwrap().success());
+    drop((map, b, o, own, mem, exported));
+    assert_eq!(leftovers(e.sim.as_ref().unwrap()), Default::default());
+}

@@ -22,17 +22,23 @@
 //! - order rules, stricter than the documentation spells out (the anchors' measured pitfalls): an
 //!   unbind while the object is mapped, and releasing the object's last handle while memory is
 //!   bound, are refused with `CUDA_ERROR_ILLEGAL_STATE`, changing nothing;
-//! - export: a POSIX fd is a memfd describing the object; a fabric handle is 64 bytes (magic,
-//!   process id, object id, description, checksum). Imported in the exporting process, either
-//!   refers to the same object; imported in another process, to a replica with the same
-//!   description whose team is treated as complete (the simulator shares no state between
-//!   processes, so bindings made in one process are not visible in the other).
+//! - export: the first export gives the object a *shared table*, a memfd mapped by every process
+//!   that holds the object: its description, the devices added (by any process) and every binding
+//!   (device, offset, length, and the process id and descriptor number of the bound allocation's
+//!   memfd, which the binding keeps open). A POSIX fd is a descriptor of that memfd; a fabric
+//!   handle is 64 bytes (magic, exporter pid, the table's descriptor number there, its inode,
+//!   checksum) that another process of the same user opens through `/proc/<pid>/fd/<n>`. Imported
+//!   in the exporting process, either refers to the same object. In another process the import
+//!   shares the table: devices added there count for the team everywhere (binds and maps wait,
+//!   polling, for [`SHARED_BLOCK_LIMIT`]), and a store through any process's multicast mapping
+//!   reaches every process's bound memory (views of other processes' memfds are opened through
+//!   `/proc`).
 // `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_ulonglong, c_void};
-use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +52,11 @@ use crate::state::{current, is_kind, new_handle, out, read, Kind, SimResult, Sta
 
 /// How long a bind or map waits for missing devices before the simulator calls it a deadlock.
 pub const BLOCK_LIMIT: Duration = Duration::from_secs(2);
+/// The same for an exported or imported object, whose devices other processes add.
+pub const SHARED_BLOCK_LIMIT: Duration = Duration::from_secs(30);
+const MAX_SHARED_DEVICES: usize = 64;
+const MAX_SHARED_BINDS: usize = 256;
+const TABLE_MAGIC: &[u8; 8] = b"SIMMCTB1";
 
 const HT_POSIX: u64 = CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0 as u64;
 const HT_FABRIC: u64 = CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0 as u64;
@@ -62,6 +73,10 @@ struct Binding {
     target: usize,
     /// The private view `(addr, len)` made for this binding.
     view: (usize, usize),
+    /// The bound allocation's memfd, kept open so other processes can map it.
+    fd: OwnedFd,
+    /// Offset of the view in that memfd.
+    file_offset: u64,
 }
 
 struct Object {
@@ -69,9 +84,12 @@ struct Object {
     size: usize,
     handle_types: u64,
     gran: usize,
+    /// Devices added (by this process, or by any process once the object has a shared table).
     devices: Vec<i32>,
-    /// An import from another process: the team is complete there.
-    replica: bool,
+    /// The cross-process table, once exported or imported.
+    table: Option<Table>,
+    /// Views of other processes' bound memory: (table slot, generation) -> (address, length).
+    remote: HashMap<(usize, u32), (usize, usize)>,
     /// Exported or imported: binds only shareable memory.
     shared: bool,
     /// (device, offset) -> binding
@@ -83,9 +101,185 @@ struct Object {
 }
 
 impl Object {
-    fn complete(&self) -> bool {
-        self.replica || self.devices.len() as u32 == self.num_devices
+    fn members(&self) -> Vec<i32> {
+        match &self.table {
+            Some(t) => t.with(|d| d.devices[..d.ndev as usize].to_vec()),
+            None => self.devices.clone(),
+        }
     }
+    fn complete(&self) -> bool {
+        self.members().len() as u32 == self.num_devices
+    }
+    /// Forget this process's entries in the shared table and unmap views of other processes'.
+    fn detach(&mut self) {
+        if let Some(t) = &self.table {
+            let me = std::process::id();
+            t.with(|d| {
+                for b in d.binds.iter_mut().filter(|b| b.live != 0 && b.pid == me) {
+                    b.live = 0;
+                }
+            });
+        }
+        for (_, (a, l)) in self.remote.drain() {
+            crate::memory::unmap(a, l);
+        }
+    }
+}
+
+/// The data of a shared table (after the lock word).
+#[repr(C)]
+struct SharedData {
+    magic: [u8; 8],
+    creator_pid: u32,
+    num_devices: u32,
+    oid: u64,
+    size: u64,
+    handle_types: u64,
+    gran: u64,
+    ndev: u32,
+    next_gen: u32,
+    devices: [i32; MAX_SHARED_DEVICES],
+    binds: [SharedBind; MAX_SHARED_BINDS],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SharedBind {
+    live: u32,
+    gen: u32,
+    dev: i32,
+    pid: u32,
+    fd: i32,
+    _pad: u32,
+    offset: u64,
+    len: u64,
+    file_offset: u64,
+}
+
+/// A shared table: a memfd mapped in this process; the first 8 bytes are a spin lock.
+struct Table {
+    base: usize,
+    len: usize,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is process-wide memory; every access goes through `with`, which holds the
+// table's lock (shared by every process mapping it).
+unsafe impl Send for Table {}
+// SAFETY: as above.
+unsafe impl Sync for Table {}
+
+impl Table {
+    const LEN: usize = 8 + std::mem::size_of::<SharedData>();
+
+    /// Map the table in `fd` (checked: size and magic).
+    fn map(fd: OwnedFd) -> SimResult<Table> {
+        // SAFETY: an all-zero stat is a valid value to be overwritten.
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat writes one stat.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0
+            || stat.st_size as usize != Table::LEN
+        {
+            return invalid();
+        }
+        let base = view_of(fd.as_raw_fd(), 0, Table::LEN)?;
+        let t = Table {
+            base,
+            len: Table::LEN,
+            fd,
+        };
+        if &t.with(|d| d.magic) != TABLE_MAGIC {
+            return invalid();
+        }
+        Ok(t)
+    }
+
+    /// A new table describing an object.
+    fn create(oid: u64, o: &Object) -> SimResult<Table> {
+        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}/{oid}", std::process::id()))
+            .unwrap_or_default();
+        // SAFETY: a NUL-terminated name; the fd returned is owned below.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on our own memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), Table::LEN as libc::off_t) } != 0 {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let base = view_of(fd.as_raw_fd(), 0, Table::LEN)?;
+        let t = Table {
+            base,
+            len: Table::LEN,
+            fd,
+        };
+        let me = std::process::id();
+        t.with(|d| -> SimResult {
+            d.magic = *TABLE_MAGIC;
+            d.creator_pid = me;
+            d.num_devices = o.num_devices;
+            d.oid = oid;
+            d.size = o.size as u64;
+            d.handle_types = o.handle_types;
+            d.gran = o.gran as u64;
+            for (i, &dev) in o.devices.iter().enumerate() {
+                d.devices[i] = dev;
+            }
+            d.ndev = o.devices.len() as u32;
+            for (&(dev, off), b) in &o.bindings {
+                register(d, dev, off, b)?;
+            }
+            Ok(())
+        })?;
+        Ok(t)
+    }
+
+    /// Run `f` on the table's data, holding its cross-process lock.
+    fn with<R>(&self, f: impl FnOnce(&mut SharedData) -> R) -> R {
+        // SAFETY: the first 4 bytes of the mapping are the lock word, only ever accessed atomically.
+        let lock = unsafe { &*(self.base as *const std::sync::atomic::AtomicU32) };
+        while lock
+            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::yield_now();
+        }
+        // SAFETY: the data follows the lock word; holding the lock gives exclusive access among
+        // every process that maps the table.
+        let r = f(unsafe { &mut *((self.base + 8) as *mut SharedData) });
+        lock.store(0, Ordering::Release);
+        r
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        crate::memory::unmap(self.base, self.len);
+    }
+}
+
+/// Record a binding of this process in a table.
+fn register(d: &mut SharedData, dev: i32, offset: usize, b: &Binding) -> SimResult {
+    let slot = d
+        .binds
+        .iter()
+        .position(|b| b.live == 0)
+        .ok_or(CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    d.next_gen = d.next_gen.wrapping_add(1);
+    d.binds[slot] = SharedBind {
+        live: 1,
+        gen: d.next_gen,
+        dev,
+        pid: std::process::id(),
+        fd: b.fd.as_raw_fd(),
+        _pad: 0,
+        offset: offset as u64,
+        len: b.len as u64,
+        file_offset: (b.target - b.view.0) as u64 + b.file_offset,
+    };
+    Ok(())
 }
 
 struct McMapping {
@@ -169,19 +363,33 @@ fn wait_complete<'a>(
     mc: &'a Multicasts,
     handle: u64,
 ) -> SimResult<(parking_lot::MutexGuard<'a, Tables>, u64)> {
-    let deadline = Instant::now() + BLOCK_LIMIT;
+    let start = Instant::now();
     let mut g = mc.t.lock();
     loop {
         let oid = g.object_of(handle)?;
-        if g.objects.get(&oid).is_some_and(Object::complete) {
+        let o = g
+            .objects
+            .get(&oid)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        if o.complete() {
             return Ok((g, oid));
         }
-        if mc.added.wait_until(&mut g, deadline).timed_out() {
-            let oid = g.object_of(handle)?;
-            if g.objects.get(&oid).is_some_and(Object::complete) {
-                return Ok((g, oid));
-            }
+        // Devices of a shared object are added by other processes too: poll its table.
+        let shared = o.table.is_some();
+        let limit = if shared {
+            SHARED_BLOCK_LIMIT
+        } else {
+            BLOCK_LIMIT
+        };
+        if start.elapsed() >= limit {
             return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+        }
+        if shared {
+            drop(g);
+            std::thread::sleep(Duration::from_millis(5));
+            g = mc.t.lock();
+        } else {
+            mc.added.wait_until(&mut g, start + limit);
         }
     }
 }
@@ -243,7 +451,7 @@ fn bind(
         .objects
         .get_mut(&oid)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    if !o.replica && !o.devices.contains(&dev) {
+    if !o.members().contains(&dev) {
         return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
     }
     if mc_offset % o.gran != 0 || size % o.gran != 0 || src.offset % o.gran != 0 {
@@ -263,14 +471,20 @@ fn bind(
         return invalid();
     }
     let v = view_of(src.fd.as_raw_fd(), src.offset, size)?;
-    o.bindings.insert(
-        (dev, mc_offset),
-        Binding {
-            len: size,
-            target: v,
-            view: (v, size),
-        },
-    );
+    let b = Binding {
+        len: size,
+        target: v,
+        view: (v, size),
+        fd: src.fd,
+        file_offset: src.offset as u64,
+    };
+    if let Some(t) = &o.table {
+        if let Err(e) = t.with(|d| register(d, dev, mc_offset, &b)) {
+            crate::memory::unmap(v, size);
+            return Err(e);
+        }
+    }
+    o.bindings.insert((dev, mc_offset), b);
     st.live_add("multicast bindings", 1);
     Ok(())
 }
@@ -328,6 +542,16 @@ fn unbind(st: &State, handle: u64, dev: i32, mc_offset: usize, size: usize) -> S
         return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
     }
     let b = o.bindings.remove(&(dev, mc_offset)).expect("checked");
+    if let Some(t) = &o.table {
+        let me = std::process::id();
+        t.with(|d| {
+            for e in d.binds.iter_mut() {
+                if e.live != 0 && e.pid == me && e.dev == dev && e.offset == mc_offset as u64 {
+                    e.live = 0;
+                }
+            }
+        });
+    }
     crate::memory::unmap(b.view.0, b.view.1);
     st.live_add("multicast bindings", -1);
     Ok(())
@@ -340,7 +564,8 @@ fn unref(st: &State, g: &mut Tables, oid: u64) {
     };
     o.refs -= 1;
     if o.refs == 0 {
-        let o = g.objects.remove(&oid).expect("present");
+        let mut o = g.objects.remove(&oid).expect("present");
+        o.detach();
         for b in o.bindings.into_values() {
             crate::memory::unmap(b.view.0, b.view.1);
             st.live_add("multicast bindings", -1);
@@ -363,14 +588,17 @@ impl Redirect for McRedirect {
 
 fn targets_of(st: &State, oid: u64, at: usize, len: usize) -> SimResult<Vec<usize>> {
     let mc = st.ext::<Multicasts>();
-    let g = mc.t.lock();
+    let mut g = mc.t.lock();
     let o = g
         .objects
-        .get(&oid)
+        .get_mut(&oid)
         .ok_or(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)?;
     let end = at
         .checked_add(len)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if o.table.is_some() {
+        return shared_targets(o, at, end);
+    }
     // Bindings are ordered by device, so targets come lowest device first.
     let t: Vec<usize> = o
         .bindings
@@ -378,6 +606,61 @@ fn targets_of(st: &State, oid: u64, at: usize, len: usize) -> SimResult<Vec<usiz
         .filter(|(&(_, off), b)| off <= at && end <= off + b.len)
         .map(|(&(_, off), b)| b.target + (at - off))
         .collect();
+    if t.is_empty() {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+    }
+    Ok(t)
+}
+
+/// Targets of a shared object: every process's bindings, from its table (lowest device first).
+fn shared_targets(o: &mut Object, at: usize, end: usize) -> SimResult<Vec<usize>> {
+    let me = std::process::id();
+    let mut entries: Vec<(usize, SharedBind)> = o
+        .table
+        .as_ref()
+        .map(|t| {
+            t.with(|d| {
+                d.binds
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| {
+                        b.live != 0 && b.offset <= at as u64 && end as u64 <= b.offset + b.len
+                    })
+                    .map(|(i, b)| (i, *b))
+                    .collect()
+            })
+        })
+        .unwrap_or_default();
+    entries.sort_by_key(|(_, b)| b.dev);
+    let mut t = Vec::with_capacity(entries.len());
+    for (slot, e) in entries {
+        let base = if e.pid == me {
+            match o.bindings.get(&(e.dev, e.offset as usize)) {
+                Some(b) => b.target,
+                None => continue,
+            }
+        } else {
+            match o.remote.get(&(slot, e.gen)) {
+                Some(&(a, _)) => a,
+                None => {
+                    let path = std::ffi::CString::new(format!("/proc/{}/fd/{}", e.pid, e.fd))
+                        .map_err(|_| CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)?;
+                    // SAFETY: a NUL-terminated path; the fd returned is owned below.
+                    let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+                    if raw < 0 {
+                        return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+                    }
+                    // SAFETY: a fresh fd nothing else owns (closed when this scope ends; the
+                    // mapping stays valid).
+                    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+                    let a = view_of(fd.as_raw_fd(), e.file_offset as usize, e.len as usize)?;
+                    o.remote.insert((slot, e.gen), (a, e.len as usize));
+                    a
+                }
+            }
+        };
+        t.push(base + (at - e.offset as usize));
+    }
     if t.is_empty() {
         return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
     }
@@ -534,7 +817,7 @@ pub(crate) fn mem_set_access(
             let dev = unsafe { d.location.__bindgen_anon_1.id };
             st.device(dev)
                 .map_err(|_| CUresult::CUDA_ERROR_INVALID_DEVICE)?;
-            if !o.replica && !o.devices.contains(&dev) {
+            if !o.members().contains(&dev) {
                 return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
             }
             match d.flags {
@@ -568,28 +851,14 @@ pub(crate) fn release(st: &State, handle: u64) -> SimResult {
     Ok(())
 }
 
-/// The description carried by exported handles: team size, size, handle types, granularity.
-fn describe(oid: u64, o: &Object) -> [u8; 64] {
-    let mut b = [0u8; 64];
-    b[..8].copy_from_slice(FABRIC_MAGIC);
-    b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-    b[12..16].copy_from_slice(&o.num_devices.to_le_bytes());
-    b[16..24].copy_from_slice(&oid.to_le_bytes());
-    b[24..32].copy_from_slice(&(o.size as u64).to_le_bytes());
-    b[32..40].copy_from_slice(&o.handle_types.to_le_bytes());
-    b[40..48].copy_from_slice(&(o.gran as u64).to_le_bytes());
-    let c = checksum(&b[..56]);
-    b[56..].copy_from_slice(&c.to_le_bytes());
-    b
-}
-
 fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
     })
 }
 
-/// `cuMemExportToShareableHandle` of a multicast handle.
+/// `cuMemExportToShareableHandle` of a multicast handle: gives the object its shared table (first
+/// export) and hands out a descriptor of it, or a fabric handle naming it.
 pub(crate) fn export(
     st: &State,
     sh: *mut c_void,
@@ -610,78 +879,97 @@ pub(crate) fn export(
     if o.handle_types & t == 0 {
         return invalid();
     }
-    let d = describe(oid, o);
+    if o.table.is_none() {
+        o.table = Some(Table::create(oid, o)?);
+    }
     o.shared = true;
+    let table = o.table.as_ref().expect("just made");
     if t == HT_POSIX {
-        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{oid}")).unwrap_or_default();
-        // SAFETY: a NUL-terminated name; the fd returned is owned below.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) only fails or returns a new fd that the caller owns.
+        let fd = unsafe { libc::fcntl(table.fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
         if fd < 0 {
             return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
-        // SAFETY: a fresh fd nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: 64 readable bytes written to our own memfd.
-        if unsafe { libc::write(fd.as_raw_fd(), d.as_ptr().cast(), d.len()) } != d.len() as isize {
-            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-        }
         // SAFETY: the caller passes room for an int (the documented out type for POSIX fds).
-        unsafe { out(sh as *mut c_int, fd.into_raw_fd()) }
+        unsafe { out(sh as *mut c_int, fd) }
     } else {
+        let mut b = [0u8; 64];
+        b[..8].copy_from_slice(FABRIC_MAGIC);
+        b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        b[12..16].copy_from_slice(&table.fd.as_raw_fd().to_le_bytes());
+        b[16..24].copy_from_slice(&oid.to_le_bytes());
+        b[24..32].copy_from_slice(&inode(table.fd.as_raw_fd())?.to_le_bytes());
+        let c = checksum(&b[..56]);
+        b[56..].copy_from_slice(&c.to_le_bytes());
         // SAFETY: the caller passes room for a CUmemFabricHandle.
-        unsafe { out(sh as *mut CUmemFabricHandle, CUmemFabricHandle { data: d }) }
+        unsafe { out(sh as *mut CUmemFabricHandle, CUmemFabricHandle { data: b }) }
     }
 }
 
-/// Import from a description: the same object in this process, else a replica.
-fn import_description(st: &State, b: &[u8; 64]) -> SimResult<u64> {
-    if &b[..8] != FABRIC_MAGIC || b[56..] != checksum(&b[..56]).to_le_bytes() {
+fn inode(fd: RawFd) -> SimResult<u64> {
+    // SAFETY: an all-zero stat is a valid value to be overwritten.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one stat.
+    if unsafe { libc::fstat(fd, &mut stat) } != 0 {
         return invalid();
     }
-    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
-    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+    Ok(stat.st_ino as u64)
+}
+
+/// Import a shared table: the same object if this process created it, else a new object that
+/// shares the table.
+fn import_table(st: &State, fd: OwnedFd) -> SimResult<u64> {
+    let table = Table::map(fd)?;
+    let (creator, oid, n, size, ht, gran) = table.with(|d| {
+        (
+            d.creator_pid,
+            d.oid,
+            d.num_devices,
+            d.size as usize,
+            d.handle_types,
+            d.gran as usize,
+        )
+    });
+    if n == 0 || n as usize > MAX_SHARED_DEVICES || gran == 0 || size == 0 || size % gran != 0 {
+        return invalid();
+    }
     let mc = st.ext::<Multicasts>();
     let mut g = mc.t.lock();
-    let oid = if u32_at(8) == std::process::id() {
-        let oid = u64_at(16);
-        let o = g
-            .objects
-            .get_mut(&oid)
-            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        o.refs += 1;
-        o.handles += 1;
-        oid
+    let local = if creator == std::process::id() {
+        Some(oid).filter(|o| g.objects.get(o).is_some_and(|x| x.table.is_some()))
     } else {
-        let (n, size, ht, gran) = (
-            u32_at(12),
-            u64_at(24) as usize,
-            u64_at(32),
-            u64_at(40) as usize,
-        );
-        if n == 0 || size == 0 || gran == 0 || size % gran != 0 {
-            return invalid();
-        }
-        let oid = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
-        g.objects.insert(
-            oid,
-            Object {
-                num_devices: n,
-                size,
-                handle_types: ht,
-                gran,
-                devices: Vec::new(),
-                replica: true,
-                shared: true,
-                bindings: BTreeMap::new(),
-                refs: 1,
-                handles: 1,
-                mappings: 0,
-            },
-        );
-        st.live_add("multicast objects", 1);
-        oid
+        None
     };
-    g.objects.get_mut(&oid).expect("present").shared = true;
+    let oid = match local {
+        Some(oid) => {
+            let o = g.objects.get_mut(&oid).expect("present");
+            o.refs += 1;
+            o.handles += 1;
+            oid
+        }
+        None => {
+            let oid = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
+            g.objects.insert(
+                oid,
+                Object {
+                    num_devices: n,
+                    size,
+                    handle_types: ht,
+                    gran,
+                    devices: Vec::new(),
+                    table: Some(table),
+                    remote: HashMap::new(),
+                    shared: true,
+                    bindings: BTreeMap::new(),
+                    refs: 1,
+                    handles: 1,
+                    mappings: 0,
+                },
+            );
+            st.live_add("multicast objects", 1);
+            oid
+        }
+    };
     let h = new_handle(Kind::Multicast);
     g.handles.insert(h, oid);
     Ok(h)
@@ -691,20 +979,44 @@ fn import_description(st: &State, b: &[u8; 64]) -> SimResult<u64> {
 /// multicast object (the VMM area handles it).
 pub(crate) fn import_fd(st: &State, fd: RawFd) -> Option<SimResult<u64>> {
     let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
-    let link = link.to_string_lossy();
-    link.strip_prefix("/memfd:")?.strip_prefix(MEMFD_PREFIX)?;
-    let mut b = [0u8; 64];
-    // SAFETY: 64 writable bytes; pread on the caller's fd does not move its offset.
-    let n = unsafe { libc::pread(fd, b.as_mut_ptr().cast(), 64, 0) };
-    if n != 64 {
+    link.to_string_lossy()
+        .strip_prefix("/memfd:")?
+        .strip_prefix(MEMFD_PREFIX)?;
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) only fails or returns a new fd that we own; the caller's fd
+    // stays theirs.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
         return Some(invalid());
     }
-    Some(import_description(st, &b))
+    // SAFETY: a fresh fd nothing else owns.
+    Some(import_table(st, unsafe { OwnedFd::from_raw_fd(dup) }))
 }
 
 /// `cuMemImportFromShareableHandle` of a fabric handle: `None` when it is not a multicast one.
 pub(crate) fn import_fabric(st: &State, b: &[u8; 64]) -> Option<SimResult<u64>> {
-    (&b[..8] == FABRIC_MAGIC).then(|| import_description(st, b))
+    if &b[..8] != FABRIC_MAGIC {
+        return None;
+    }
+    Some((|| {
+        if b[56..] != checksum(&b[..56]).to_le_bytes() {
+            return invalid();
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+        let path = std::ffi::CString::new(format!("/proc/{}/fd/{}", u32_at(8), u32_at(12) as i32))
+            .map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: a NUL-terminated path; the fd returned is owned below.
+        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(CUresult::CUDA_ERROR_NOT_PERMITTED);
+        }
+        // SAFETY: a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        if inode(fd.as_raw_fd())? != u64_at(24) {
+            return invalid();
+        }
+        import_table(st, fd)
+    })())
 }
 
 /// End of a session: drop every binding's view.
@@ -712,6 +1024,7 @@ pub(crate) fn teardown(st: &State) {
     let mc = st.ext::<Multicasts>();
     let mut g = mc.t.lock();
     for o in g.objects.values_mut() {
+        o.detach();
         for b in std::mem::take(&mut o.bindings).into_values() {
             crate::memory::unmap(b.view.0, b.view.1);
         }
@@ -749,7 +1062,7 @@ sim_api! {
         let mut g = mc.t.lock();
         g.objects.insert(oid, Object {
             num_devices: p.numDevices, size: p.size, handle_types: p.handleTypes, gran: min, devices: Vec::new(),
-            replica: false, shared: false, bindings: BTreeMap::new(), refs: 1, handles: 1, mappings: 0,
+            table: None, remote: HashMap::new(), shared: false, bindings: BTreeMap::new(), refs: 1, handles: 1, mappings: 0,
         });
         g.handles.insert(handle, oid);
         st.live_add("multicast objects", 1);
@@ -764,11 +1077,26 @@ sim_api! {
         if !c.multicast || !c.vmm {
             return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
         }
-        if o.devices.contains(&dev) || o.devices.len() as u32 >= o.num_devices || !o.bindings.is_empty() {
-            return invalid();
-        }
-        if o.devices.first().is_some_and(|&d| !crate::device::same_clique(st, d, dev)) {
-            return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+        let n = o.num_devices;
+        let check = |members: &[i32], bound: bool| -> SimResult {
+            if members.contains(&dev) || members.len() as u32 >= n || bound {
+                return invalid();
+            }
+            if members.first().is_some_and(|&d| !crate::device::same_clique(st, d, dev)) {
+                return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+            }
+            Ok(())
+        };
+        match &o.table {
+            // Check and add in one critical section of the table: other processes add too.
+            Some(t) => t.with(|d| {
+                let bound = d.binds.iter().any(|b| b.live != 0);
+                check(&d.devices[..d.ndev as usize], bound)?;
+                d.devices[d.ndev as usize] = dev;
+                d.ndev += 1;
+                Ok(())
+            })?,
+            None => check(&o.devices, !o.bindings.is_empty())?,
         }
         o.devices.push(dev);
         mc.added.notify_all();

@@ -713,7 +713,7 @@ fn the_policy_reads_both_variables_and_fails_safe() {
 const CHILD_EXPECT: &str = "CUDA_MULTIMEM_GUARD_CHILD_EXPECT";
 
 #[test]
-fn the_environment_variables_are_read_at_each_call_in_a_fresh_process() {
+fn the_environment_variables_disable_multicast_in_a_fresh_process() {
     if let Ok(expect) = std::env::var(CHILD_EXPECT) {
         let got = multicast_allowed();
         match expect.as_str() {
@@ -726,7 +726,7 @@ fn the_environment_variables_are_read_at_each_call_in_a_fresh_process() {
         return;
     }
     let exe = std::env::current_exe().unwrap();
-    let name = "multicast::the_environment_variables_are_read_at_each_call_in_a_fresh_process";
+    let name = "multicast::the_environment_variables_disable_multicast_in_a_fresh_process";
     for (vars, expect) in [
         (vec![(NVLS_ENABLE_ENV, "0")], NVLS_ENABLE_ENV),
         (vec![(DISABLE_MULTICAST_ENV, "1")], DISABLE_MULTICAST_ENV),

@@ -210,6 +210,42 @@ fn a_failure_at_any_step_of_building_a_team_leaks_nothing() {
 }
 
 #[test]
+fn a_failure_at_any_step_of_building_an_endpoint_team_at_13_3_leaks_nothing() {
+    let mut cfg = SimConfig::new(3, 13030);
+    cfg.endpoint_ready_polls = 2;
+    let e = sim(cfg);
+    let s = e.sim.as_ref().unwrap();
+    let devices = e.driver.devices();
+    drop(Team::new(&devices, 2 * MIB).unwrap()); // resolve every entry point first
+    let initial = s.live_resources();
+    let mut injected = 0;
+    for skip in 0.. {
+        s.inject_failure(FailurePlan {
+            call: None,
+            skip,
+            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        });
+        let r = Team::new(&devices, 2 * MIB);
+        let fired = s.clear_failure();
+        match (r, fired) {
+            (Ok(t), None) => {
+                assert_eq!(t.backend(), Backend::LogicalEndpoint);
+                drop(t);
+                assert_eq!(s.live_resources(), initial);
+                break;
+            }
+            (Err(_), Some(f)) => {
+                injected += 1;
+                assert_eq!(s.live_resources(), initial, "after failing {f} (#{skip})");
+            }
+            (Ok(_), Some(f)) => panic!("succeeded although {f} failed"),
+            (Err(err), None) => panic!("failed without an injected failure: {err}"),
+        }
+    }
+    assert!(injected >= 12, "{injected}");
+}
+
+#[test]
 fn dropping_a_team_tears_down_in_the_drivers_order() {
     // The simulator refuses an unbind while mapped and a release while bound
     // (CUDA_ERROR_ILLEGAL_STATE), which would leave resources live: none may be.

@@ -462,8 +462,18 @@ fn bindings_dropped_while_mapped_are_unbound_after_the_unmap() {
         .bind_mem(&d.device(1).unwrap(), 0, mem[1].allocation(), 0, 2 * MIB)
         .unwrap();
     let map = o.map_whole(&d.devices()).unwrap();
+    drop(b0);
+    let again = o
+        .bind_mem(&d.device(0).unwrap(), 0, mem[0].allocation(), 0, 2 * MIB)
+        .unwrap_err();
+    assert!(
+        again
+            .to_string()
+            .contains("stays bound until the mapping goes"),
+        "{again}"
+    );
     // Drop everything in the "wrong" order: object, bindings, memory, and only then the mapping.
-    drop((o, b0, b1, mem));
+    drop((o, b1, mem));
     assert_eq!(
         s.calls("cuMulticastUnbind"),
         0,

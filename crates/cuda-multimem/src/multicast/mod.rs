@@ -446,7 +446,10 @@ impl MulticastObject {
         {
             return Err(Error::invalid(
                 "offset",
-                format!("device {d} already has memory bound overlapping {size} bytes at offset {offset}"),
+                format!(
+                    "device {d} already has memory bound overlapping {size} bytes at offset {offset} \
+                     (a binding dropped while the object is mapped stays bound until the mapping goes)"
+                ),
             ));
         }
         drop(st);
@@ -855,11 +858,13 @@ impl Drop for MulticastBinding {
     fn drop(&mut self) {
         let Some(r) = self.record.take() else { return };
         let mut st = self.object.state.lock();
-        st.bound
-            .retain(|&(d, o, s)| !(d == r.device && o == r.offset && s == r.size));
         if st.mapped > 0 {
+            // Still bound in the driver until the mapping goes: it stays in `bound`, so a new
+            // bind over the same range is refused with a clear error meanwhile.
             st.pending_unbind.push(r);
         } else {
+            st.bound
+                .retain(|&(d, o, s)| !(d == r.device && o == r.offset && s == r.size));
             drop(st);
             let _ = self.object.unbind(&r);
         }
@@ -901,17 +906,14 @@ impl Drop for MulticastMapping {
     fn drop(&mut self) {
         // SAFETY: exactly the range we mapped; the reservation and object are alive (held).
         let _ = unsafe { cu!(self.object.driver, cuMemUnmap(self.ptr, self.size)) };
-        let pending = {
-            let mut st = self.object.state.lock();
-            st.mapped -= 1;
-            if st.mapped == 0 {
-                std::mem::take(&mut st.pending_unbind)
-            } else {
-                Vec::new()
+        let mut st = self.object.state.lock();
+        st.mapped -= 1;
+        if st.mapped == 0 {
+            for r in std::mem::take(&mut st.pending_unbind) {
+                st.bound
+                    .retain(|&(d, o, s)| !(d == r.device && o == r.offset && s == r.size));
+                let _ = self.object.unbind(&r);
             }
-        };
-        for r in &pending {
-            let _ = self.object.unbind(r);
         }
     }
 }

@@ -949,3 +949,32 @@ fn across_processes(fabric: bool) {
     drop((map, b, o, own, mem, exported));
     assert_eq!(leftovers(e.sim.as_ref().unwrap()), Default::default());
 }
+
+#[test]
+fn host_numa_memory_binds_for_its_nearest_device_only_with_the_per_device_bind() {
+    for v in [13000, 13010] {
+        let e = sim(SimConfig::new(2, v));
+        let d = &e.driver;
+        let o = full_object(d, 2, 2 * MIB);
+        let numa = d
+            .device(0)
+            .unwrap()
+            .host_numa_id()
+            .unwrap()
+            .expect("node 0");
+        let host = PhysicalAllocation::builder(d, Location::HostNuma(numa))
+            .create(2 * MIB)
+            .unwrap();
+        let r = o.bind_mem(&d.device(0).unwrap(), 0, &host, 0, 2 * MIB);
+        if v >= 13010 {
+            let b = r.unwrap();
+            assert_eq!(b.device(), 0);
+        } else {
+            let err = r.unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidArgument { arg: "memory", .. }),
+                "{err}"
+            );
+        }
+    }
+}

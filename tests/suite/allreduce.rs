@@ -196,7 +196,7 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
     let comm = Communicator::with_config(
         &e.driver.devices(),
         AllReduceConfig {
-            one_shot_max_bytes: 8 << 10,
+            one_shot_max_bytes: Some(8 << 10),
             max_blocks: 4,
             threads: 64,
             ..Default::default()
@@ -591,4 +591,186 @@ fn a_team_leaves_nothing_behind() {
         .filter(|(k, _)| k != "primary contexts")
         .collect();
     assert_eq!(after, before);
+}
+
+// ---- teams across processes: one process per device, rendezvous over a Unix socket ----
+
+const MP_RANK: &str = "CMM_TEST_MP_RANK";
+const MP_PATH: &str = "CMM_TEST_MP_PATH";
+const MP_MODE: &str = "CMM_TEST_MP_MODE";
+
+/// The driver of one rank's process: the real one under `CUDA_MULTIMEM_DRIVER=cuda`, else a
+/// simulated two-device machine of its own (device memory shared through memfd handles).
+fn mp_driver() -> Env {
+    if std::env::var(cuda_multimem::DRIVER_ENV).as_deref() == Ok("cuda") {
+        env()
+    } else {
+        sim(SimConfig::new(2, 13000))
+    }
+}
+
+fn mp_config() -> AllReduceConfig {
+    AllReduceConfig {
+        one_shot_max_bytes: Some(64 << 10),
+        timeout: Duration::from_millis(1500),
+        ..Default::default()
+    }
+}
+
+/// The calls both ranks make, and each rank's data (seeded by call and rank, so any process can
+/// compute every rank's input).
+fn mp_calls() -> Vec<(usize, DType, Op)> {
+    vec![
+        (1000, DType::F32, Op::Sum),
+        (40_001, DType::Bf16, Op::Max),
+        (150_003, DType::F16, Op::Sum),
+        (300_000, DType::F32, Op::Min),
+    ]
+}
+
+fn mp_input(call: usize, rank: usize, dtype: DType, count: usize) -> Vec<u8> {
+    random(
+        &mut Rng::new(1000 + 10 * call as u64 + rank as u64),
+        dtype,
+        count,
+    )
+}
+
+/// One rank's whole life in a two-process team; returns a description of the first problem.
+fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String> {
+    use cuda_multimem_collectives::UnixBootstrap;
+    let e = mp_driver();
+    let device = e.driver.device(rank).map_err(|x| x.to_string())?;
+    let boot =
+        UnixBootstrap::new(path, rank, 2, Duration::from_secs(30)).map_err(|x| x.to_string())?;
+    if mode == "die-in-rendezvous" && rank == 1 {
+        std::process::exit(0);
+    }
+    let comm = Communicator::with_bootstrap(&device, Box::new(boot), mp_config())
+        .map_err(|x| format!("rank {rank}: communicator: {x}"))?;
+    let buf = comm.alloc(2 << 20).map_err(|x| x.to_string())?;
+    if mode == "die-before-collective" && rank == 1 {
+        std::process::exit(0);
+    }
+    let stream = Stream::new(&device).map_err(|x| x.to_string())?;
+    for (c, (count, dtype, op)) in mp_calls().into_iter().enumerate() {
+        buf.copy_from_host(rank, &mp_input(c, rank, dtype, count))
+            .map_err(|x| x.to_string())?;
+        comm.all_reduce(rank, &buf, 0, &buf, 0, count, dtype, op, &stream)
+            .map_err(|x| x.to_string())?;
+        stream.synchronize().map_err(|x| x.to_string())?;
+        comm.check()
+            .map_err(|x| format!("rank {rank}, call {c}: {x}"))?;
+        let inputs: Vec<Vec<u8>> = (0..2).map(|r| mp_input(c, r, dtype, count)).collect();
+        let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference(dtype, op, &refs);
+        let got = get(&buf, rank, 0, want.len());
+        if let Some(m) = first_mismatch(dtype, &got, &want) {
+            return Err(format!(
+                "rank {rank}, call {c} ({count} x {dtype:?} {op:?}): {m}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The child side (run by the parent test as a separate process of this binary).
+#[test]
+#[ignore = "runs only as the child process of the multi-process tests"]
+fn multi_process_child_rank() {
+    let (Ok(rank), Ok(path)) = (std::env::var(MP_RANK), std::env::var(MP_PATH)) else {
+        return skip(
+            "multi_process_child_rank",
+            "only runs as a child of the multi-process tests",
+        );
+    };
+    let mode = std::env::var(MP_MODE).unwrap_or_default();
+    if let Err(e) = mp_rank(rank.parse().unwrap(), std::path::Path::new(&path), &mode) {
+        panic!("{e}");
+    }
+}
+
+fn spawn_child(path: &std::path::Path, mode: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "allreduce::multi_process_child_rank",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(MP_RANK, "1")
+        .env(MP_PATH, path)
+        .env(MP_MODE, mode)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn mp_skip(name: &str) -> bool {
+    let e = mp_driver();
+    let d = e.driver.devices();
+    if d.len() < 2 || !d[0].supports_posix_fd_handle().unwrap_or(false) {
+        skip(name, "needs 2 devices with POSIX-fd VMM handles");
+        return true;
+    }
+    false
+}
+
+fn rendezvous_path(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("cmm-ar-{tag}-{}", std::process::id()))
+}
+
+#[test]
+fn a_team_of_two_processes_allreduces_over_a_unix_socket_rendezvous() {
+    if mp_skip("two_processes") {
+        return;
+    }
+    let path = rendezvous_path("ok");
+    let child = spawn_child(&path, "");
+    let mine = mp_rank(0, &path, "");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "child rank failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the child ran no rank: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    mine.unwrap();
+}
+
+#[test]
+fn a_peer_process_that_dies_during_rendezvous_is_an_error_not_a_hang() {
+    if mp_skip("dies_in_rendezvous") {
+        return;
+    }
+    let path = rendezvous_path("die1");
+    let mut child = spawn_child(&path, "die-in-rendezvous");
+    let t = std::time::Instant::now();
+    let err = mp_rank(0, &path, "").unwrap_err();
+    let _ = child.wait();
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(err.contains("communicator"), "{err}");
+}
+
+#[test]
+fn a_peer_process_that_dies_before_a_collective_is_a_timeout() {
+    if mp_skip("dies_before_collective") {
+        return;
+    }
+    let path = rendezvous_path("die2");
+    let mut child = spawn_child(&path, "die-before-collective");
+    let err = mp_rank(0, &path, "").unwrap_err();
+    let _ = child.wait();
+    assert!(err.contains("did not arrive"), "{err}");
 }

@@ -44,7 +44,7 @@ fn parse() -> Res<Args> {
             "--runs" => a.runs = v()?.parse()?,
             "--blocks" => a.config.max_blocks = v()?.parse()?,
             "--threads" => a.config.threads = v()?.parse()?,
-            "--one-shot-max" => a.config.one_shot_max_bytes = v()?.parse()?,
+            "--one-shot-max" => a.config.one_shot_max_bytes = Some(v()?.parse()?),
             "--algorithm" => {
                 a.config.algorithm = Some(match v()?.as_str() {
                     "one-shot" => Algorithm::OneShot,

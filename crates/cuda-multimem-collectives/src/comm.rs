@@ -7,12 +7,14 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuda_multimem::{Device, Driver, Error, Result, Stream};
+use cuda_multimem::vmm::{Access, HandleTypes, Location, Mapping, PhysicalAllocation};
+use cuda_multimem::{Device, Error, Result, Stream};
 use cuda_multimem_sys::{
-    CUcontext, CUdevice_attribute, CUdeviceptr, CUfunction, CUmodule, CUresult, CUstream,
+    CUdevice_attribute, CUdeviceptr, CUfunction, CUmodule, CUresult, CUstream,
 };
 use parking_lot::Mutex;
 
+use crate::bootstrap::Bootstrap;
 use crate::kernels::{self, Kernel, MAX_BLOCKS, MAX_RANKS, PAD_BYTES};
 use crate::{Algorithm, DType, Op, Path};
 
@@ -88,31 +90,6 @@ impl DevMem {
             )
         }
     }
-
-    fn read(&self, offset: usize, bytes: &mut [u8]) -> Result<()> {
-        if offset + bytes.len() > self.len {
-            return Err(Error::invalid(
-                "data",
-                format!(
-                    "{} bytes at offset {offset} exceed {} bytes",
-                    bytes.len(),
-                    self.len
-                ),
-            ));
-        }
-        self.device.bind()?;
-        // SAFETY: source range inside the allocation (checked), destination a live slice.
-        unsafe {
-            cu!(
-                self.device.driver(),
-                cuMemcpyDtoH_v3020(
-                    bytes.as_mut_ptr() as *mut c_void,
-                    self.ptr + offset as u64,
-                    bytes.len()
-                )
-            )
-        }
-    }
 }
 
 impl Drop for DevMem {
@@ -175,72 +152,150 @@ impl Drop for Module {
     }
 }
 
-/// Peer access this communicator enabled (from device, to context), disabled on drop.
-struct PeerAccess {
-    enabled: Vec<(Device, Raw<CUcontext>)>,
+/// Memory of every rank, as mapped in this process: rank r's part at `addrs[r]`. In one process
+/// each part is one VMM allocation of its device mapped once with access for every device of
+/// the team; across processes the local part is exported (POSIX fd or fabric handle), every
+/// peer's part imported and mapped with access for the local device.
+struct Sym {
+    addrs: Vec<CUdeviceptr>,
+    _maps: Vec<Mapping>,
 }
 
-impl PeerAccess {
-    fn enable(devices: &[Device]) -> Result<PeerAccess> {
-        let mut pa = PeerAccess {
-            enabled: Vec::new(),
-        };
-        for a in devices {
-            for b in devices {
-                if a == b {
-                    continue;
-                }
-                let mut can = 0;
-                // SAFETY: out-pointer valid; ordinals of this driver.
-                unsafe {
-                    cu!(
-                        a.driver(),
-                        cuDeviceCanAccessPeer(&mut can, a.ordinal(), b.ordinal())
+impl Sym {
+    fn new(team: &Team, bytes: usize) -> Result<Sym> {
+        let mut addrs = vec![0; team.n];
+        let mut maps = Vec::new();
+        match &team.bootstrap {
+            None => {
+                let access: Vec<(Location, Access)> = team
+                    .locals
+                    .iter()
+                    .map(|l| (Location::Device(l.device.ordinal()), Access::ReadWrite))
+                    .collect();
+                for l in &team.locals {
+                    let a = PhysicalAllocation::builder(
+                        l.device.driver(),
+                        Location::Device(l.device.ordinal()),
                     )
-                }?;
-                if can == 0 {
-                    return Err(Error::DeviceUnsupported {
-                        device: a.ordinal(),
-                        what: "peer access to another device of the team",
-                    });
+                    .create(bytes)?;
+                    let m = Mapping::map_whole(&a, &access)?;
+                    addrs[l.rank] = m.device_ptr();
+                    maps.push(m);
                 }
-                let ctx = b.primary_context()?;
-                a.bind()?;
-                // SAFETY: a's context is current; ctx is b's live primary context.
-                match unsafe { cu!(a.driver(), cuCtxEnablePeerAccess(ctx, 0)) } {
-                    Ok(()) => pa.enabled.push((a.clone(), Raw(ctx))),
-                    Err(e)
-                        if e.code() == Some(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) => {}
-                    Err(e) => return Err(e),
+            }
+            Some(b) => {
+                let l = &team.locals[0];
+                let d = l.device.driver();
+                let here = [(Location::Device(l.device.ordinal()), Access::ReadWrite)];
+                let fds = b.passes_fds();
+                let a = PhysicalAllocation::builder(d, Location::Device(l.device.ordinal()))
+                    .handle_types(if fds {
+                        HandleTypes::POSIX_FD
+                    } else {
+                        HandleTypes::FABRIC
+                    })
+                    .create(bytes)?;
+                let m = Mapping::map_whole(&a, &here)?;
+                addrs[l.rank] = m.device_ptr();
+                maps.push(m);
+                let sizes = b.all_gather(&(a.size() as u64).to_le_bytes())?;
+                let size_of = |r: usize| -> Result<usize> {
+                    let v: [u8; 8] = sizes[r].as_slice().try_into().map_err(|_| {
+                        Error::invalid("peer", format!("rank {r} sent a malformed size"))
+                    })?;
+                    Ok(u64::from_le_bytes(v) as usize)
+                };
+                let imported: Vec<Arc<PhysicalAllocation>> = if fds {
+                    let fd = a.export_posix_fd()?;
+                    let all = b.all_gather_fds(&[std::os::fd::AsFd::as_fd(&fd)])?;
+                    let mut v = Vec::new();
+                    for (r, f) in all.iter().enumerate() {
+                        if r == l.rank {
+                            continue;
+                        }
+                        let f = f.first().ok_or_else(|| {
+                            Error::invalid("peer", format!("rank {r} sent no handle"))
+                        })?;
+                        v.push(PhysicalAllocation::import_posix_fd(
+                            d,
+                            std::os::fd::AsFd::as_fd(f),
+                            size_of(r)?,
+                        )?);
+                    }
+                    v
+                } else {
+                    let h = a.export_fabric()?;
+                    let all = b.all_gather(h.as_bytes())?;
+                    let mut v = Vec::new();
+                    for (r, h) in all.iter().enumerate() {
+                        if r != l.rank {
+                            v.push(PhysicalAllocation::import_fabric(d, h, size_of(r)?)?);
+                        }
+                    }
+                    v
+                };
+                let peers = (0..team.n).filter(|&r| r != l.rank);
+                for (r, p) in peers.zip(imported) {
+                    let m = Mapping::map_whole(&p, &here)?;
+                    addrs[r] = m.device_ptr();
+                    maps.push(m);
                 }
             }
         }
-        Ok(pa)
+        for l in &team.locals {
+            l.device.bind()?;
+            // SAFETY: the whole local part, just mapped read-write for this device.
+            unsafe { cu!(l.device.driver(), cuMemsetD8_v3020(addrs[l.rank], 0, bytes)) }?;
+        }
+        Ok(Sym { addrs, _maps: maps })
     }
-}
 
-impl Drop for PeerAccess {
-    fn drop(&mut self) {
-        for (d, ctx) in self.enabled.drain(..) {
-            if d.bind().is_ok() {
-                // SAFETY: we enabled this access; the team's memory is freed already.
-                let _ = unsafe { cu!(d.driver(), cuCtxDisablePeerAccess(ctx.0)) };
-            }
+    fn write(&self, device: &Device, rank: usize, offset: usize, bytes: &[u8]) -> Result<()> {
+        device.bind()?;
+        // SAFETY: callers keep offset + len inside the part (checked by SymmetricBuffer).
+        unsafe {
+            cu!(
+                device.driver(),
+                cuMemcpyHtoD_v3020(
+                    self.addrs[rank] + offset as u64,
+                    bytes.as_ptr() as *const c_void,
+                    bytes.len()
+                )
+            )
+        }
+    }
+
+    fn read(&self, device: &Device, rank: usize, offset: usize, out: &mut [u8]) -> Result<()> {
+        device.bind()?;
+        // SAFETY: as `write`.
+        unsafe {
+            cu!(
+                device.driver(),
+                cuMemcpyDtoH_v3020(
+                    out.as_mut_ptr() as *mut c_void,
+                    self.addrs[rank] + offset as u64,
+                    out.len()
+                )
+            )
         }
     }
 }
 
 /// How the communicator chooses and runs an allreduce. Every field can be changed; the
-/// defaults follow the anchors' measurements (one-shot for small messages, two-shot above).
+/// defaults follow measurements on 2 x H200 (one-shot for small and medium messages, two-shot
+/// above).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllReduceConfig {
-    /// Messages up to this many bytes use one-shot (when not forced).
-    pub one_shot_max_bytes: usize,
+    /// Messages up to this many bytes use one-shot (when not forced); `None`: by team size
+    /// (8 MiB for 2 ranks, 2 MiB for 3, 512 KiB for more: one-shot moves (N-1) times the
+    /// message per rank, two-shot 2(N-1)/N times). Also sizes the one-shot staging area
+    /// (2 x N x this per rank).
+    pub one_shot_max_bytes: Option<usize>,
     /// Force an algorithm (`None`: choose by size).
     pub algorithm: Option<Algorithm>,
     /// A barrier that waits longer than this sets the team's error word and gives up.
     pub timeout: Duration,
-    /// Threads per block.
+    /// Most threads per block (small messages use fewer).
     pub threads: u32,
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
     pub max_blocks: u32,
@@ -249,12 +304,62 @@ pub struct AllReduceConfig {
 impl Default for AllReduceConfig {
     fn default() -> Self {
         AllReduceConfig {
-            one_shot_max_bytes: 256 << 10,
+            one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
             threads: 512,
             max_blocks: 0,
         }
+    }
+}
+
+impl AllReduceConfig {
+    fn one_shot_max(&self, n: usize) -> usize {
+        self.one_shot_max_bytes.unwrap_or(match n {
+            2 => 8 << 20,
+            3 => 2 << 20,
+            _ => 512 << 10,
+        })
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.threads < 64 || self.threads > 1024 || self.threads % 32 != 0 {
+            return Err(Error::invalid(
+                "config.threads",
+                format!(
+                    "{}; expected a multiple of 32 from 64 to 1024",
+                    self.threads
+                ),
+            ));
+        }
+        if self.max_blocks as usize > MAX_BLOCKS {
+            return Err(Error::invalid(
+                "config.max_blocks",
+                format!("{}; at most {MAX_BLOCKS}", self.max_blocks),
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::invalid(
+                "config.timeout",
+                "zero; expected a positive duration",
+            ));
+        }
+        Ok(())
+    }
+
+    /// What every rank must agree on, as bytes.
+    fn fingerprint(&self, n: usize, multiprocessors: u32) -> Vec<u8> {
+        let mut v = Vec::new();
+        for x in [
+            self.one_shot_max(n) as u64,
+            self.algorithm.map_or(0, |a| a as u64 + 1),
+            self.threads as u64,
+            self.max_blocks as u64,
+            multiprocessors as u64,
+        ] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v
     }
 }
 
@@ -271,35 +376,56 @@ pub struct Choice {
     pub threads: u32,
 }
 
-struct Rank {
+/// A rank driven by this process.
+struct Local {
+    rank: usize,
     device: Device,
-    pad: DevMem,
-    stage: DevMem,
-    functions: HashMap<(Kernel, DType, Op), Raw<CUfunction>>,
+    functions: Functions,
     _modules: Vec<Module>,
     last_stream: Mutex<Option<Raw<CUstream>>>,
 }
 
+/// The team: its size, the ranks this process drives, how it reaches the others.
+struct Team {
+    n: usize,
+    config: AllReduceConfig,
+    stage_half: usize,
+    multiprocessors: u32,
+    locals: Vec<Local>,
+    bootstrap: Option<Box<dyn Bootstrap>>,
+}
+
+struct TeamMemory {
+    team: Team,
+    pads: Sym,
+    _stages: Sym,
+}
+
 struct Registered {
-    rank: usize,
+    table: CUdeviceptr,
     start: CUdeviceptr,
     len: usize,
-    table: CUdeviceptr,
 }
 
 struct Inner {
-    config: AllReduceConfig,
-    ranks: Vec<Rank>,
-    multiprocessors: u32,
-    stage_half: usize,
-    buffers: Mutex<HashMap<u64, Vec<Registered>>>,
+    team: TeamMemory,
+    /// buffer id -> local rank -> its part and table
+    buffers: Mutex<HashMap<u64, HashMap<usize, Registered>>>,
     next_buffer: AtomicU64,
     poisoned: AtomicU32,
-    // Dropped last: peer access outlives every mapping made through it.
-    _peers: PeerAccess,
+    /// Collective allocations across processes happen one at a time, in call order.
+    alloc_lock: Mutex<()>,
 }
 
-/// An allreduce communicator over a team of devices driven by this process.
+impl std::ops::Deref for TeamMemory {
+    type Target = Team;
+    fn deref(&self) -> &Team {
+        &self.team
+    }
+}
+
+/// An allreduce communicator over a team of devices: all driven by this process
+/// ([`Communicator::new`]), or one per process ([`Communicator::with_bootstrap`]).
 ///
 /// Build it once (it allocates, maps and loads kernels), then call [`Communicator::all_reduce`]
 /// once per rank per collective, each on that rank's stream, in the same order on every rank.
@@ -314,8 +440,18 @@ pub struct Communicator {
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Communicator")
-            .field("ranks", &self.inner.ranks.len())
-            .field("config", &self.inner.config)
+            .field("ranks", &self.inner.team.n)
+            .field(
+                "local",
+                &self
+                    .inner
+                    .team
+                    .locals
+                    .iter()
+                    .map(|l| l.rank)
+                    .collect::<Vec<_>>(),
+            )
+            .field("config", &self.inner.team.config)
             .finish()
     }
 }
@@ -336,13 +472,61 @@ fn multiprocessors(d: &Device) -> Result<u32> {
     Ok(v.max(1) as u32)
 }
 
+/// The kernels of one device, by algorithm, type and operator.
+type Functions = HashMap<(Kernel, DType, Op), Raw<CUfunction>>;
+
+fn load_kernels(d: &Device) -> Result<(Vec<Module>, Functions)> {
+    #[cfg(feature = "sim")]
+    if d.driver().is_simulated() {
+        crate::sim::register();
+    }
+    let mut modules = Vec::new();
+    let mut functions = HashMap::new();
+    for k in Kernel::ALL {
+        let m = Module::load(d, k.ptx())?;
+        for dt in DType::ALL {
+            for op in Op::ALL {
+                functions.insert((k, dt, op), Raw(m.function(&k.entry(dt, op))?));
+            }
+        }
+        modules.push(m);
+    }
+    Ok((modules, functions))
+}
+
+fn check_devices(devices: &[Device]) -> Result<()> {
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            return Err(Error::invalid(
+                "devices",
+                format!("device {} appears twice", d.ordinal()),
+            ));
+        }
+        if !d.supports_vmm()? {
+            return Err(Error::DeviceUnsupported {
+                device: d.ordinal(),
+                what: "virtual memory management (symmetric buffers are VMM mappings)",
+            });
+        }
+        for p in &devices[..i] {
+            if !d.can_access_peer(p)? {
+                return Err(Error::DeviceUnsupported {
+                    device: d.ordinal(),
+                    what: "peer access to another device of the team",
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Communicator {
     /// A communicator over `devices` (rank i is `devices[i]`) with the default configuration.
     pub fn new(devices: &[Device]) -> Result<Communicator> {
         Communicator::with_config(devices, AllReduceConfig::default())
     }
 
-    /// A communicator over `devices` with `config`.
+    /// A communicator over `devices`, all driven by this process, with `config`.
     pub fn with_config(devices: &[Device], config: AllReduceConfig) -> Result<Communicator> {
         if devices.len() < 2 || devices.len() > MAX_RANKS {
             return Err(Error::invalid(
@@ -350,151 +534,194 @@ impl Communicator {
                 format!("{} device(s); a team has 2 to {MAX_RANKS}", devices.len()),
             ));
         }
-        let driver: &Driver = devices[0].driver();
-        let _ = driver;
-        for (i, d) in devices.iter().enumerate() {
-            if devices[..i].contains(d) {
-                return Err(Error::invalid(
-                    "devices",
-                    format!("device {} appears twice", d.ordinal()),
-                ));
-            }
+        config.validate()?;
+        check_devices(devices)?;
+        let mut locals = Vec::new();
+        for (rank, d) in devices.iter().enumerate() {
+            locals.push(Local::new(rank, d)?);
         }
-        if config.threads == 0 || config.threads > 1024 || config.threads % 32 != 0 {
+        let multiprocessors = devices
+            .iter()
+            .map(multiprocessors)
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .min()
+            .unwrap_or(1);
+        Communicator::build(Team {
+            n: devices.len(),
+            stage_half: config
+                .one_shot_max(devices.len())
+                .max(4096)
+                .next_multiple_of(4096),
+            config,
+            multiprocessors,
+            locals,
+            bootstrap: None,
+        })
+    }
+
+    /// One rank of a team that spans processes (one device per process): `device` is this
+    /// process's device, `bootstrap` says which rank it is and carries the exchanges (POSIX
+    /// file descriptors where it can, else fabric handles as bytes). Every rank calls this, and
+    /// later [`Communicator::alloc`], in the same order; a rank that does not arrive makes the
+    /// others fail with the bootstrap's timeout. Every rank must pass the same `config`.
+    pub fn with_bootstrap(
+        device: &Device,
+        bootstrap: Box<dyn Bootstrap>,
+        config: AllReduceConfig,
+    ) -> Result<Communicator> {
+        let (rank, n) = (bootstrap.rank(), bootstrap.size());
+        if !(2..=MAX_RANKS).contains(&n) || rank >= n {
             return Err(Error::invalid(
-                "config.threads",
-                format!(
-                    "{}; expected a multiple of 32 from 32 to 1024",
-                    config.threads
-                ),
+                "bootstrap",
+                format!("rank {rank} of {n}; a team has 2 to {MAX_RANKS} ranks"),
             ));
         }
-        if config.max_blocks as usize > MAX_BLOCKS {
+        config.validate()?;
+        check_devices(std::slice::from_ref(device))?;
+        let mine = multiprocessors(device)?;
+        let all = bootstrap.all_gather(&mine.to_le_bytes())?;
+        let mut multiprocessors = mine;
+        for (r, b) in all.iter().enumerate() {
+            let v: [u8; 4] = b.as_slice().try_into().map_err(|_| {
+                Error::invalid(
+                    "peer",
+                    format!("rank {r} sent a malformed multiprocessor count"),
+                )
+            })?;
+            multiprocessors = multiprocessors.min(u32::from_le_bytes(v));
+        }
+        let fp = config.fingerprint(n, multiprocessors);
+        let all = bootstrap.all_gather(&fp)?;
+        if let Some(r) = all.iter().position(|x| *x != fp) {
             return Err(Error::invalid(
-                "config.max_blocks",
-                format!("{}; at most {MAX_BLOCKS}", config.max_blocks),
+                "config",
+                format!("rank {r} uses another allreduce configuration than rank {rank}; every rank must pass the same"),
             ));
         }
-        if config.timeout.is_zero() {
-            return Err(Error::invalid(
-                "config.timeout",
-                "zero; expected a positive duration",
-            ));
-        }
-        #[cfg(feature = "sim")]
-        if driver.is_simulated() {
-            crate::sim::register();
-        }
-        let peers = PeerAccess::enable(devices)?;
-        let stage_half = config.one_shot_max_bytes.max(4096).next_multiple_of(4096);
-        let mut ranks = Vec::with_capacity(devices.len());
-        for d in devices {
-            let pad = DevMem::new(d, PAD_BYTES)?;
-            let stage = DevMem::new(d, 2 * stage_half)?;
-            let mut modules = Vec::new();
-            let mut functions = HashMap::new();
-            for k in Kernel::ALL {
-                let m = Module::load(d, k.ptx())?;
-                for dt in DType::ALL {
-                    for op in Op::ALL {
-                        functions.insert((k, dt, op), Raw(m.function(&k.entry(dt, op))?));
-                    }
-                }
-                modules.push(m);
-            }
-            ranks.push(Rank {
-                device: d.clone(),
-                pad,
-                stage,
-                functions,
-                _modules: modules,
-                last_stream: Mutex::new(None),
-            });
-        }
-        // Each rank's pad: its rank, the team size, the staging half, every peer's pad and
-        // staging area (the same addresses: one process, peer access by unified addressing).
-        let n = ranks.len();
-        for (i, r) in ranks.iter().enumerate() {
+        let locals = vec![Local::new(rank, device)?];
+        Communicator::build(Team {
+            n,
+            stage_half: config.one_shot_max(n).max(4096).next_multiple_of(4096),
+            config,
+            multiprocessors,
+            locals,
+            bootstrap: Some(bootstrap),
+        })
+    }
+
+    fn build(team: Team) -> Result<Communicator> {
+        let pads = Sym::new(&team, PAD_BYTES)?;
+        let stages = Sym::new(&team, 2 * team.n * team.stage_half)?;
+        // Each local rank's pad: its rank, the team size, the staging half, every rank's pad
+        // and staging area as mapped in this process.
+        for l in &team.locals {
             let mut hdr = vec![0u8; 256];
-            hdr[0..4].copy_from_slice(&(i as u32).to_le_bytes());
-            hdr[4..8].copy_from_slice(&(n as u32).to_le_bytes());
-            hdr[16..24].copy_from_slice(&(stage_half as u64).to_le_bytes());
-            for (j, p) in ranks.iter().enumerate() {
+            hdr[kernels::OFF_RANK..kernels::OFF_RANK + 4]
+                .copy_from_slice(&(l.rank as u32).to_le_bytes());
+            hdr[kernels::OFF_NRANKS..kernels::OFF_NRANKS + 4]
+                .copy_from_slice(&(team.n as u32).to_le_bytes());
+            hdr[kernels::OFF_STAGE_HALF..kernels::OFF_STAGE_HALF + 8]
+                .copy_from_slice(&(team.stage_half as u64).to_le_bytes());
+            for j in 0..team.n {
                 let o = kernels::OFF_PADS + 8 * j;
-                hdr[o..o + 8].copy_from_slice(&p.pad.ptr.to_le_bytes());
+                hdr[o..o + 8].copy_from_slice(&pads.addrs[j].to_le_bytes());
                 let o = kernels::OFF_STAGES + 8 * j;
-                hdr[o..o + 8].copy_from_slice(&p.stage.ptr.to_le_bytes());
+                hdr[o..o + 8].copy_from_slice(&stages.addrs[j].to_le_bytes());
             }
-            r.pad.write(0, &hdr)?;
+            pads.write(&l.device, l.rank, 0, &hdr)?;
         }
-        let multiprocessors = multiprocessors(&devices[0])?;
+        // Every rank's pad must be initialised before any kernel signals into it.
+        if let Some(b) = &team.bootstrap {
+            b.all_gather(b"pads ready")?;
+        }
         Ok(Communicator {
             inner: Arc::new(Inner {
-                config,
-                ranks,
-                multiprocessors,
-                stage_half,
+                team: TeamMemory {
+                    team,
+                    pads,
+                    _stages: stages,
+                },
                 buffers: Mutex::new(HashMap::new()),
                 next_buffer: AtomicU64::new(1),
                 poisoned: AtomicU32::new(0),
-                _peers: peers,
+                alloc_lock: Mutex::new(()),
             }),
         })
     }
 
     /// Team size.
     pub fn size(&self) -> usize {
-        self.inner.ranks.len()
+        self.inner.team.n
     }
 
-    /// The device of `rank`.
+    /// The ranks this process drives.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        self.inner.team.locals.iter().map(|l| l.rank).collect()
+    }
+
+    /// The device of `rank`, if this process drives it.
     pub fn device(&self, rank: usize) -> Option<&Device> {
-        self.inner.ranks.get(rank).map(|r| &r.device)
+        self.inner
+            .team
+            .locals
+            .iter()
+            .find(|l| l.rank == rank)
+            .map(|l| &l.device)
     }
 
     /// The configuration.
     pub fn config(&self) -> &AllReduceConfig {
-        &self.inner.config
+        &self.inner.team.config
     }
 
     /// A symmetric buffer of `bytes` bytes on every rank, zeroed, each rank's part mapped on
-    /// every peer. Allreduce operands live in such buffers.
+    /// every peer. Allreduce operands live in such buffers. Across processes this is a
+    /// collective call: every rank makes it, with the same size, in the same order.
     pub fn alloc(&self, bytes: usize) -> Result<SymmetricBuffer> {
         if bytes == 0 {
             return Err(Error::invalid("bytes", "0; expected at least one byte"));
         }
-        let parts = self
-            .inner
-            .ranks
-            .iter()
-            .map(|r| DevMem::new(&r.device, bytes))
-            .collect::<Result<Vec<_>>>()?;
-        let mut table = Vec::with_capacity(8 * MAX_RANKS);
-        for p in &parts {
-            table.extend_from_slice(&p.ptr.to_le_bytes());
+        let _g = self.inner.alloc_lock.lock();
+        let team = &self.inner.team;
+        if let Some(b) = &team.bootstrap {
+            let mine = (bytes as u64).to_le_bytes();
+            let all = b.all_gather(&mine)?;
+            if let Some(r) = all.iter().position(|x| x.as_slice() != mine) {
+                return Err(Error::invalid(
+                    "bytes",
+                    format!("rank {r} allocates another size than {bytes}; a symmetric buffer has one size"),
+                ));
+            }
         }
-        let tables = self
-            .inner
-            .ranks
+        let sym = Sym::new(team, bytes)?;
+        let mut table = Vec::with_capacity(8 * MAX_RANKS);
+        for a in &sym.addrs {
+            table.extend_from_slice(&a.to_le_bytes());
+        }
+        let tables = team
+            .locals
             .iter()
-            .map(|r| {
-                let t = DevMem::new(&r.device, 8 * MAX_RANKS)?;
+            .map(|l| {
+                let t = DevMem::new(&l.device, 8 * MAX_RANKS)?;
                 t.write(0, &table)?;
-                Ok(t)
+                Ok((l.rank, t))
             })
             .collect::<Result<Vec<_>>>()?;
         let id = self.inner.next_buffer.fetch_add(1, Ordering::Relaxed);
         self.inner.buffers.lock().insert(
             id,
-            parts
+            tables
                 .iter()
-                .zip(&tables)
-                .enumerate()
-                .map(|(rank, (p, t))| Registered {
-                    rank,
-                    start: p.ptr,
-                    len: bytes,
-                    table: t.ptr,
+                .map(|(r, t)| {
+                    (
+                        *r,
+                        Registered {
+                            table: t.ptr,
+                            start: sym.addrs[*r],
+                            len: bytes,
+                        },
+                    )
                 })
                 .collect(),
         );
@@ -502,45 +729,51 @@ impl Communicator {
             comm: self.clone(),
             id,
             bytes,
-            parts,
-            _tables: tables,
+            sym,
+            _tables: tables.into_iter().map(|(_, t)| t).collect(),
         })
     }
 
     /// What an allreduce of `count` elements of `dtype` runs (path, algorithm, launch shape).
     pub fn choice(&self, count: usize, dtype: DType) -> Choice {
-        let c = &self.inner.config;
+        let team = &self.inner.team;
+        let c = &team.config;
         let bytes = count * dtype.size();
-        let algorithm = c.algorithm.unwrap_or(if bytes <= c.one_shot_max_bytes {
+        let algorithm = c.algorithm.unwrap_or(if bytes <= c.one_shot_max(team.n) {
             Algorithm::OneShot
         } else {
             Algorithm::TwoShot
         });
         let max_blocks = if c.max_blocks == 0 {
-            (2 * self.inner.multiprocessors).min(MAX_BLOCKS as u32)
+            (2 * team.multiprocessors).min(MAX_BLOCKS as u32)
         } else {
             c.max_blocks
-        };
+        } as u64;
         let units = bytes.div_ceil(16) as u64;
-        let per_block = c.threads as u64
-            * match algorithm {
-                Algorithm::OneShot => 1,
-                Algorithm::TwoShot => self.size() as u64,
-            };
-        let blocks = units.div_ceil(per_block).clamp(1, max_blocks as u64) as u32;
+        let per_rank = match algorithm {
+            Algorithm::OneShot => units,
+            Algorithm::TwoShot => units.div_ceil(team.n as u64),
+        };
+        let blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
+        // Small messages: fewer threads (cheaper block barriers), at least 64.
+        let threads = per_rank
+            .div_ceil(blocks)
+            .next_multiple_of(32)
+            .clamp(64, c.threads as u64);
         Choice {
             path: Path::PeerToPeer,
             algorithm,
-            blocks,
-            threads: c.threads,
+            blocks: blocks as u32,
+            threads: threads as u32,
         }
     }
 
-    /// Allreduce `count` elements of `dtype` with `op`: rank `rank`'s share of the collective,
-    /// queued on `stream` (a stream of that rank's device). Reads `input` from element
-    /// `in_offset`, writes `output` from element `out_offset` (the same buffer and offsets:
-    /// in place). Every rank must make the same call (count, type, op, offsets), in the same
-    /// order; a disagreement is detected by the kernels and reported by [`Communicator::check`].
+    /// Allreduce `count` elements of `dtype` with `op`: rank `rank`'s share of the collective
+    /// (a rank this process drives), queued on `stream` (a stream of that rank's device). Reads
+    /// `input` from element `in_offset`, writes `output` from element `out_offset` (the same
+    /// buffer and offsets: in place). Every rank must make the same call (count, type, op,
+    /// offsets), in the same order; a disagreement is detected by the kernels and reported by
+    /// [`Communicator::check`].
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce(
         &self,
@@ -562,33 +795,41 @@ impl Communicator {
                 ));
             }
         }
-        let es = dtype.size();
-        let (ib, ob) = (in_offset * es, out_offset * es);
-        let rank_ok = self.rank(rank)?;
-        let in_ptr = input.ptr(rank).unwrap_or(0) + ib as u64;
-        let out_ptr = output.ptr(rank).unwrap_or(0) + ob as u64;
-        if stream.device() != &rank_ok.device {
+        let l = self.local(rank)?;
+        if stream.device() != &l.device {
             return Err(Error::invalid(
                 "stream",
                 format!(
                     "a stream of device {}; rank {rank} is device {}",
                     stream.device().ordinal(),
-                    rank_ok.device.ordinal()
+                    l.device.ordinal()
                 ),
             ));
         }
-        // SAFETY: the pointers lie in buffers registered with this team (checked again in
-        // `all_reduce_raw`), and the stream is a live stream of the rank's device.
+        let es = dtype.size();
+        let in_ptr = input.sym.addrs[rank] + (in_offset * es) as u64;
+        let out_ptr = output.sym.addrs[rank] + (out_offset * es) as u64;
+        // SAFETY: the stream is a live stream of the rank's device (a borrowed `Stream`); the
+        // pointers are checked against the team's buffers by `all_reduce_raw`.
         unsafe { self.all_reduce_raw(rank, in_ptr, out_ptr, count * es, dtype, op, stream.raw()) }
     }
 
-    fn rank(&self, rank: usize) -> Result<&Rank> {
-        self.inner.ranks.get(rank).ok_or_else(|| {
-            Error::invalid(
-                "rank",
-                format!("{rank}; the team has {} ranks", self.inner.ranks.len()),
-            )
-        })
+    fn local(&self, rank: usize) -> Result<&Local> {
+        self.inner
+            .team
+            .locals
+            .iter()
+            .find(|l| l.rank == rank)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "rank",
+                    format!(
+                        "{rank}; this process drives rank(s) {:?} of a team of {}",
+                        self.local_ranks(),
+                        self.inner.team.n
+                    ),
+                )
+            })
     }
 
     fn lookup(
@@ -600,7 +841,7 @@ impl Communicator {
     ) -> Result<(u64, CUdeviceptr, CUdeviceptr)> {
         let g = self.inner.buffers.lock();
         for (id, parts) in g.iter() {
-            let r = &parts[rank];
+            let Some(r) = parts.get(&rank) else { continue };
             if ptr >= r.start && ptr < r.start + r.len as u64 {
                 if ptr + bytes as u64 > r.start + r.len as u64 {
                     return Err(Error::invalid(
@@ -611,7 +852,6 @@ impl Communicator {
                         ),
                     ));
                 }
-                debug_assert_eq!(r.rank, rank);
                 return Ok((*id, r.table, ptr - r.start));
             }
         }
@@ -642,7 +882,7 @@ impl Communicator {
         op: Op,
         stream: CUstream,
     ) -> Result<Choice> {
-        let r = self.rank(rank)?;
+        let r = self.local(rank)?;
         let es = dtype.size();
         if bytes % es != 0 {
             return Err(Error::invalid(
@@ -672,12 +912,12 @@ impl Communicator {
         if count == 0 {
             return Ok(choice);
         }
-        if choice.algorithm == Algorithm::OneShot && bytes > self.inner.stage_half {
+        if choice.algorithm == Algorithm::OneShot && bytes > self.inner.team.stage_half {
             return Err(Error::invalid(
                 "bytes",
                 format!(
                     "{bytes} bytes with one-shot forced; its staging holds {} bytes (raise one_shot_max_bytes)",
-                    self.inner.stage_half
+                    self.inner.team.stage_half
                 ),
             ));
         }
@@ -737,14 +977,20 @@ impl Communicator {
             sig = (sig ^ x).wrapping_mul(0x0000_0100_0000_01b3);
         }
         sig |= 1 << 63;
-        let mut a_ctx = r.pad.ptr;
+        let mut a_ctx = self.inner.team.pads.addrs[rank];
         let mut a_in = input;
         let mut a_out = output;
         let mut a_count = count as u64;
         let mut a_in_tab = in_tab;
         let mut a_out_tab = out_tab;
         let mut a_sig = sig;
-        let mut a_timeout = self.inner.config.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let mut a_timeout = self
+            .inner
+            .team
+            .config
+            .timeout
+            .as_nanos()
+            .min(u64::MAX as u128) as u64;
         let mut params: [*mut c_void; 8] = [
             &mut a_ctx as *mut _ as *mut c_void,
             &mut a_in as *mut _ as *mut c_void,
@@ -779,13 +1025,17 @@ impl Communicator {
         Ok(choice)
     }
 
-    /// Report a timeout or a disagreement between ranks seen by earlier calls. Call it after
-    /// synchronising every rank's stream. After an error, the team refuses further calls.
+    /// Report a timeout or a disagreement between ranks seen by earlier calls of the ranks this
+    /// process drives. Call it after synchronising their streams. After an error, the team
+    /// refuses further calls.
     pub fn check(&self) -> Result<()> {
         let mut worst = 0;
-        for r in &self.inner.ranks {
+        for l in &self.inner.team.locals {
             let mut w = [0u8; 4];
-            r.pad.read(kernels::OFF_ERR, &mut w)?;
+            self.inner
+                .team
+                .pads
+                .read(&l.device, l.rank, kernels::OFF_ERR, &mut w)?;
             let e = u32::from_le_bytes(w);
             if e != 0 && worst != kernels::ERR_MISMATCH {
                 worst = e;
@@ -796,6 +1046,19 @@ impl Communicator {
             return Err(poison_error(worst));
         }
         Ok(())
+    }
+}
+
+impl Local {
+    fn new(rank: usize, device: &Device) -> Result<Local> {
+        let (modules, functions) = load_kernels(device)?;
+        Ok(Local {
+            rank,
+            device: device.clone(),
+            functions,
+            _modules: modules,
+            last_stream: Mutex::new(None),
+        })
     }
 }
 
@@ -812,12 +1075,12 @@ fn poison_error(code: u32) -> Error {
     }
 }
 
-/// One buffer per rank, of the same size, each mapped on every peer: allreduce operands.
+/// One part per rank, of the same size, each mapped on every peer: allreduce operands.
 pub struct SymmetricBuffer {
     comm: Communicator,
     id: u64,
     bytes: usize,
-    parts: Vec<DevMem>,
+    sym: Sym,
     _tables: Vec<DevMem>,
 }
 
@@ -827,7 +1090,7 @@ impl std::fmt::Debug for SymmetricBuffer {
             f,
             "SymmetricBuffer({} bytes x {} ranks)",
             self.bytes,
-            self.parts.len()
+            self.sym.addrs.len()
         )
     }
 }
@@ -843,29 +1106,44 @@ impl SymmetricBuffer {
         self.bytes == 0
     }
 
-    /// Rank `rank`'s part as a raw device pointer (valid while the buffer lives).
+    /// Rank `rank`'s part as a raw device pointer in this process (valid while the buffer
+    /// lives; peers' parts are reachable from this process's devices).
     pub fn ptr(&self, rank: usize) -> Option<CUdeviceptr> {
-        self.parts.get(rank).map(|p| p.ptr)
+        self.sym.addrs.get(rank).copied()
     }
 
-    fn part(&self, rank: usize) -> Result<&DevMem> {
-        self.parts.get(rank).ok_or_else(|| {
-            Error::invalid(
+    fn via(&self, rank: usize, len: usize) -> Result<&Device> {
+        if rank >= self.sym.addrs.len() {
+            return Err(Error::invalid(
                 "rank",
-                format!("{rank}; the team has {} ranks", self.parts.len()),
-            )
-        })
+                format!("{rank}; the team has {} ranks", self.sym.addrs.len()),
+            ));
+        }
+        if len > self.bytes {
+            return Err(Error::invalid(
+                "data",
+                format!("{len} bytes; the buffer has {} per rank", self.bytes),
+            ));
+        }
+        let locals = &self.comm.inner.team.locals;
+        Ok(&locals
+            .iter()
+            .find(|l| l.rank == rank)
+            .unwrap_or(&locals[0])
+            .device)
     }
 
     /// Copy `data` into rank `rank`'s part at offset 0 (synchronous).
     pub fn copy_from_host(&self, rank: usize, data: &[u8]) -> Result<()> {
-        self.part(rank)?.write(0, data)
+        let d = self.via(rank, data.len())?;
+        self.sym.write(d, rank, 0, data)
     }
 
     /// Copy rank `rank`'s part from offset 0 into `out` (synchronous; synchronise the rank's
     /// stream first).
     pub fn copy_to_host(&self, rank: usize, out: &mut [u8]) -> Result<()> {
-        self.part(rank)?.read(0, out)
+        let d = self.via(rank, out.len())?;
+        self.sym.read(d, rank, 0, out)
     }
 }
 

@@ -36,12 +36,14 @@
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
 
+pub mod bootstrap;
 mod comm;
 pub mod half;
 pub mod kernels;
 #[cfg(feature = "sim")]
 mod sim;
 
+pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use comm::{AllReduceConfig, Choice, Communicator, SymmetricBuffer};
 
 /// Element types.

@@ -179,14 +179,17 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
         let last_block = b == g - 1;
         match k {
             Kernel::P2pOneShot => {
+                // staging: [parity][sender][half]; push into my slot of every rank's staging,
+                // then reduce my own slots
                 let half = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
-                let stages: Vec<usize> = (0..n)
-                    .map(|t| {
-                        u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize
-                            + parity as usize * half
-                    })
+                let stage =
+                    |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
+                let push: Vec<usize> = (0..n)
+                    .map(|t| stage(t) + (parity as usize * n + rank) * half)
                     .collect();
-                // copy in: units [bs, be), and the tail on the last block
+                let mine: Vec<usize> = (0..n)
+                    .map(|k| stage(rank) + (parity as usize * n + k) * half)
+                    .collect();
                 let mut ranges = vec![(bs * ub, be * ub)];
                 if last_block {
                     ranges.push((tail_start, count));
@@ -195,23 +198,28 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                     let len = ((hi - lo) * es) as usize;
                     let off = (lo * es) as usize;
                     a.check(inp + off, len, false)?;
-                    a.check(stages[rank] + off, len, true)?;
+                    for p in &push {
+                        a.check(p + off, len, true)?;
+                    }
                     for i in lo..hi {
-                        st(d, stages[rank], i, ld(d, inp, i));
+                        let x = ld(d, inp, i);
+                        for p in &push {
+                            st(d, *p, i, x);
+                        }
                     }
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
                 for &(lo, hi) in &ranges {
                     let len = ((hi - lo) * es) as usize;
                     let off = (lo * es) as usize;
-                    for s in &stages {
-                        a.check(s + off, len, false)?;
+                    for m in &mine {
+                        a.check(m + off, len, false)?;
                     }
                     a.check(out + off, len, true)?;
                     for i in lo..hi {
-                        let mut acc = ld(d, stages[0], i);
-                        for s in &stages[1..] {
-                            acc = op.apply(acc, ld(d, *s, i));
+                        let mut acc = ld(d, mine[0], i);
+                        for m in &mine[1..] {
+                            acc = op.apply(acc, ld(d, *m, i));
                         }
                         st(d, out, i, acc);
                     }

@@ -237,7 +237,6 @@ fn prologue(name: &str, f: &Flavor) -> String {
 	.reg .b32 %r<64>;
 	.reg .b64 %rd<80>;
 	.reg .f32 %f<24>;
-	.shared .align 4 .b32 s_ctr;
 
 	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd2, [p_in];
@@ -253,16 +252,10 @@ fn prologue(name: &str, f: &Flavor) -> String {
 	mov.u32 %r4, %nctaid.x;
 	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
 	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
-	// thread 0 reads this block's barrier counter c
-	setp.ne.u32 %p1, %r1, 0;
-	@%p1 bra $L_ctr_read;
+	// this block's barrier counter c (only this block writes it, after its last barrier)
 	mul.wide.u32 %rd9, %r2, 4;
 	add.u64 %rd9, %rd1, %rd9;
 	ld.global.u32 %r7, [%rd9+{OFF_CTR}];
-	st.shared.u32 [s_ctr], %r7;
-$L_ctr_read:
-	bar.sync 0;
-	ld.shared.u32 %r7, [s_ctr];
 	// 16-byte vectors when in and out are 16-byte aligned, else scalars
 	or.b64 %rd9, %rd2, %rd3;
 	and.b64 %rd9, %rd9, 15;
@@ -401,9 +394,32 @@ $L_{label}_end:
     )
 }
 
+/// Where rank k's copy of the current unit lives (k in %r34, the unit's byte offset in %rd21;
+/// the address goes to %rd26).
+#[derive(Clone, Copy)]
+enum Addr<'a> {
+    /// `[table + 8k] + delta` (u64 registers): a peer-address table in device memory.
+    Table(&'a str, &'a str),
+    /// `base + k * stride` (u64 registers): slots of one local area.
+    Stride(&'a str, &'a str),
+}
+
+impl Addr<'_> {
+    fn of_rank(self) -> String {
+        match self {
+            Addr::Table(tab, delta) => format!(
+                "\tmul.wide.u32 %rd27, %r34, 8;\n\tadd.u64 %rd27, {tab}, %rd27;\n\tld.global.nc.u64 %rd26, [%rd27];\n\tadd.u64 %rd26, %rd26, {delta};\n\tadd.u64 %rd26, %rd26, %rd21;\n"
+            ),
+            Addr::Stride(base, stride) => format!(
+                "\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, {stride};\n\tadd.u64 %rd26, {base}, %rd27;\n\tadd.u64 %rd26, %rd26, %rd21;\n"
+            ),
+        }
+    }
+}
+
 /// Reduce one unit over every rank: the address of rank k's unit is `[table + 8k] + delta +
 /// %rd21` (table in `tab`, delta in `delta`, both u64 registers); result in the accumulators.
-fn reduce_over_ranks(label: &str, f: &Flavor, tab: &str, delta: &str, vector: bool) -> String {
+fn reduce_over_ranks(label: &str, f: &Flavor, at: Addr, vector: bool) -> String {
     let (first, rest) = if vector {
         (
             format!(
@@ -421,21 +437,15 @@ fn reduce_over_ranks(label: &str, f: &Flavor, tab: &str, delta: &str, vector: bo
             f.sc_load("%rd26", false, ".cg"),
         )
     };
+    let addr = at.of_rank();
     format!(
         r#"	// rank 0 first, then 1.. in order: every rank sums in the same order (bit-identical)
-	ld.global.nc.u64 %rd26, [{tab}];
-	add.u64 %rd26, %rd26, {delta};
-	add.u64 %rd26, %rd26, %rd21;
-{first}	mov.u32 %r34, 1;
+	mov.u32 %r34, 0;
+{addr}{first}	mov.u32 %r34, 1;
 $L_{label}_k:
 	setp.ge.u32 %p16, %r34, %r6;
 	@%p16 bra $L_{label}_kend;
-	mul.wide.u32 %rd27, %r34, 8;
-	add.u64 %rd27, {tab}, %rd27;
-	ld.global.nc.u64 %rd26, [%rd27];
-	add.u64 %rd26, %rd26, {delta};
-	add.u64 %rd26, %rd26, %rd21;
-{rest}	add.u32 %r34, %r34, 1;
+{addr}{rest}	add.u32 %r34, %r34, 1;
 	bra.uni $L_{label}_k;
 $L_{label}_kend:
 "#
@@ -443,7 +453,7 @@ $L_{label}_kend:
 }
 
 /// Store the accumulators to `[table + 8k] + delta + %rd21` for every rank k.
-fn store_to_ranks(label: &str, f: &Flavor, tab: &str, delta: &str, vector: bool) -> String {
+fn store_to_ranks(label: &str, f: &Flavor, at: Addr, vector: bool) -> String {
     let (pre, st) = if vector {
         (
             f.vec_out(),
@@ -463,17 +473,18 @@ fn store_to_ranks(label: &str, f: &Flavor, tab: &str, delta: &str, vector: bool)
             },
         )
     };
+    format!("{pre}{}", store_loop(label, at, &st))
+}
+
+/// Store (with `st`, reading %rd26 as the address) to the same unit of every rank k.
+fn store_loop(label: &str, at: Addr, st: &str) -> String {
+    let addr = at.of_rank();
     format!(
-        r#"{pre}	mov.u32 %r34, 0;
+        r#"	mov.u32 %r34, 0;
 $L_{label}_s:
 	setp.ge.u32 %p16, %r34, %r6;
 	@%p16 bra $L_{label}_send;
-	mul.wide.u32 %rd27, %r34, 8;
-	add.u64 %rd27, {tab}, %rd27;
-	ld.global.nc.u64 %rd26, [%rd27];
-	add.u64 %rd26, %rd26, {delta};
-	add.u64 %rd26, %rd26, %rd21;
-{st}	add.u32 %r34, %r34, 1;
+{addr}{st}	add.u32 %r34, %r34, 1;
 	bra.uni $L_{label}_s;
 $L_{label}_send:
 "#
@@ -493,20 +504,24 @@ fn one_shot(f: &Flavor) -> String {
     let name = Kernel::P2pOneShot.entry(f.dtype, f.op);
     let es = f.es_log2();
     let mut s = prologue(&name, f);
-    // staging of this call: my staging area + parity * half
     s += &format!(
-        r#"	// staging half of this call: parity = (c >> 1) & 1
+        r#"	// staging: [parity][sender][half]; parity = (c >> 1) & 1
 	shr.u32 %r8, %r7, 1;
 	and.b32 %r8, %r8, 1;
 	ld.global.u64 %rd30, [%rd1+{OFF_STAGE_HALF}];
-	cvt.u64.u32 %rd31, %r8;
+	// push delta: (parity * nranks + rank) * half, into every rank's staging
+	mad.lo.u32 %r15, %r8, %r6, %r5;
+	cvt.u64.u32 %rd31, %r15;
 	mul.lo.u64 %rd31, %rd31, %rd30;
+	add.u64 %rd34, %rd1, {OFF_STAGES};
+	// my slots of this parity: my staging + parity * nranks * half
 	mul.wide.u32 %rd32, %r5, 8;
 	add.u64 %rd32, %rd1, %rd32;
 	ld.global.u64 %rd33, [%rd32+{OFF_STAGES}];
-	add.u64 %rd33, %rd33, %rd31;
-	// the staging table and the delta (parity * half) used to read every rank's staging
-	add.u64 %rd34, %rd1, {OFF_STAGES};
+	mul.lo.u32 %r16, %r8, %r6;
+	cvt.u64.u32 %rd35, %r16;
+	mul.lo.u64 %rd35, %rd35, %rd30;
+	add.u64 %rd33, %rd33, %rd35;
 	// tail: elements [rd16, count) by the last block
 	{tail}	sub.u32 %r11, %r4, 1;
 	setp.eq.u32 %p17, %r2, %r11;
@@ -514,39 +529,62 @@ fn one_shot(f: &Flavor) -> String {
 "#,
         tail = tail_range(f).trim_start()
     );
-    // copy in: vector
+    // push my input into my slot of every rank's staging
+    let push = Addr::Table("%rd34", "%rd31");
+    let mut body =
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n"
+            .to_string();
+    body += &store_loop(
+        "pv",
+        push,
+        "\tst.global.v4.b32 [%rd26], {%r30, %r31, %r32, %r33};\n",
+    );
+    s += &strided("cin_v", "%rd11", "%rd12", 4, &body);
+    s += "\tbra.uni $L_cin_tail;\n$L_cin_sc:\n";
+    let (ld, st) = if f.half() {
+        (
+            "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b16 %h1, [%rd24];\n",
+            "\tst.global.b16 [%rd26], %h1;\n",
+        )
+    } else {
+        (
+            "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b32 %r30, [%rd24];\n",
+            "\tst.global.b32 [%rd26], %r30;\n",
+        )
+    };
     s += &strided(
-        "cin_v",
+        "cin_s",
         "%rd11",
         "%rd12",
-        4,
-        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd33, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
+        es,
+        &format!("{ld}{}", store_loop("ps", push, st)),
     );
-    s += "\tbra.uni $L_cin_tail;\n$L_cin_sc:\n";
-    let sc_copy = if f.half() {
-        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b16 %h1, [%rd24];\n\tadd.u64 %rd25, %rd33, %rd21;\n\tst.global.b16 [%rd25], %h1;\n"
-    } else {
-        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b32 %r30, [%rd24];\n\tadd.u64 %rd25, %rd33, %rd21;\n\tst.global.b32 [%rd25], %r30;\n"
-    };
-    s += &strided("cin_s", "%rd11", "%rd12", es, sc_copy);
     s += "$L_cin_tail:\n\t@!%p17 bra $L_cin_done;\n";
-    s += &strided("cin_t", "%rd16", "%rd4", es, sc_copy);
+    s += &strided(
+        "cin_t",
+        "%rd16",
+        "%rd4",
+        es,
+        &format!("{ld}{}", store_loop("pt", push, st)),
+    );
     s += "$L_cin_done:\n";
     s += "\tadd.u32 %r12, %r7, 1;\n";
     s += &barrier("b1", "%r12", true);
+    // reduce my local slots
+    let mine = Addr::Stride("%rd33", "%rd30");
     s += "\t@!%p9 bra $L_red_sc;\n";
-    let mut body = reduce_over_ranks("rv", f, "%rd34", "%rd31", true);
+    let mut body = reduce_over_ranks("rv", f, mine, true);
     body += &f.vec_out();
     body +=
         "\tadd.u64 %rd24, %rd3, %rd21;\n\tst.global.v4.b32 [%rd24], {%r30, %r31, %r32, %r33};\n";
     s += &strided("red_v", "%rd11", "%rd12", 4, &body);
     s += "\tbra.uni $L_red_tail;\n$L_red_sc:\n";
-    let mut body = reduce_over_ranks("rs", f, "%rd34", "%rd31", false);
+    let mut body = reduce_over_ranks("rs", f, mine, false);
     body += "\tadd.u64 %rd24, %rd3, %rd21;\n";
     body += &f.sc_store("%rd24");
     s += &strided("red_s", "%rd11", "%rd12", es, &body);
     s += "$L_red_tail:\n\t@!%p17 bra $L_red_done;\n";
-    let mut body = reduce_over_ranks("rt", f, "%rd34", "%rd31", false);
+    let mut body = reduce_over_ranks("rt", f, mine, false);
     body += "\tadd.u64 %rd24, %rd3, %rd21;\n";
     body += &f.sc_store("%rd24");
     s += &strided("red_t", "%rd16", "%rd4", es, &body);
@@ -594,16 +632,16 @@ fn two_shot(f: &Flavor) -> String {
     );
     s += &barrier("b1", "%r12", true);
     s += "\t@!%p9 bra $L_red_sc;\n";
-    let mut body = reduce_over_ranks("rv", f, "%rd5", "%rd31", true);
-    body += &store_to_ranks("sv", f, "%rd6", "%rd32", true);
+    let mut body = reduce_over_ranks("rv", f, Addr::Table("%rd5", "%rd31"), true);
+    body += &store_to_ranks("sv", f, Addr::Table("%rd6", "%rd32"), true);
     s += &strided("red_v", "%rd37", "%rd38", 4, &body);
     s += "\tbra.uni $L_red_tail;\n$L_red_sc:\n";
-    let mut body = reduce_over_ranks("rs", f, "%rd5", "%rd31", false);
-    body += &store_to_ranks("ss", f, "%rd6", "%rd32", false);
+    let mut body = reduce_over_ranks("rs", f, Addr::Table("%rd5", "%rd31"), false);
+    body += &store_to_ranks("ss", f, Addr::Table("%rd6", "%rd32"), false);
     s += &strided("red_s", "%rd37", "%rd38", es, &body);
     s += "$L_red_tail:\n\t@!%p17 bra $L_red_done;\n";
-    let mut body = reduce_over_ranks("rt", f, "%rd5", "%rd31", false);
-    body += &store_to_ranks("st", f, "%rd6", "%rd32", false);
+    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
+    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
     s += &strided("red_t", "%rd16", "%rd4", es, &body);
     s += "$L_red_done:\n";
     s += "\tadd.u32 %r14, %r7, 2;\n";

@@ -34,6 +34,7 @@ mod kernel;
 mod managed;
 mod memory;
 pub mod multicast;
+mod shared;
 mod state;
 mod stream;
 mod vmm;

@@ -38,7 +38,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_ulonglong, c_void};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,8 +54,10 @@ use crate::state::{current, is_kind, new_handle, out, read, Kind, SimResult, Sta
 pub const BLOCK_LIMIT: Duration = Duration::from_secs(2);
 /// The same for an exported or imported object, whose devices other processes add.
 pub const SHARED_BLOCK_LIMIT: Duration = Duration::from_secs(30);
-const MAX_SHARED_DEVICES: usize = 64;
-const MAX_SHARED_BINDS: usize = 256;
+use crate::shared::{
+    inode, view_of, Bind as SharedBind, MAX_BINDS as MAX_SHARED_BINDS,
+    MAX_DEVICES as MAX_SHARED_DEVICES,
+};
 const TABLE_MAGIC: &[u8; 8] = b"SIMMCTB1";
 
 const HT_POSIX: u64 = CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0 as u64;
@@ -113,12 +115,7 @@ impl Object {
     /// Forget this process's entries in the shared table and unmap views of other processes'.
     fn detach(&mut self) {
         if let Some(t) = &self.table {
-            let me = std::process::id();
-            t.with(|d| {
-                for b in d.binds.iter_mut().filter(|b| b.live != 0 && b.pid == me) {
-                    b.live = 0;
-                }
-            });
+            t.with(|d| crate::shared::unregister(&mut d.binds, |_| true));
         }
         for (_, (a, l)) in self.remote.drain() {
             crate::memory::unmap(a, l);
@@ -126,7 +123,7 @@ impl Object {
     }
 }
 
-/// The data of a shared table (after the lock word).
+/// The data of a multicast object's shared table.
 #[repr(C)]
 struct SharedData {
     magic: [u8; 8],
@@ -142,144 +139,41 @@ struct SharedData {
     binds: [SharedBind; MAX_SHARED_BINDS],
 }
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SharedBind {
-    live: u32,
-    gen: u32,
-    dev: i32,
-    pid: u32,
-    fd: i32,
-    _pad: u32,
-    offset: u64,
-    len: u64,
-    file_offset: u64,
-}
+type Table = crate::shared::Table<SharedData>;
 
-/// A shared table: a memfd mapped in this process; the first 8 bytes are a spin lock.
-struct Table {
-    base: usize,
-    len: usize,
-    fd: OwnedFd,
-}
-
-// SAFETY: the mapping is process-wide memory; every access goes through `with`, which holds the
-// table's lock (shared by every process mapping it).
-unsafe impl Send for Table {}
-// SAFETY: as above.
-unsafe impl Sync for Table {}
-
-impl Table {
-    const LEN: usize = 8 + std::mem::size_of::<SharedData>();
-
-    /// Map the table in `fd` (checked: size and magic).
-    fn map(fd: OwnedFd) -> SimResult<Table> {
-        // SAFETY: an all-zero stat is a valid value to be overwritten.
-        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fstat writes one stat.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0
-            || stat.st_size as usize != Table::LEN
-        {
-            return invalid();
+/// A new shared table describing object `oid`.
+fn create_table(oid: u64, o: &Object) -> SimResult<Table> {
+    let me = std::process::id();
+    Table::create(&format!("{MEMFD_PREFIX}{me}/{oid}"), |d| {
+        d.magic = *TABLE_MAGIC;
+        d.creator_pid = me;
+        d.num_devices = o.num_devices;
+        d.oid = oid;
+        d.size = o.size as u64;
+        d.handle_types = o.handle_types;
+        d.gran = o.gran as u64;
+        for (i, &dev) in o.devices.iter().enumerate() {
+            d.devices[i] = dev;
         }
-        let base = view_of(fd.as_raw_fd(), 0, Table::LEN)?;
-        let t = Table {
-            base,
-            len: Table::LEN,
-            fd,
-        };
-        if &t.with(|d| d.magic) != TABLE_MAGIC {
-            return invalid();
+        d.ndev = o.devices.len() as u32;
+        for (&(dev, off), b) in &o.bindings {
+            register(d, dev, off, b)?;
         }
-        Ok(t)
-    }
-
-    /// A new table describing an object.
-    fn create(oid: u64, o: &Object) -> SimResult<Table> {
-        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}/{oid}", std::process::id()))
-            .unwrap_or_default();
-        // SAFETY: a NUL-terminated name; the fd returned is owned below.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        // SAFETY: a fresh fd nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), Table::LEN as libc::off_t) } != 0 {
-            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        let base = view_of(fd.as_raw_fd(), 0, Table::LEN)?;
-        let t = Table {
-            base,
-            len: Table::LEN,
-            fd,
-        };
-        let me = std::process::id();
-        t.with(|d| -> SimResult {
-            d.magic = *TABLE_MAGIC;
-            d.creator_pid = me;
-            d.num_devices = o.num_devices;
-            d.oid = oid;
-            d.size = o.size as u64;
-            d.handle_types = o.handle_types;
-            d.gran = o.gran as u64;
-            for (i, &dev) in o.devices.iter().enumerate() {
-                d.devices[i] = dev;
-            }
-            d.ndev = o.devices.len() as u32;
-            for (&(dev, off), b) in &o.bindings {
-                register(d, dev, off, b)?;
-            }
-            Ok(())
-        })?;
-        Ok(t)
-    }
-
-    /// Run `f` on the table's data, holding its cross-process lock.
-    fn with<R>(&self, f: impl FnOnce(&mut SharedData) -> R) -> R {
-        // SAFETY: the first 4 bytes of the mapping are the lock word, only ever accessed atomically.
-        let lock = unsafe { &*(self.base as *const std::sync::atomic::AtomicU32) };
-        while lock
-            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::thread::yield_now();
-        }
-        // SAFETY: the data follows the lock word; holding the lock gives exclusive access among
-        // every process that maps the table.
-        let r = f(unsafe { &mut *((self.base + 8) as *mut SharedData) });
-        lock.store(0, Ordering::Release);
-        r
-    }
-}
-
-impl Drop for Table {
-    fn drop(&mut self) {
-        crate::memory::unmap(self.base, self.len);
-    }
+        Ok(())
+    })
 }
 
 /// Record a binding of this process in a table.
 fn register(d: &mut SharedData, dev: i32, offset: usize, b: &Binding) -> SimResult {
-    let slot = d
-        .binds
-        .iter()
-        .position(|b| b.live == 0)
-        .ok_or(CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
-    d.next_gen = d.next_gen.wrapping_add(1);
-    d.binds[slot] = SharedBind {
-        live: 1,
-        gen: d.next_gen,
+    crate::shared::register(
+        &mut d.binds,
+        &mut d.next_gen,
         dev,
-        pid: std::process::id(),
-        fd: b.fd.as_raw_fd(),
-        _pad: 0,
-        offset: offset as u64,
-        len: b.len as u64,
-        file_offset: (b.target - b.view.0) as u64 + b.file_offset,
-    };
-    Ok(())
+        offset as u64,
+        b.len as u64,
+        b.fd.as_raw_fd(),
+        (b.target - b.view.0) as u64 + b.file_offset,
+    )
 }
 
 struct McMapping {
@@ -392,26 +286,6 @@ fn wait_complete<'a>(
             mc.added.wait_until(&mut g, start + limit);
         }
     }
-}
-
-/// A shared view of `len` bytes of an allocation's memfd from `offset`.
-fn view_of(fd: RawFd, offset: usize, len: usize) -> SimResult<usize> {
-    // SAFETY: a fresh shared mapping of a memfd at least `offset + len` long (checked by the
-    // caller); no existing memory is affected.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd,
-            offset as libc::off_t,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-    }
-    Ok(p as usize)
 }
 
 /// The memory a bind names, once resolved.
@@ -543,13 +417,10 @@ fn unbind(st: &State, handle: u64, dev: i32, mc_offset: usize, size: usize) -> S
     }
     let b = o.bindings.remove(&(dev, mc_offset)).expect("checked");
     if let Some(t) = &o.table {
-        let me = std::process::id();
         t.with(|d| {
-            for e in d.binds.iter_mut() {
-                if e.live != 0 && e.pid == me && e.dev == dev && e.offset == mc_offset as u64 {
-                    e.live = 0;
-                }
-            }
+            crate::shared::unregister(&mut d.binds, |e| {
+                e.dev == dev && e.offset == mc_offset as u64
+            })
         });
     }
     crate::memory::unmap(b.view.0, b.view.1);
@@ -643,17 +514,7 @@ fn shared_targets(o: &mut Object, at: usize, end: usize) -> SimResult<Vec<usize>
             match o.remote.get(&(slot, e.gen)) {
                 Some(&(a, _)) => a,
                 None => {
-                    let path = std::ffi::CString::new(format!("/proc/{}/fd/{}", e.pid, e.fd))
-                        .map_err(|_| CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)?;
-                    // SAFETY: a NUL-terminated path; the fd returned is owned below.
-                    let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-                    if raw < 0 {
-                        return Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
-                    }
-                    // SAFETY: a fresh fd nothing else owns (closed when this scope ends; the
-                    // mapping stays valid).
-                    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-                    let a = view_of(fd.as_raw_fd(), e.file_offset as usize, e.len as usize)?;
+                    let a = crate::shared::remote_view(&e)?;
                     o.remote.insert((slot, e.gen), (a, e.len as usize));
                     a
                 }
@@ -880,18 +741,15 @@ pub(crate) fn export(
         return invalid();
     }
     if o.table.is_none() {
-        o.table = Some(Table::create(oid, o)?);
+        o.table = Some(create_table(oid, o)?);
     }
     o.shared = true;
     let table = o.table.as_ref().expect("just made");
     if t == HT_POSIX {
-        // SAFETY: fcntl(F_DUPFD_CLOEXEC) only fails or returns a new fd that the caller owns.
-        let fd = unsafe { libc::fcntl(table.fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        // SAFETY: the caller passes room for an int (the documented out type for POSIX fds).
-        unsafe { out(sh as *mut c_int, fd) }
+        let fd = crate::shared::dup(table.fd.as_raw_fd())?;
+        // SAFETY: the caller passes room for an int (the documented out type for POSIX fds); the
+        // caller owns the new fd.
+        unsafe { out(sh as *mut c_int, std::os::fd::IntoRawFd::into_raw_fd(fd)) }
     } else {
         let mut b = [0u8; 64];
         b[..8].copy_from_slice(FABRIC_MAGIC);
@@ -906,20 +764,10 @@ pub(crate) fn export(
     }
 }
 
-fn inode(fd: RawFd) -> SimResult<u64> {
-    // SAFETY: an all-zero stat is a valid value to be overwritten.
-    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes one stat.
-    if unsafe { libc::fstat(fd, &mut stat) } != 0 {
-        return invalid();
-    }
-    Ok(stat.st_ino as u64)
-}
-
 /// Import a shared table: the same object if this process created it, else a new object that
 /// shares the table.
 fn import_table(st: &State, fd: OwnedFd) -> SimResult<u64> {
-    let table = Table::map(fd)?;
+    let table = Table::map(fd, TABLE_MAGIC)?;
     let (creator, oid, n, size, ht, gran) = table.with(|d| {
         (
             d.creator_pid,
@@ -982,14 +830,8 @@ pub(crate) fn import_fd(st: &State, fd: RawFd) -> Option<SimResult<u64>> {
     link.to_string_lossy()
         .strip_prefix("/memfd:")?
         .strip_prefix(MEMFD_PREFIX)?;
-    // SAFETY: fcntl(F_DUPFD_CLOEXEC) only fails or returns a new fd that we own; the caller's fd
-    // stays theirs.
-    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-    if dup < 0 {
-        return Some(invalid());
-    }
-    // SAFETY: a fresh fd nothing else owns.
-    Some(import_table(st, unsafe { OwnedFd::from_raw_fd(dup) }))
+    // Our own descriptor: the caller's stays theirs.
+    Some(crate::shared::dup(fd).and_then(|d| import_table(st, d)))
 }
 
 /// `cuMemImportFromShareableHandle` of a fabric handle: `None` when it is not a multicast one.
@@ -1003,15 +845,7 @@ pub(crate) fn import_fabric(st: &State, b: &[u8; 64]) -> Option<SimResult<u64>> 
         }
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
-        let path = std::ffi::CString::new(format!("/proc/{}/fd/{}", u32_at(8), u32_at(12) as i32))
-            .map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        // SAFETY: a NUL-terminated path; the fd returned is owned below.
-        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if raw < 0 {
-            return Err(CUresult::CUDA_ERROR_NOT_PERMITTED);
-        }
-        // SAFETY: a fresh fd nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = crate::shared::open_remote(u32_at(8), u32_at(12) as i32)?;
         if inode(fd.as_raw_fd())? != u64_at(24) {
             return invalid();
         }

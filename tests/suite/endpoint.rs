@@ -525,3 +525,131 @@ fn a_failure_at_any_step_leaks_nothing() {
     }
     assert!(injected >= 8, "{injected}");
 }
+
+/// Child mode of the next test: the hex bytes of the exported endpoint.
+const CHILD_HANDLE: &str = "CUDA_MULTIMEM_LE_CHILD_HANDLE";
+
+fn endpoint_child(hex: &str) {
+    use std::io::{BufRead, Write};
+    let mut cfg = ready_config(2, 2);
+    cfg.version = 13050;
+    let e = sim(cfg);
+    let d = &e.driver;
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let spec = EndpointSpec::multicast(2, 2 * MIB).fabric_handle(true);
+    let ep = LogicalEndpoint::import_fabric(
+        d,
+        &EndpointFabricHandle::from_bytes(&bytes).unwrap(),
+        &spec,
+    )
+    .unwrap();
+    let dev1 = d.device(1).unwrap();
+    ep.add_device(&dev1).unwrap();
+    ep.wait_ready(Duration::from_secs(30)).unwrap();
+    let mem = memory(d, 1, 2 << 20, HandleTypes::FABRIC);
+    let own = Mapping::map_whole(&mem, &[(Location::Device(1), Access::ReadWrite)]).unwrap();
+    let b = ep.bind_mem(&dev1, 0, &mem, 0, 2 * MIB).unwrap();
+    let say = |s: &str| {
+        println!("@@{s}");
+        std::io::stdout().flush().unwrap();
+    };
+    say("BOUND");
+    let mut lines = std::io::stdin().lock().lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "CHECK");
+    let mut back = vec![0u8; 4096];
+    dtoh(d, &mut back, own.device_ptr() + 4096).unwrap();
+    say(if back == random(4096, 91) {
+        "SAW-OK"
+    } else {
+        "SAW-BAD"
+    });
+    assert_eq!(lines.next().unwrap().unwrap(), "DONE");
+    drop((b, ep, own, mem));
+}
+
+#[test]
+fn an_endpoint_exported_as_a_fabric_handle_works_in_another_process() {
+    use std::io::{BufRead, BufReader, Write};
+    if let Ok(h) = std::env::var(CHILD_HANDLE) {
+        return endpoint_child(&h);
+    }
+    let mut cfg = ready_config(2, 2);
+    cfg.version = 13050;
+    let e = sim(cfg);
+    let d = &e.driver;
+    let spec = EndpointSpec::multicast(2, 2 * MIB).fabric_handle(true);
+    let ep = LogicalEndpoint::create(d, &spec).unwrap();
+    let hex: String = ep
+        .export_fabric()
+        .unwrap()
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let dev0 = d.device(0).unwrap();
+    ep.add_device(&dev0).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "endpoint::an_endpoint_exported_as_a_fabric_handle_works_in_another_process",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env(CHILD_HANDLE, hex)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to_child = child.stdin.take().unwrap();
+    let mut from_child = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut expect = |what: &str| loop {
+        let l = from_child.next().expect("child output").unwrap();
+        if let Some(i) = l.find("@@") {
+            let got = l[i + 2..].trim().to_string();
+            if got.starts_with("SAW-") || got == what {
+                return got;
+            }
+        }
+    };
+    // Ready only once the child added its device: the team is shared.
+    ep.wait_ready(Duration::from_secs(30)).unwrap();
+    let mem = memory(d, 0, 2 << 20, HandleTypes::FABRIC);
+    let own = Mapping::map_whole(&mem, &[(Location::Device(0), Access::ReadWrite)]).unwrap();
+    let b = ep.bind_mem(&dev0, 0, &mem, 0, 2 * MIB).unwrap();
+    assert_eq!(expect("BOUND"), "BOUND");
+    // A fabric copy to the endpoint reaches both processes' memory.
+    let team_targets = cuda_multimem_sim::endpoint::endpoint_targets(ep.id(), 4096, 4096).unwrap();
+    assert_eq!(team_targets.len(), 2, "both processes' bindings");
+    let data = random(4096, 91);
+    let stream = cuda_multimem::Stream::new(&dev0).unwrap();
+    let mut op = cuda_multimem::sys::CUDA_FABRIC_COPY_BATCH_OP {
+        size: 4096,
+        ..Default::default()
+    };
+    op.src.type_ = cuda_multimem::sys::CUfabricCpyOperandType::CU_FABRIC_COPY_OPERAND_TYPE_POINTER;
+    op.src.op.ptr.ptr = data.as_ptr() as u64;
+    op.dst.type_ =
+        cuda_multimem::sys::CUfabricCpyOperandType::CU_FABRIC_COPY_OPERAND_TYPE_LOGICAL_ENDPOINT;
+    op.dst.op.le.id = ep.id();
+    op.dst.op.le.offset = 4096;
+    // SAFETY: one operation; `data` outlives the synchronisation below.
+    let rc = unsafe { d.sys().cuFabricCpyBatchAsync().unwrap()(1, &mut op, 0, stream.raw()) };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+    stream.synchronize().unwrap();
+    let mut back = vec![0u8; 4096];
+    dtoh(d, &mut back, own.device_ptr() + 4096).unwrap();
+    assert!(back == data, "the exporter's memory");
+    writeln!(to_child, "CHECK").unwrap();
+    assert_eq!(
+        expect("SAW-OK"),
+        "SAW-OK",
+        "the importer's memory got the copy"
+    );
+    writeln!(to_child, "DONE").unwrap();
+    drop(to_child);
+    assert!(child.wait().unwrap().success());
+    drop((b, ep, stream, own, mem));
+    assert_eq!(leftovers(e.sim.as_ref().unwrap()), Default::default());
+}

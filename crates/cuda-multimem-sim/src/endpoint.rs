@@ -12,9 +12,12 @@
 //! - binds are per device at an offset, aligned to the bind alignment that `GetLimits` reports
 //!   (the device's minimum VMM granularity), inside the endpoint's size;
 //! - `Destroy` unbinds what this process bound; the endpoint's resources go with its last id;
-//! - fabric handles are 64 bytes (a magic, the process id, the endpoint's object id, a checksum);
-//!   another process's handle is `CUDA_ERROR_NOT_SUPPORTED` (the simulator shares no state between
-//!   processes).
+//! - fabric handles are 64 bytes (a magic, the exporter's process id, the descriptor number there
+//!   of the endpoint's shared table, the object id, the table's inode, a checksum). The first
+//!   export gives the endpoint a shared table (a memfd, see `shared.rs`) holding its team, its
+//!   construction progress and every process's bindings; another process of the same user imports
+//!   it by opening `/proc/<pid>/fd/<n>`, and then sees the same readiness, devices and bindings
+//!   (fabric copies to a multicast endpoint reach every process's bound memory).
 //!
 //! [`SimConfig::endpoint_ready_polls`]: crate::SimConfig::endpoint_ready_polls
 // `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
@@ -22,6 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -52,13 +56,15 @@ enum Type {
 }
 
 /// One binding: `len` bytes of a device's memory at endpoint offset `offset`.
-#[derive(Debug, Clone)]
 struct Binding {
     len: u64,
-    /// The host address of the bound memory.
-    target: usize,
-    /// A private view of an allocation made by `BindMem` (unmapped at unbind).
-    view: Option<(usize, usize)>,
+    /// The host address of the bound memory: a private view `(addr, len)` of the allocation's
+    /// memfd, unmapped at unbind (so the binding survives an unmap of the address it came from).
+    view: (usize, usize),
+    /// The allocation's memfd, kept open so other processes can map it.
+    fd: OwnedFd,
+    /// Offset of the view in that memfd.
+    file_offset: u64,
     /// The id through which it was bound (unbound when that id is destroyed).
     via: u32,
 }
@@ -73,22 +79,128 @@ struct Object {
     devices: Vec<i32>,
     /// Queries that covered it since its team was complete.
     polls: u32,
-    /// (device, offset) -> binding
+    /// (device, offset) -> binding of this process
     bindings: BTreeMap<(i32, u64), Binding>,
     /// Ids referring to it.
     refs: u32,
+    /// The cross-process table, once exported or imported from another process.
+    table: Option<EpTable>,
+    /// Views of other processes' bound memory: (table slot, generation) -> (address, length).
+    remote: HashMap<(usize, u32), (usize, usize)>,
 }
 
 impl Object {
+    fn members(&self) -> Vec<i32> {
+        match &self.table {
+            Some(t) => t.with(|d| d.devices[..d.ndev as usize].to_vec()),
+            None => self.devices.clone(),
+        }
+    }
+    fn polls(&self) -> u32 {
+        self.table
+            .as_ref()
+            .map_or(self.polls, |t| t.with(|d| d.polls))
+    }
+    /// One query covered it: count it once the team is complete (up to `needed`).
+    fn poll(&mut self, needed: u32) {
+        if !self.complete() {
+            return;
+        }
+        match &self.table {
+            Some(t) => t.with(|d| d.polls = (d.polls + 1).min(needed.max(d.polls))),
+            None => self.polls = (self.polls + 1).min(needed.max(self.polls)),
+        }
+    }
     fn constructed(&self, needed: u32) -> bool {
-        self.complete() && self.polls >= needed
+        self.complete() && self.polls() >= needed
     }
     fn complete(&self) -> bool {
         match self.ty {
             Type::Unicast(_) => true,
-            Type::Multicast(n) => self.devices.len() as u32 == n,
+            Type::Multicast(n) => self.members().len() as u32 == n,
         }
     }
+    /// Remove this process's binding at `key`: from the table too, and unmap its view.
+    fn remove_binding(&mut self, st: &State, key: (i32, u64)) {
+        if let Some(b) = self.bindings.remove(&key) {
+            if let Some(t) = &self.table {
+                t.with(|d| {
+                    crate::shared::unregister(&mut d.binds, |e| e.dev == key.0 && e.offset == key.1)
+                });
+            }
+            crate::memory::unmap(b.view.0, b.view.1);
+            st.live_add("logical endpoint bindings", -1);
+        }
+    }
+    /// Forget this process's table entries and unmap views of other processes' memory.
+    fn detach(&mut self) {
+        if let Some(t) = &self.table {
+            t.with(|d| crate::shared::unregister(&mut d.binds, |_| true));
+        }
+        for (_, (a, l)) in self.remote.drain() {
+            crate::memory::unmap(a, l);
+        }
+    }
+}
+
+/// The data of an exported endpoint's shared table.
+#[repr(C)]
+struct EpShared {
+    magic: [u8; 8],
+    creator_pid: u32,
+    /// 1: unicast (`arg` = owner), 2: multicast (`arg` = team size).
+    kind: u32,
+    arg: i32,
+    ipc: u32,
+    oid: u64,
+    size: u64,
+    align: u64,
+    polls: u32,
+    ndev: u32,
+    next_gen: u32,
+    _pad: u32,
+    devices: [i32; crate::shared::MAX_DEVICES],
+    binds: [crate::shared::Bind; crate::shared::MAX_BINDS],
+}
+
+type EpTable = crate::shared::Table<EpShared>;
+const TABLE_MAGIC: &[u8; 8] = b"SIMLETB1";
+
+fn create_table(o: &Object) -> SimResult<EpTable> {
+    let me = std::process::id();
+    EpTable::create(&format!("cuda-multimem-sim-le/{me}/{}", o.id), |d| {
+        d.magic = *TABLE_MAGIC;
+        d.creator_pid = me;
+        (d.kind, d.arg) = match o.ty {
+            Type::Unicast(owner) => (1, owner),
+            Type::Multicast(n) => (2, n as i32),
+        };
+        d.ipc = o.ipc;
+        d.oid = o.id;
+        d.size = o.size;
+        d.align = o.align;
+        d.polls = o.polls;
+        for (i, &dev) in o.devices.iter().enumerate() {
+            d.devices[i] = dev;
+        }
+        d.ndev = o.devices.len() as u32;
+        for (&(dev, off), b) in &o.bindings {
+            register(d, dev, off, b)?;
+        }
+        Ok(())
+    })
+}
+
+fn register(d: &mut EpShared, dev: i32, offset: u64, b: &Binding) -> SimResult {
+    crate::shared::register(
+        &mut d.binds,
+        &mut d.next_gen,
+        dev,
+        offset,
+        b.len,
+        b.fd.as_raw_fd(),
+        b.file_offset,
+    )
 }
 
 struct Endpoint {
@@ -229,7 +341,7 @@ impl Inner {
         }
         match o.ty {
             Type::Unicast(owner) if owner != dev || e.imported => return invalid(),
-            Type::Multicast(_) if !o.devices.contains(&dev) => return invalid(),
+            Type::Multicast(_) if !o.members().contains(&dev) => return invalid(),
             _ => {}
         }
         if offset % o.align != 0 || size % o.align != 0 {
@@ -270,18 +382,9 @@ impl Inner {
             .map(|(k, _)| *k)
             .collect();
         for k in gone {
-            if let Some(b) = o.bindings.remove(&k) {
-                release_binding(st, &b);
-            }
+            o.remove_binding(st, k);
         }
     }
-}
-
-fn release_binding(st: &State, b: &Binding) {
-    if let Some((a, l)) = b.view {
-        crate::memory::unmap(a, l);
-    }
-    st.live_add("logical endpoint bindings", -1);
 }
 
 /// Whether `[ptr, ptr + size)` is VMM-mapped memory of device `dev` (one or more mappings).
@@ -300,14 +403,18 @@ fn is_mapped_on(st: &State, dev: i32, ptr: usize, size: usize) -> bool {
     true
 }
 
-fn fabric_bytes(object: u64) -> [u8; 64] {
+/// The fabric handle of an exported endpoint: magic, pid, the table's descriptor number in this
+/// process, object id, the table's inode, checksum.
+fn fabric_bytes(object: u64, table: &EpTable) -> SimResult<[u8; 64]> {
     let mut b = [0u8; 64];
     b[..8].copy_from_slice(FABRIC_MAGIC);
     b[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    b[12..16].copy_from_slice(&table.fd.as_raw_fd().to_le_bytes());
     b[16..24].copy_from_slice(&object.to_le_bytes());
+    b[24..32].copy_from_slice(&crate::shared::inode(table.fd.as_raw_fd())?.to_le_bytes());
     let sum = checksum(&b[..56]);
     b[56..].copy_from_slice(&sum.to_le_bytes());
-    b
+    Ok(b)
 }
 
 fn checksum(b: &[u8]) -> u64 {
@@ -322,18 +429,60 @@ fn checksum(b: &[u8]) -> u64 {
 pub fn endpoint_targets(id: u32, offset: u64, len: u64) -> Result<Vec<usize>, CUresult> {
     let st = current().ok_or(CUresult::CUDA_ERROR_DEINITIALIZED)?;
     let eps = st.ext::<Endpoints>();
-    let g = eps.inner.lock();
-    let (e, o) = g.endpoint(id)?;
+    let mut g = eps.inner.lock();
+    let (e, _) = g.endpoint(id)?;
     if !e.seen_ready {
         return invalid();
     }
+    let oid = e.object;
+    let o = g
+        .objects
+        .get_mut(&oid)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     let end = offset
         .checked_add(len)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     let mut targets = Vec::new();
-    for (&(_, off), b) in &o.bindings {
-        if off <= offset && end <= off + b.len {
-            targets.push(b.target + (offset - off) as usize);
+    if o.table.is_some() {
+        // Every process's bindings, from the shared table (lowest device first).
+        let me = std::process::id();
+        let mut entries: Vec<(usize, crate::shared::Bind)> = o
+            .table
+            .as_ref()
+            .map(|t| {
+                t.with(|d| {
+                    d.binds
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, b)| {
+                            b.live != 0 && b.offset <= offset && end <= b.offset + b.len
+                        })
+                        .map(|(i, b)| (i, *b))
+                        .collect()
+                })
+            })
+            .unwrap_or_default();
+        entries.sort_by_key(|(_, b)| b.dev);
+        for (slot, b) in entries {
+            let base = if b.pid == me {
+                match o.bindings.get(&(b.dev, b.offset)) {
+                    Some(l) => l.view.0,
+                    None => continue,
+                }
+            } else if let Some(&(a, _)) = o.remote.get(&(slot, b.gen)) {
+                a
+            } else {
+                let a = crate::shared::remote_view(&b)?;
+                o.remote.insert((slot, b.gen), (a, b.len as usize));
+                a
+            };
+            targets.push(base + (offset - b.offset) as usize);
+        }
+    } else {
+        for (&(_, off), b) in &o.bindings {
+            if off <= offset && end <= off + b.len {
+                targets.push(b.view.0 + (offset - off) as usize);
+            }
         }
     }
     if targets.is_empty() {
@@ -357,10 +506,9 @@ pub(crate) fn teardown(st: &State) {
     let eps = st.ext::<Endpoints>();
     let mut g = eps.inner.lock();
     for o in g.objects.values_mut() {
+        o.detach();
         for b in std::mem::take(&mut o.bindings).into_values() {
-            if let Some((a, l)) = b.view {
-                crate::memory::unmap(a, l);
-            }
+            crate::memory::unmap(b.view.0, b.view.1);
         }
     }
 }
@@ -386,55 +534,20 @@ fn bind_view(
     if !ok || size == 0 {
         return invalid();
     }
-    // SAFETY: a fresh shared mapping of a memfd at least `at + size` long (checked by the callers).
-    let v = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&a.fd),
-            at as libc::off_t,
-        )
+    let v = crate::shared::view_of(a.fd.as_raw_fd(), at, size as usize)?;
+    let b = Binding {
+        len: size,
+        view: (v, size as usize),
+        fd: a.fd,
+        file_offset: at as u64,
+        via: id,
     };
-    if v == libc::MAP_FAILED {
-        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-    }
-    let v = v as usize;
-    bind(
-        st,
-        id,
-        dev,
-        offset,
-        size,
-        flags,
-        v,
-        Some((v, size as usize)),
-        Some(a.shareable),
-    )
-}
-
-/// Bind memory at host address `target` (a view of `view` if made for it).
-#[allow(clippy::too_many_arguments)]
-fn bind(
-    st: &State,
-    id: u32,
-    dev: i32,
-    offset: u64,
-    size: u64,
-    flags: c_ulonglong,
-    target: usize,
-    view: Option<(usize, usize)>,
-    shareable: Option<bool>,
-) -> SimResult {
     let eps = st.ext::<Endpoints>();
     let mut g = eps.inner.lock();
-    let obj = match g.check_bind(id, dev, offset, size, flags, shareable) {
+    let obj = match g.check_bind(id, dev, offset, size, flags, Some(a.shareable)) {
         Ok(o) => o,
         Err(e) => {
-            if let Some((a, l)) = view {
-                crate::memory::unmap(a, l);
-            }
+            crate::memory::unmap(v, size as usize);
             return Err(e);
         }
     };
@@ -442,15 +555,13 @@ fn bind(
         .objects
         .get_mut(&obj)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    o.bindings.insert(
-        (dev, offset),
-        Binding {
-            len: size,
-            target,
-            view,
-            via: id,
-        },
-    );
+    if let Some(t) = &o.table {
+        if let Err(e) = t.with(|d| register(d, dev, offset, &b)) {
+            crate::memory::unmap(v, size as usize);
+            return Err(e);
+        }
+    }
+    o.bindings.insert((dev, offset), b);
     st.live_add("logical endpoint bindings", 1);
     Ok(())
 }
@@ -519,7 +630,7 @@ sim_api! {
         g.objects.insert(oid, Object {
             id: oid, ty: p.ty, size: p.size, ipc: p.ipc, align,
             devices: match p.ty { Type::Unicast(d) => vec![d], Type::Multicast(_) => Vec::new() },
-            polls: 0, bindings: BTreeMap::new(), refs: 1,
+            polls: 0, bindings: BTreeMap::new(), refs: 1, table: None, remote: HashMap::new(),
         });
         g.endpoints.insert(id, Endpoint { object: oid, seen_ready: false, imported: false });
         st.live_add("logical endpoints", 1);
@@ -532,15 +643,28 @@ sim_api! {
         let oid = g.endpoint(id)?.0.object;
         let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
         let Type::Multicast(n) = o.ty else { return invalid() };
-        if o.devices.contains(&dev) || o.devices.len() as u32 >= n {
-            return invalid();
-        }
         // Counted operations come with multicast endpoint support on the simulated devices.
         if !c.logical_endpoint_multicast {
             return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
         }
-        if o.devices.first().is_some_and(|&d| !crate::device::same_clique(st, d, dev)) {
-            return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+        let check = |members: &[i32]| -> SimResult {
+            if members.contains(&dev) || members.len() as u32 >= n {
+                return invalid();
+            }
+            if members.first().is_some_and(|&d| !crate::device::same_clique(st, d, dev)) {
+                return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+            }
+            Ok(())
+        };
+        match &o.table {
+            // Check and add in one critical section: other processes add devices too.
+            Some(t) => t.with(|d| {
+                check(&d.devices[..d.ndev as usize])?;
+                d.devices[d.ndev as usize] = dev;
+                d.ndev += 1;
+                Ok(())
+            })?,
+            None => check(&o.devices)?,
         }
         o.devices.push(dev);
         Ok(())
@@ -562,9 +686,7 @@ sim_api! {
         let mut all = true;
         for oid in &objs {
             let o = g.objects.get_mut(oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-            if o.complete() && o.polls < needed {
-                o.polls += 1;
-            }
+            o.poll(needed);
             all &= o.constructed(needed);
         }
         if all {
@@ -590,7 +712,9 @@ sim_api! {
             None => false,
         };
         if last {
-            g.objects.remove(&e.object);
+            if let Some(mut o) = g.objects.remove(&e.object) {
+                o.detach();
+            }
         }
         st.live_add("logical endpoints", -1);
         Ok(())
@@ -649,9 +773,7 @@ sim_api! {
             return invalid();
         }
         for (off, _) in covered {
-            if let Some(b) = o.bindings.remove(&(dev, off)) {
-                release_binding(st, &b);
-            }
+            o.remove_binding(st, (dev, off));
         }
         Ok(())
     }
@@ -660,12 +782,16 @@ sim_api! {
             return invalid();
         }
         let eps = st.ext::<Endpoints>();
-        let g = eps.inner.lock();
-        let (_, o) = g.endpoint(id)?;
+        let mut g = eps.inner.lock();
+        let oid = g.endpoint(id)?.0.object;
+        let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
         if o.ipc & FABRIC_FLAG == 0 {
             return invalid();
         }
-        let b = fabric_bytes(o.id);
+        if o.table.is_none() {
+            o.table = Some(create_table(o)?);
+        }
+        let b = fabric_bytes(o.id, o.table.as_ref().expect("just made"))?;
         std::ptr::copy_nonoverlapping(b.as_ptr(), handle as *mut u8, 64);
         Ok(())
     }
@@ -679,17 +805,45 @@ sim_api! {
             return invalid();
         }
         let pid = u32::from_le_bytes(b[8..12].try_into().unwrap_or_default());
-        if pid != std::process::id() {
-            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
-        }
+        let fd = i32::from_le_bytes(b[12..16].try_into().unwrap_or_default());
         let oid = u64::from_le_bytes(b[16..24].try_into().unwrap_or_default());
+        let ino = u64::from_le_bytes(b[24..32].try_into().unwrap_or_default());
+        // Another process's endpoint: share its table (opened through /proc, same user).
+        let table = if pid != std::process::id() {
+            let f = crate::shared::open_remote(pid, fd)?;
+            if crate::shared::inode(f.as_raw_fd())? != ino {
+                return invalid();
+            }
+            Some(EpTable::map(f, TABLE_MAGIC)?)
+        } else {
+            None
+        };
         let eps = st.ext::<Endpoints>();
         let mut g = eps.inner.lock();
         if !g.reserved.contains(&id) || g.endpoints.contains_key(&id) {
             return invalid();
         }
-        let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        o.refs += 1;
+        let oid = match table {
+            None => {
+                let o = g.objects.get_mut(&oid).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+                o.refs += 1;
+                oid
+            }
+            Some(t) => {
+                let (kind, arg, ipc, size, align) = t.with(|d| (d.kind, d.arg, d.ipc, d.size, d.align));
+                let ty = match kind {
+                    1 => Type::Unicast(arg),
+                    2 if arg > 0 => Type::Multicast(arg as u32),
+                    _ => return invalid(),
+                };
+                let local = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
+                g.objects.insert(local, Object {
+                    id: local, ty, size, ipc, align, devices: Vec::new(), polls: 0,
+                    bindings: BTreeMap::new(), refs: 1, table: Some(t), remote: HashMap::new(),
+                });
+                local
+            }
+        };
         g.endpoints.insert(id, Endpoint { object: oid, seen_ready: false, imported: true });
         st.live_add("logical endpoints", 1);
         Ok(())

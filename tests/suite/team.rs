@@ -259,3 +259,27 @@ fn dropping_a_team_tears_down_in_the_drivers_order() {
     assert_eq!(leftovers(s), Default::default());
     assert_eq!(s.calls("cuMulticastUnbind"), 3);
 }
+
+#[test]
+fn the_multicast_endpoint_and_team_types_can_move_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Team>();
+    send_sync::<cuda_multimem::multicast::MulticastObject>();
+    send_sync::<cuda_multimem::multicast::MulticastBinding>();
+    send_sync::<cuda_multimem::multicast::MulticastMapping>();
+    send_sync::<cuda_multimem::endpoint::LogicalEndpoint>();
+    send_sync::<cuda_multimem::endpoint::EndpointBinding>();
+    send_sync::<cuda_multimem::endpoint::IdRange>();
+    // And a team built on one thread is used and dropped on another.
+    let e = sim(SimConfig::new(2, 13010));
+    let t = Team::new(&e.driver.devices(), 2 * MIB).unwrap();
+    std::thread::spawn(move || {
+        t.store(0, &[7; 16]).unwrap();
+        let mut b = [0u8; 16];
+        t.load(1, 0, &mut b).unwrap();
+        assert_eq!(b, [7; 16]);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(leftovers(e.sim.as_ref().unwrap()), Default::default());
+}

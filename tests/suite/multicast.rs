@@ -978,3 +978,29 @@ fn host_numa_memory_binds_for_its_nearest_device_only_with_the_per_device_bind()
         }
     }
 }
+
+#[test]
+fn a_team_may_be_larger_than_this_machine_but_binds_wait_for_every_member() {
+    let e = sim(SimConfig::new(2, 13010));
+    let d = &e.driver;
+    // 4 members: two here, two in another process or node.
+    let o = MulticastObject::new(d, &MulticastSpec::new(4, 2 * MIB)).unwrap();
+    o.add_device(&d.device(0).unwrap()).unwrap();
+    o.add_device(&d.device(1).unwrap()).unwrap();
+    let mem = member_memory(d, 1, 2 * MIB, HandleTypes::NONE);
+    let err = o
+        .bind_mem(&d.device(0).unwrap(), 0, mem[0].allocation(), 0, 2 * MIB)
+        .unwrap_err();
+    assert!(err.to_string().contains("2 of 4"), "{err}");
+    let none = MulticastObject::new(d, &MulticastSpec::new(0, 2 * MIB)).unwrap_err();
+    assert!(
+        matches!(
+            none,
+            Error::InvalidArgument {
+                arg: "spec.devices",
+                ..
+            }
+        ),
+        "{none}"
+    );
+}

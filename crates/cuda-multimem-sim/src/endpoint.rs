@@ -252,7 +252,7 @@ unsafe fn prop(st: &State, p: *const CUlogicalEndpointProp) -> SimResult<(Prop, 
             (Type::Unicast(d), vec![d])
         } else if t == CUlogicalEndpointType::CU_LOGICAL_ENDPOINT_TYPE_MULTICAST {
             let n = p.__bindgen_anon_1.multicast.numDevices;
-            if n == 0 || n as usize > st.device_count() {
+            if n == 0 || n as usize > crate::shared::MAX_DEVICES {
                 return invalid();
             }
             (Type::Multicast(n), (0..st.device_count() as i32).collect())

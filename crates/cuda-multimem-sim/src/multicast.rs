@@ -16,7 +16,7 @@
 //!   memfd), so the binding survives an unmap of the address it was bound from, as physical memory
 //!   does;
 //! - a store through a multicast mapping reaches every device bound at that offset (the mapping's
-//!   memory region carries a [`Redirect`]); a plain load reads the lowest bound device;
+//!   memory region carries a `memory::Redirect`); a plain load reads the lowest bound device;
 //!   [`multicast_targets`] gives simulated kernels every bound device's address for
 //!   `multimem.ld_reduce` / `st` / `red`;
 //! - order rules, stricter than the documentation spells out (the anchors' measured pitfalls): an
@@ -220,7 +220,9 @@ fn granularity(st: &State, p: &CUmulticastObjectProp) -> SimResult<(usize, usize
     if capable.is_empty() {
         return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
     }
-    if p.numDevices as usize > st.device_count() {
+    // A team may span processes and nodes (more devices than this machine has); the simulator
+    // records at most MAX_SHARED_DEVICES members.
+    if p.numDevices as usize > MAX_SHARED_DEVICES {
         return invalid();
     }
     if p.handleTypes & HT_POSIX != 0 && !capable.iter().any(|d| d.posix_fd_handle) {

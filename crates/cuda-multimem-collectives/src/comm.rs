@@ -483,7 +483,11 @@ fn load_kernels(d: &Device) -> Result<(Vec<Module>, Functions)> {
     let mut modules = Vec::new();
     let mut functions = HashMap::new();
     for k in Kernel::ALL {
-        let m = Module::load(d, k.ptx())?;
+        let text = k.load_text().map_err(|e| Error::Os {
+            call: "read PTX from CUDA_MULTIMEM_PTX_DIR",
+            message: e.to_string(),
+        })?;
+        let m = Module::load(d, &text)?;
         for dt in DType::ALL {
             for op in Op::ALL {
                 functions.insert((k, dt, op), Raw(m.function(&k.entry(dt, op))?));

@@ -22,6 +22,8 @@
 
 use crate::{DType, Op};
 
+/// Environment variable naming a folder of replacement `.ptx` files (tuning only).
+pub const PTX_DIR_ENV: &str = "CUDA_MULTIMEM_PTX_DIR";
 /// Largest team.
 pub const MAX_RANKS: usize = 8;
 /// Largest grid; the per-block counters are replicated this many times.
@@ -85,6 +87,18 @@ impl Kernel {
         match self {
             Kernel::P2pOneShot => include_str!("p2p_oneshot.ptx"),
             Kernel::P2pTwoShot => include_str!("p2p_twoshot.ptx"),
+        }
+    }
+
+    /// The PTX this process loads: the committed text, or — for kernel tuning on a GPU machine
+    /// without rebuilding — the file of the same name in the folder named by
+    /// `CUDA_MULTIMEM_PTX_DIR` (it must declare the same entries and parameters).
+    pub fn load_text(self) -> std::io::Result<std::borrow::Cow<'static, str>> {
+        match std::env::var_os(PTX_DIR_ENV) {
+            Some(dir) => {
+                Ok(std::fs::read_to_string(std::path::Path::new(&dir).join(self.file()))?.into())
+            }
+            None => Ok(self.ptx().into()),
         }
     }
 

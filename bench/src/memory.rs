@@ -231,7 +231,7 @@ mod managed {
         let stream = Stream::new(&dev)?;
         let (a, b) = (Event::new(&dev, true)?, Event::new(&dev, true)?);
         let sys = driver.sys();
-        let reps_big = reps.clamp(1, 5);
+        let reps_big = reps.clamp(1, 3);
 
         // 1. Prefetch 4 GiB each way, against a pinned copy of the same size.
         let size: usize = 4 << 30;

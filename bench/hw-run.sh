@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One consolidated hardware run (device time is scarce): info, the suite on the real driver, the
+# PTX check, the examples, and both benchmarks, each logged under $OUT (or ./hw-logs).
+# Usage on the GPU machine, from the repository root with bundle/ carried: bash bench/hw-run.sh
+set -u
+out=${OUT:-hw-logs}; mkdir -p "$out"
+b=bundle
+export RUST_BACKTRACE=1
+step() { local name=$1; shift; echo "===== $name: $*"; local t0=$(date +%s); "$@" >"$out/$name.log" 2>&1; local rc=$?; echo "      rc=$rc ($(( $(date +%s) - t0 )) s)"; tail -n "${TAIL:-25}" "$out/$name.log"; }
+nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv > "$out/gpus.txt" 2>&1; cat "$out/gpus.txt"
+env | grep -E 'NVLS|MULTICAST' | sort
+step info        $b/xtask info --json
+step test-hw     $b/xtask test-hw
+step ptx-check   $b/xtask ptx-check
+step ex-allreduce $b/bin/allreduce
+step ex-managed  $b/bin/managed
+step ex-multicast $b/bin/multicast
+step bench-memory $b/xtask bench-hw memory -- --reps 15
+TAIL=40 step bench-allreduce $b/xtask bench-hw allreduce
+grep -h -E "passed, |^RESULT" "$out"/*.log | head -60

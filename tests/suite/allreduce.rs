@@ -774,3 +774,111 @@ fn a_peer_process_that_dies_before_a_collective_is_a_timeout() {
     let _ = child.wait();
     assert!(err.contains("did not arrive"), "{err}");
 }
+
+// ---- the multimem path (simulator only: real GPUs here must never create multicast objects) ----
+
+use cuda_multimem_collectives::{multimem_pays_off, MultimemAllReduce, Path};
+
+fn multimem_round(n: usize, seed: u64, forced: Option<Algorithm>) {
+    let e = sim(SimConfig::new(n, 13000));
+    e.sim
+        .as_ref()
+        .unwrap()
+        .set_kernel_delays(Duration::from_micros(200), seed);
+    let devices = e.driver.devices();
+    let mm = MultimemAllReduce::new(
+        &devices,
+        256 << 10,
+        AllReduceConfig {
+            algorithm: forced,
+            one_shot_max_bytes: Some(16 << 10),
+            max_blocks: 3,
+            threads: 64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
+    let mut rng = Rng::new(seed);
+    for dtype in DType::ALL {
+        for op in Op::ALL {
+            if dtype == DType::F32 && op != Op::Sum {
+                let err = mm.all_reduce(0, 8, dtype, op, &s[0]).unwrap_err();
+                assert_eq!(invalid_arg(err), "op");
+                continue;
+            }
+            for count in [5usize, 1001, 20_003] {
+                let count = count.min(mm.capacity() / dtype.size());
+                let inputs: Vec<Vec<u8>> = (0..n).map(|_| random(&mut rng, dtype, count)).collect();
+                for (r, x) in inputs.iter().enumerate() {
+                    mm.copy_in(r, x).unwrap();
+                }
+                for (r, st) in s.iter().enumerate() {
+                    let c = mm.all_reduce(r, count, dtype, op, st).unwrap();
+                    assert_eq!(c.path, Path::Multimem);
+                }
+                sync(&s);
+                mm.check().unwrap();
+                let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+                let want = reference(dtype, op, &refs);
+                for r in 0..n {
+                    let mut got = vec![0u8; want.len()];
+                    mm.copy_out(r, &mut got).unwrap();
+                    if let Some(m) = first_mismatch(dtype, &got, &want) {
+                        panic!(
+                            "team of {n}, {count} x {dtype:?} {op:?} ({:?}), rank {r}: {m}",
+                            mm.choice(count, dtype).algorithm
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn multimem_allreduce_equals_the_host_reference_on_a_simulated_team_of_2() {
+    multimem_round(2, 21, None);
+}
+
+#[test]
+fn multimem_allreduce_equals_the_host_reference_on_a_simulated_team_of_4() {
+    multimem_round(4, 22, None);
+}
+
+#[test]
+fn multimem_one_shot_and_two_shot_forced_on_a_simulated_team_of_5() {
+    multimem_round(5, 23, Some(Algorithm::OneShot));
+    multimem_round(5, 24, Some(Algorithm::TwoShot));
+}
+
+#[test]
+fn multimem_pays_off_only_for_teams_larger_than_3() {
+    assert!(!multimem_pays_off(2) && !multimem_pays_off(3));
+    assert!(multimem_pays_off(4) && multimem_pays_off(8));
+}
+
+#[test]
+fn the_multimem_path_is_refused_where_multicast_is_disabled() {
+    let disabled = std::env::var("CUDA_MULTIMEM_DISABLE_MULTICAST").as_deref() == Ok("1")
+        || std::env::var("NCCL_NVLS_ENABLE").as_deref() == Ok("0");
+    let e = env();
+    if e.sim.is_some() {
+        return skip(
+            "multimem_refused",
+            "the guard applies to the real driver; see the multicast tests for the simulator",
+        );
+    }
+    if !disabled {
+        return skip("multimem_refused", "multicast is not disabled here, and this suite never creates a multicast object on real GPUs");
+    }
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        return skip("multimem_refused", "needs 2 devices");
+    }
+    match MultimemAllReduce::new(&devices[..2], 1 << 20, AllReduceConfig::default()) {
+        Err(Error::Disabled { .. }) => {}
+        Err(e) => panic!("expected Disabled, got {e}"),
+        Ok(_) => panic!("a multicast team was built where multicast is disabled"),
+    }
+}

@@ -24,7 +24,7 @@ macro_rules! cu {
         match $driver.sys().$f() {
             Ok(f) => {
                 let code = f($($a),*);
-                if code == CUresult::CUDA_SUCCESS {
+                if code == ::cuda_multimem_sys::CUresult::CUDA_SUCCESS {
                     Ok(())
                 } else {
                     Err(Error::Driver { call: stringify!($f), code })
@@ -35,9 +35,11 @@ macro_rules! cu {
     };
 }
 
+pub(crate) use cu;
+
 /// A raw driver handle owned by this crate's types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Raw<T>(T);
+pub(crate) struct Raw<T>(pub(crate) T);
 // SAFETY: driver handles are process-wide and usable from any thread.
 unsafe impl<T> Send for Raw<T> {}
 // SAFETY: as above; the owning types serialise what the driver requires.
@@ -104,13 +106,13 @@ impl Drop for DevMem {
 }
 
 /// A module loaded on one device, unloaded on drop.
-struct Module {
+pub(crate) struct Module {
     device: Device,
     raw: Raw<CUmodule>,
 }
 
 impl Module {
-    fn load(device: &Device, ptx: &str) -> Result<Module> {
+    pub(crate) fn load(device: &Device, ptx: &str) -> Result<Module> {
         device.bind()?;
         let mut text = ptx.as_bytes().to_vec();
         text.push(0);
@@ -128,7 +130,7 @@ impl Module {
         })
     }
 
-    fn function(&self, name: &str) -> Result<CUfunction> {
+    pub(crate) fn function(&self, name: &str) -> Result<CUfunction> {
         let c = std::ffi::CString::new(name)
             .map_err(|_| Error::invalid("name", format!("{name:?} contains NUL")))?;
         let mut f: CUfunction = std::ptr::null_mut();
@@ -322,7 +324,7 @@ impl AllReduceConfig {
         })
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.threads < 64 || self.threads > 1024 || self.threads % 32 != 0 {
             return Err(Error::invalid(
                 "config.threads",
@@ -456,7 +458,7 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
-fn multiprocessors(d: &Device) -> Result<u32> {
+pub(crate) fn multiprocessors(d: &Device) -> Result<u32> {
     let mut v = 0;
     // SAFETY: out-pointer valid; a device of this driver.
     unsafe {

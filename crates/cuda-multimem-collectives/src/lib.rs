@@ -40,11 +40,13 @@ pub mod bootstrap;
 mod comm;
 pub mod half;
 pub mod kernels;
+pub mod multimem;
 #[cfg(feature = "sim")]
 mod sim;
 
 pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use comm::{AllReduceConfig, Choice, Communicator, SymmetricBuffer};
+pub use multimem::{multimem_pays_off, MultimemAllReduce};
 
 /// Element types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -142,6 +144,8 @@ impl Op {
 pub enum Path {
     /// Loads and stores through peer mappings (NVLink P2P).
     PeerToPeer,
+    /// `multimem` loads, stores and reductions through a multicast address (NVLink SHARP).
+    Multimem,
 }
 
 /// Which algorithm.
@@ -157,6 +161,7 @@ impl std::fmt::Display for Path {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Path::PeerToPeer => "peer-to-peer",
+            Path::Multimem => "multimem",
         })
     }
 }

@@ -274,3 +274,159 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
     }
     Ok(())
 }
+
+/// The multimem kernels' equivalents: `ld_reduce` reads every bound member's copy (lowest
+/// device first, as the simulator's multicast object orders them), `multimem.st` writes every
+/// copy, the barrier adds 1 to every member's arrival word with `Release` and spins `Acquire`
+/// on its own.
+pub(crate) fn register_multimem() {
+    use crate::kernels::multimem::{supported, MmKernel};
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        for k in MmKernel::ALL {
+            for d in DType::ALL {
+                for o in Op::ALL {
+                    if supported(d, o) {
+                        register_kernel(&k.entry(d, o), move |a| run_mm(k, d, o, a));
+                    }
+                }
+            }
+        }
+    });
+}
+
+fn run_mm(
+    k: crate::kernels::multimem::MmKernel,
+    d: DType,
+    op: Op,
+    a: &LaunchArgs,
+) -> Result<(), KernelError> {
+    use crate::kernels::multimem::*;
+    let (uc, mc, count) = (a.u64(0)? as usize, a.u64(1)? as usize, a.u64(2)?);
+    let timeout = Duration::from_nanos(a.u64(3)?);
+    a.check(uc, MM_DATA, true)?;
+    let rank = u32_at(uc + MM_OFF_RANK).load(Ordering::Relaxed) as usize;
+    let n = u32_at(uc + MM_OFF_NRANKS).load(Ordering::Relaxed) as usize;
+    let cap = u64_at(uc + MM_OFF_CAP).load(Ordering::Relaxed) as usize;
+    if n == 0 || n > MAX_RANKS || rank >= n {
+        return Err(KernelError::Failed(format!(
+            "bad header: rank {rank} of {n}"
+        )));
+    }
+    let peers: Vec<usize> = (0..n)
+        .map(|t| u64_at(uc + MM_OFF_PEERS + 8 * t).load(Ordering::Relaxed) as usize)
+        .collect();
+    let out_off = MM_DATA + cap;
+    let targets = |addr: usize, len: usize| -> Result<Vec<usize>, KernelError> {
+        a.multicast_targets(addr, len)?
+            .ok_or(KernelError::IllegalAddress { addr, len })
+    };
+    let err = u32_at(uc + MM_OFF_ERR);
+    let barrier = |b: usize, val: u32| -> Result<(), KernelError> {
+        a.jitter();
+        for t in targets(mc + MM_OFF_SIG + 4 * b, 4)? {
+            u32_at(t).fetch_add(1, Ordering::Release);
+        }
+        let mine = u32_at(uc + MM_OFF_SIG + 4 * b);
+        let want = val.wrapping_mul(n as u32);
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if mine.load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0
+                || err.load(Ordering::Relaxed) != 0
+            {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                let _ = err.compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+                return Ok(());
+            }
+            spins += 1;
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    };
+    let g = a.grid.0 as u64;
+    let es = d.size() as u64;
+    let v = 16 / es;
+    let units = count / v;
+    let per = units.div_ceil(g);
+    let tail_start = units * v;
+    for b in 0..g {
+        let c = u32_at(uc + MM_OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
+        let bs = (b * per).min(units);
+        let be = (bs + per).min(units);
+        barrier(b as usize, c.wrapping_add(1))?;
+        let last_block = b == g - 1;
+        let (lo, hi, tail) = match k {
+            MmKernel::OneShot => (bs, be, last_block),
+            MmKernel::TwoShot => {
+                let pp = (be - bs).div_ceil(n as u64);
+                let ps = (bs + rank as u64 * pp).min(be);
+                (ps, (ps + pp).min(be), last_block && rank == n - 1)
+            }
+        };
+        if hi > lo {
+            let (e0, e1) = (lo * v, hi * v);
+            let len = ((e1 - e0) * es) as usize;
+            let off = (e0 * es) as usize;
+            let srcs = targets(mc + MM_DATA + off, len)?;
+            let dsts = match k {
+                MmKernel::OneShot => {
+                    a.check(uc + out_off + off, len, true)?;
+                    vec![uc + out_off + off]
+                }
+                MmKernel::TwoShot => targets(mc + out_off + off, len)?,
+            };
+            for i in 0..(e1 - e0) {
+                let mut acc = ld(d, srcs[0], i);
+                for s in &srcs[1..] {
+                    acc = op.apply(acc, ld(d, *s, i));
+                }
+                for t in &dsts {
+                    st(d, *t, i, acc);
+                }
+            }
+        }
+        if tail && count > tail_start {
+            let len = ((count - tail_start) * es) as usize;
+            let off = (tail_start * es) as usize;
+            for p in &peers {
+                a.check(p + MM_DATA + off, len, false)?;
+            }
+            let outs: Vec<usize> = match k {
+                MmKernel::OneShot => vec![uc + out_off + off],
+                MmKernel::TwoShot => peers.iter().map(|p| p + out_off + off).collect(),
+            };
+            for o in &outs {
+                a.check(*o, len, true)?;
+            }
+            for i in 0..(count - tail_start) {
+                let mut acc = ld(d, peers[0] + MM_DATA + off, i);
+                for p in &peers[1..] {
+                    acc = op.apply(acc, ld(d, p + MM_DATA + off, i));
+                }
+                for o in &outs {
+                    st(d, *o, i, acc);
+                }
+            }
+        }
+        barrier(b as usize, c.wrapping_add(2))?;
+        // counters in step, and the absent blocks' arrival words too (additive: this rank's
+        // two arrivals on every member)
+        let mut j = b as usize;
+        while j < MAX_BLOCKS {
+            u32_at(uc + MM_OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
+            if j != b as usize {
+                for t in targets(mc + MM_OFF_SIG + 4 * j, 4)? {
+                    u32_at(t).fetch_add(2, Ordering::Relaxed);
+                }
+            }
+            j += g as usize;
+        }
+    }
+    Ok(())
+}

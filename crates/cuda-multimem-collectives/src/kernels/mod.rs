@@ -22,6 +22,8 @@
 
 use crate::{DType, Op};
 
+pub mod multimem;
+
 /// Environment variable naming a folder of replacement `.ptx` files (tuning only).
 pub const PTX_DIR_ENV: &str = "CUDA_MULTIMEM_PTX_DIR";
 /// Largest team.
@@ -698,6 +700,17 @@ mod tests {
                 k.file()
             );
         }
+    }
+
+    #[test]
+    fn committed_multimem_ptx_matches_the_generator() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+        let text = multimem::generate();
+        if std::env::var_os("CMM_REGEN_PTX").is_some() {
+            std::fs::write(dir.join(multimem::FILE), &text).unwrap();
+            return;
+        }
+        assert!(multimem::PTX == text, "multimem.ptx is stale");
     }
 
     #[test]

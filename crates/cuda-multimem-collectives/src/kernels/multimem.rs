@@ -298,7 +298,10 @@ $L_exit:
 
 /// The PTX text of the multimem kernels, as the generator writes it.
 pub fn generate() -> String {
-    let mut s = HEADER.to_string();
+    // `.acc::f32` (16-bit sums accumulated in f32) needs PTX ISA 8.2 (ptxas says so).
+    let mut s = HEADER
+        .replace("PTX ISA 8.1", "PTX ISA 8.2")
+        .replace(".version 8.1", ".version 8.2");
     for k in MmKernel::ALL {
         for dtype in DType::ALL {
             for op in Op::ALL {

@@ -414,6 +414,88 @@ impl Bootstrap for UnixBootstrap {
     }
 }
 
+/// A bootstrap over an MPI communicator (feature `mpi`), for teams whose processes an MPI
+/// launcher started (`mpirun`, `srun`): exchanges go through `MPI_Allgather(v)`, memory handles
+/// travel as fabric-handle bytes. Make every call from the thread that initialised MPI, and keep
+/// the MPI universe alive while the communicator lives.
+#[cfg(feature = "mpi")]
+pub struct MpiBootstrap {
+    comm: parking_lot::Mutex<mpi::topology::SimpleCommunicator>,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: the MPI communicator is only used under the mutex, one call at a time; MPI itself is
+// initialised by the caller with the thread level their use needs (documented above).
+#[cfg(feature = "mpi")]
+unsafe impl Send for MpiBootstrap {}
+// SAFETY: as above.
+#[cfg(feature = "mpi")]
+unsafe impl Sync for MpiBootstrap {}
+
+#[cfg(feature = "mpi")]
+impl MpiBootstrap {
+    /// A bootstrap over `comm` (e.g. `universe.world()`); its ranks are the team's ranks.
+    pub fn new(comm: mpi::topology::SimpleCommunicator) -> MpiBootstrap {
+        use mpi::traits::Communicator as _;
+        let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+        MpiBootstrap {
+            comm: parking_lot::Mutex::new(comm),
+            rank,
+            size,
+        }
+    }
+}
+
+#[cfg(feature = "mpi")]
+impl std::fmt::Debug for MpiBootstrap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MpiBootstrap(rank {} of {})", self.rank, self.size)
+    }
+}
+
+#[cfg(feature = "mpi")]
+impl Bootstrap for MpiBootstrap {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        use mpi::datatype::PartitionMut;
+        use mpi::traits::CommunicatorCollectives as _;
+        let c = self.comm.lock();
+        let len = i32::try_from(data.len())
+            .map_err(|_| Error::invalid("data", format!("{} bytes; at most 2 GiB", data.len())))?;
+        let mut lens = vec![0i32; self.size];
+        c.all_gather_into(&len, &mut lens[..]);
+        let mut displs = Vec::with_capacity(self.size);
+        let mut at = 0i32;
+        for l in &lens {
+            if *l < 0 {
+                return Err(Error::invalid("peer", "a rank announced a negative length"));
+            }
+            displs.push(at);
+            at = at
+                .checked_add(*l)
+                .ok_or_else(|| Error::invalid("peer", "the exchange exceeds 2 GiB"))?;
+        }
+        let mut buf = vec![0u8; at as usize];
+        {
+            let mut part = PartitionMut::new(&mut buf[..], &lens[..], &displs[..]);
+            c.all_gather_varcount_into(data, &mut part);
+        }
+        Ok(lens
+            .iter()
+            .zip(&displs)
+            .map(|(l, d)| buf[*d as usize..(*d + *l) as usize].to_vec())
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,6 +44,8 @@ pub mod multimem;
 #[cfg(feature = "sim")]
 mod sim;
 
+#[cfg(feature = "mpi")]
+pub use bootstrap::MpiBootstrap;
 pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use comm::{AllReduceConfig, Choice, Communicator, SymmetricBuffer};
 pub use multimem::{multimem_pays_off, MultimemAllReduce};

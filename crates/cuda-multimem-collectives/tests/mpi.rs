@@ -1,0 +1,110 @@
+//! A team of two MPI processes on the simulator: `mpirun -n 2` starts this test binary's
+//! `mpi_rank` twice; each process simulates a two-GPU machine of its own and drives one device,
+//! memory handles travel as fabric-handle bytes through `MpiBootstrap`, and every rank checks
+//! the allreduce against the host reference. Needs the `mpi` feature and `mpirun` on the PATH.
+
+use std::time::Duration;
+
+use cuda_multimem::{Driver, Stream};
+use cuda_multimem_collectives::{
+    half, reference, AllReduceConfig, Communicator, DType, MpiBootstrap, Op,
+};
+
+const CHILD: &str = "CMM_MPI_CHILD";
+
+fn input(call: u64, rank: usize, dtype: DType, count: usize) -> Vec<u8> {
+    let mut x = (call * 7919 + rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::new();
+    for _ in 0..count {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        half::store(dtype, &mut v, (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0);
+    }
+    v
+}
+
+#[test]
+#[ignore = "started by mpirun from two_mpi_ranks_allreduce_on_the_simulator"]
+fn mpi_rank() {
+    if std::env::var_os(CHILD).is_none() {
+        eprintln!("SKIPPED: mpi_rank: only runs under mpirun, started by the parent test");
+        return;
+    }
+    let universe = mpi::initialize().expect("MPI initialises once");
+    let boot = MpiBootstrap::new(universe.world());
+    use cuda_multimem_collectives::Bootstrap as _;
+    let (rank, n) = (boot.rank(), boot.size());
+    let driver = Driver::simulated(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();
+    let device = driver.device(rank).unwrap();
+    let comm = Communicator::with_bootstrap(
+        &device,
+        Box::new(boot),
+        AllReduceConfig {
+            one_shot_max_bytes: Some(16 << 10),
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let buf = comm.alloc(1 << 20).unwrap();
+    let stream = Stream::new(&device).unwrap();
+    for (c, (count, dtype, op)) in [
+        (777usize, DType::F32, Op::Sum),
+        (50_001, DType::Bf16, Op::Max),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        buf.copy_from_host(rank, &input(c as u64, rank, dtype, count))
+            .unwrap();
+        comm.all_reduce(rank, &buf, 0, &buf, 0, count, dtype, op, &stream)
+            .unwrap();
+        stream.synchronize().unwrap();
+        comm.check().unwrap();
+        let inputs: Vec<Vec<u8>> = (0..n).map(|r| input(c as u64, r, dtype, count)).collect();
+        let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference(dtype, op, &refs);
+        let mut got = vec![0u8; want.len()];
+        buf.copy_to_host(rank, &mut got).unwrap();
+        assert!(
+            got == want,
+            "rank {rank}, call {c}: result differs from the reference"
+        );
+    }
+    println!("MPI-RANK-OK {rank}");
+}
+
+#[test]
+fn two_mpi_ranks_allreduce_on_the_simulator() {
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new("mpirun")
+        .args(["-n", "2", "--oversubscribe"])
+        .arg(&exe)
+        .args([
+            "--exact",
+            "mpi_rank",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output();
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => panic!("mpirun could not start ({e}); install openmpi-bin"),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "mpirun failed: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("MPI-RANK-OK 0") && stdout.contains("MPI-RANK-OK 1"),
+        "{stdout}"
+    );
+}

@@ -162,7 +162,7 @@ fn both_algorithms_give_the_same_bits_when_forced() {
         return skip("both_algorithms", "needs 2 devices");
     }
     let mut rng = Rng::new(11);
-    for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
+    for algorithm in [Algorithm::OneShotLl, Algorithm::OneShot, Algorithm::TwoShot] {
         let cfg = AllReduceConfig {
             algorithm: Some(algorithm),
             ..Default::default()
@@ -170,7 +170,7 @@ fn both_algorithms_give_the_same_bits_when_forced() {
         let comm = Communicator::with_config(&devices[..2], cfg).unwrap();
         let s = streams(&comm);
         let buf = comm.alloc(1 << 20).unwrap();
-        for count in [5usize, 12_345, 65_536] {
+        for count in [6usize, 12_346, 32_768] {
             assert_eq!(comm.choice(count, DType::Bf16).algorithm, algorithm);
             check_once(
                 &comm,
@@ -197,6 +197,7 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
         &e.driver.devices(),
         AllReduceConfig {
             one_shot_max_bytes: Some(8 << 10),
+            ll_max_bytes: 4 << 10,
             max_blocks: 4,
             threads: 64,
             ..Default::default()
@@ -490,10 +491,11 @@ fn short_timeout_team(n: usize) -> (Env, Communicator) {
 fn ranks_that_disagree_on_the_size_are_reported_not_waited_for() {
     let (_e, comm) = short_timeout_team(2);
     let s = streams(&comm);
-    let buf = comm.alloc(1 << 16).unwrap();
-    comm.all_reduce(0, &buf, 0, &buf, 0, 100, DType::F32, Op::Sum, &s[0])
+    let buf = comm.alloc(1 << 20).unwrap();
+    // above the low-latency limit, the call header names the disagreement
+    comm.all_reduce(0, &buf, 0, &buf, 0, 20_000, DType::F32, Op::Sum, &s[0])
         .unwrap();
-    comm.all_reduce(1, &buf, 0, &buf, 0, 101, DType::F32, Op::Sum, &s[1])
+    comm.all_reduce(1, &buf, 0, &buf, 0, 20_001, DType::F32, Op::Sum, &s[1])
         .unwrap();
     sync(&s);
     let err = comm.check().unwrap_err();
@@ -505,16 +507,35 @@ fn ranks_that_disagree_on_the_size_are_reported_not_waited_for() {
 }
 
 #[test]
-fn ranks_that_disagree_on_the_dtype_are_reported() {
+fn small_calls_that_disagree_are_reported_as_a_peer_that_did_not_arrive() {
+    // the low-latency protocol folds the call header into its flags: no data is taken from a
+    // rank that called something else, and the wait ends at the timeout
     let (_e, comm) = short_timeout_team(2);
     let s = streams(&comm);
     let buf = comm.alloc(1 << 16).unwrap();
-    comm.all_reduce(0, &buf, 0, &buf, 0, 200, DType::F16, Op::Sum, &s[0])
+    let a = comm
+        .all_reduce(0, &buf, 0, &buf, 0, 100, DType::F16, Op::Sum, &s[0])
         .unwrap();
-    comm.all_reduce(1, &buf, 0, &buf, 0, 200, DType::Bf16, Op::Sum, &s[1])
+    comm.all_reduce(1, &buf, 0, &buf, 0, 100, DType::Bf16, Op::Sum, &s[1])
+        .unwrap();
+    assert_eq!(a.algorithm, Algorithm::OneShotLl);
+    sync(&s);
+    let err = comm.check().unwrap_err();
+    assert!(err.to_string().contains("called something else"), "{err}");
+}
+
+#[test]
+fn ranks_that_disagree_on_the_dtype_are_reported() {
+    let (_e, comm) = short_timeout_team(2);
+    let s = streams(&comm);
+    let buf = comm.alloc(1 << 20).unwrap();
+    comm.all_reduce(0, &buf, 0, &buf, 0, 40_000, DType::F16, Op::Sum, &s[0])
+        .unwrap();
+    comm.all_reduce(1, &buf, 0, &buf, 0, 40_000, DType::Bf16, Op::Sum, &s[1])
         .unwrap();
     sync(&s);
-    assert!(comm.check().is_err());
+    let err = comm.check().unwrap_err();
+    assert!(err.to_string().contains("different sizes, types"), "{err}");
 }
 
 #[test]

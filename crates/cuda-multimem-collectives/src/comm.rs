@@ -301,11 +301,15 @@ pub struct AllReduceConfig {
     pub threads: u32,
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
     pub max_blocks: u32,
+    /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
+    /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off.
+    pub ll_max_bytes: usize,
 }
 
 impl Default for AllReduceConfig {
     fn default() -> Self {
         AllReduceConfig {
+            ll_max_bytes: 64 << 10,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -340,6 +344,12 @@ impl AllReduceConfig {
                 format!("{}; at most {MAX_BLOCKS}", self.max_blocks),
             ));
         }
+        if self.ll_max_bytes > 16 << 20 {
+            return Err(Error::invalid(
+                "config.ll_max_bytes",
+                format!("{}; at most 16 MiB", self.ll_max_bytes),
+            ));
+        }
         if self.timeout.is_zero() {
             return Err(Error::invalid(
                 "config.timeout",
@@ -357,6 +367,7 @@ impl AllReduceConfig {
             self.algorithm.map_or(0, |a| a as u64 + 1),
             self.threads as u64,
             self.max_blocks as u64,
+            self.ll_max_bytes as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -401,6 +412,7 @@ struct TeamMemory {
     team: Team,
     pads: Sym,
     _stages: Sym,
+    _ll: Sym,
 }
 
 struct Registered {
@@ -619,6 +631,10 @@ impl Communicator {
     fn build(team: Team) -> Result<Communicator> {
         let pads = Sym::new(&team, PAD_BYTES)?;
         let stages = Sym::new(&team, 2 * team.n * team.stage_half)?;
+        let ll_slot = (2 * team.config.ll_max_bytes)
+            .max(4096)
+            .next_multiple_of(4096);
+        let ll = Sym::new(&team, 2 * team.n * ll_slot)?;
         // Each local rank's pad: its rank, the team size, the staging half, every rank's pad
         // and staging area as mapped in this process.
         for l in &team.locals {
@@ -629,11 +645,15 @@ impl Communicator {
                 .copy_from_slice(&(team.n as u32).to_le_bytes());
             hdr[kernels::OFF_STAGE_HALF..kernels::OFF_STAGE_HALF + 8]
                 .copy_from_slice(&(team.stage_half as u64).to_le_bytes());
+            hdr[kernels::OFF_LL_SLOT..kernels::OFF_LL_SLOT + 8]
+                .copy_from_slice(&(ll_slot as u64).to_le_bytes());
             for j in 0..team.n {
                 let o = kernels::OFF_PADS + 8 * j;
                 hdr[o..o + 8].copy_from_slice(&pads.addrs[j].to_le_bytes());
                 let o = kernels::OFF_STAGES + 8 * j;
                 hdr[o..o + 8].copy_from_slice(&stages.addrs[j].to_le_bytes());
+                let o = kernels::OFF_LL_STAGES + 8 * j;
+                hdr[o..o + 8].copy_from_slice(&ll.addrs[j].to_le_bytes());
             }
             pads.write(&l.device, l.rank, 0, &hdr)?;
         }
@@ -647,6 +667,7 @@ impl Communicator {
                     team,
                     pads,
                     _stages: stages,
+                    _ll: ll,
                 },
                 buffers: Mutex::new(HashMap::new()),
                 next_buffer: AtomicU64::new(1),
@@ -742,10 +763,16 @@ impl Communicator {
 
     /// What an allreduce of `count` elements of `dtype` runs (path, algorithm, launch shape).
     pub fn choice(&self, count: usize, dtype: DType) -> Choice {
+        self.choice_with(count, dtype, self.inner.team.config.algorithm)
+    }
+
+    fn choice_with(&self, count: usize, dtype: DType, forced: Option<Algorithm>) -> Choice {
         let team = &self.inner.team;
         let c = &team.config;
         let bytes = count * dtype.size();
-        let algorithm = c.algorithm.unwrap_or(if bytes <= c.one_shot_max(team.n) {
+        let algorithm = forced.unwrap_or(if bytes <= c.ll_max_bytes {
+            Algorithm::OneShotLl
+        } else if bytes <= c.one_shot_max(team.n) {
             Algorithm::OneShot
         } else {
             Algorithm::TwoShot
@@ -758,6 +785,7 @@ impl Communicator {
         let units = bytes.div_ceil(16) as u64;
         let per_rank = match algorithm {
             Algorithm::OneShot => units,
+            Algorithm::OneShotLl => bytes.div_ceil(4) as u64,
             Algorithm::TwoShot => units.div_ceil(team.n as u64),
         };
         let blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
@@ -914,9 +942,23 @@ impl Communicator {
             return Err(poison_error(e));
         }
         let count = bytes / es;
-        let choice = self.choice(count, dtype);
+        let mut choice = self.choice(count, dtype);
         if count == 0 {
             return Ok(choice);
+        }
+        if choice.algorithm == Algorithm::OneShotLl
+            && (input % 4 != 0
+                || output % 4 != 0
+                || bytes % 4 != 0
+                || bytes > self.inner.team.config.ll_max_bytes)
+        {
+            // The low-latency protocol moves whole aligned 4-byte words: run one-shot instead.
+            let fallback = if bytes <= self.inner.team.stage_half {
+                Algorithm::OneShot
+            } else {
+                Algorithm::TwoShot
+            };
+            choice = self.choice_with(count, dtype, Some(fallback));
         }
         if choice.algorithm == Algorithm::OneShot && bytes > self.inner.team.stage_half {
             return Err(Error::invalid(
@@ -966,6 +1008,7 @@ impl Communicator {
         }
         let kernel = match choice.algorithm {
             Algorithm::OneShot => Kernel::P2pOneShot,
+            Algorithm::OneShotLl => Kernel::P2pOneShotLl,
             Algorithm::TwoShot => Kernel::P2pTwoShot,
         };
         let f = r.functions[&(kernel, dtype, op)].0;

@@ -157,6 +157,10 @@ pub enum Algorithm {
     OneShot,
     /// Each rank reduces 1/N of the message and stores it on every rank (medium and large).
     TwoShot,
+    /// One-shot with the low-latency protocol (small messages): data travel with a flag in
+    /// 8-byte stores, receivers poll the data, no barrier. Needs 4-byte aligned operands and a
+    /// whole number of 4-byte words; otherwise the call runs [`Algorithm::OneShot`].
+    OneShotLl,
 }
 
 impl std::fmt::Display for Path {
@@ -173,6 +177,7 @@ impl std::fmt::Display for Algorithm {
         f.write_str(match self {
             Algorithm::OneShot => "one-shot",
             Algorithm::TwoShot => "two-shot",
+            Algorithm::OneShotLl => "one-shot-ll",
         })
     }
 }

@@ -222,7 +222,12 @@ impl MultimemAllReduce {
         let n = self.ranks.len();
         let bytes = count * dtype.size();
         let one_shot_max = c.one_shot_max_bytes.unwrap_or(256 << 10);
-        let algorithm = c.algorithm.unwrap_or(if bytes <= one_shot_max {
+        let algorithm = match c.algorithm {
+            // the low-latency protocol is a peer-to-peer protocol; multimem runs one-shot
+            Some(Algorithm::OneShotLl) => Some(Algorithm::OneShot),
+            a => a,
+        };
+        let algorithm = algorithm.unwrap_or(if bytes <= one_shot_max {
             Algorithm::OneShot
         } else {
             Algorithm::TwoShot
@@ -234,7 +239,7 @@ impl MultimemAllReduce {
         } as u64;
         let units = bytes.div_ceil(16) as u64;
         let per_rank = match algorithm {
-            Algorithm::OneShot => units,
+            Algorithm::OneShot | Algorithm::OneShotLl => units,
             Algorithm::TwoShot => units.div_ceil(n as u64),
         };
         let blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
@@ -301,7 +306,7 @@ impl MultimemAllReduce {
             return Ok(choice);
         }
         let k = match choice.algorithm {
-            Algorithm::OneShot => MmKernel::OneShot,
+            Algorithm::OneShot | Algorithm::OneShotLl => MmKernel::OneShot,
             Algorithm::TwoShot => MmKernel::TwoShot,
         };
         let f = r.functions[&(k, dtype, op)].0;

@@ -164,6 +164,9 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
     if g as usize > MAX_BLOCKS {
         return Err(KernelError::Failed(format!("grid of {g} blocks")));
     }
+    if k == Kernel::P2pOneShotLl {
+        return run_ll(d, op, a, &cx, inp, out, count, g);
+    }
     let es = d.size() as u64;
     let v = 16 / es;
     let aligned = (inp | out) % 16 == 0;
@@ -225,6 +228,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                     }
                 }
             }
+            Kernel::P2pOneShotLl => unreachable!("handled by run_ll"),
             Kernel::P2pTwoShot => {
                 a.check(in_tab, 8 * n, false)?;
                 a.check(out_tab, 8 * n, false)?;
@@ -264,6 +268,105 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                     }
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(2), None);
+            }
+        }
+        let mut j = b as usize;
+        while j < MAX_BLOCKS {
+            u32_at(pad + OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
+            j += g as usize;
+        }
+    }
+    Ok(())
+}
+
+/// The low-latency one-shot (see the PTX): 8-byte (flag, word) stores into every rank's slot,
+/// polling of the own slots until every word carries this call's flag. No barrier.
+#[allow(clippy::too_many_arguments)]
+fn run_ll(
+    d: DType,
+    op: Op,
+    a: &LaunchArgs,
+    cx: &Ctx,
+    inp: usize,
+    out: usize,
+    count: u64,
+    g: u64,
+) -> Result<(), KernelError> {
+    let (pad, rank, n) = (cx.pad, cx.rank, cx.n);
+    let slot = u64_at(pad + OFF_LL_SLOT).load(Ordering::Relaxed) as usize;
+    let stage = |t: usize| u64_at(pad + OFF_LL_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
+    let words = count * d.size() as u64 / 4;
+    let per = words.div_ceil(g);
+    let per_word = if d.size() == 4 { 1 } else { 2 };
+    for b in 0..g {
+        let c = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
+        let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
+        let flag = ((c.wrapping_add(1) ^ fold) as u64) << 32;
+        let parity = ((c >> 1) & 1) as usize;
+        let (lo, hi) = ((b * per).min(words), ((b + 1) * per).min(words));
+        if hi > lo {
+            let len = ((hi - lo) * 8) as usize;
+            a.check(inp + 4 * lo as usize, (hi - lo) as usize * 4, false)?;
+            let push: Vec<usize> = (0..n)
+                .map(|t| stage(t) + (parity * n + rank) * slot)
+                .collect();
+            for p in &push {
+                a.check(p + 8 * lo as usize, len, true)?;
+            }
+            for w in lo..hi {
+                // SAFETY: checked above; 4-byte aligned (the host checks the alignment).
+                let x = unsafe { std::ptr::read_volatile((inp + 4 * w as usize) as *const u32) };
+                for p in &push {
+                    u64_at(p + 8 * w as usize).store(flag | x as u64, Ordering::Relaxed);
+                }
+            }
+            a.jitter();
+            let mine: Vec<usize> = (0..n)
+                .map(|k| stage(rank) + (parity * n + k) * slot)
+                .collect();
+            for m in &mine {
+                a.check(m + 8 * lo as usize, len, false)?;
+            }
+            a.check(out + 4 * lo as usize, (hi - lo) as usize * 4, true)?;
+            for w in lo..hi {
+                let mut acc = [0f32; 2];
+                for (k, m) in mine.iter().enumerate() {
+                    let cell = u64_at(m + 8 * w as usize);
+                    let start = Instant::now();
+                    let v = loop {
+                        let v = cell.load(Ordering::Relaxed);
+                        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
+                            break v;
+                        }
+                        if start.elapsed() >= cx.timeout {
+                            let _ = cx.err().compare_exchange(
+                                0,
+                                ERR_TIMEOUT,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            );
+                            break v;
+                        }
+                        std::thread::yield_now();
+                    };
+                    let word = v as u32;
+                    for (h, acc) in acc.iter_mut().enumerate().take(per_word) {
+                        let bits = if per_word == 1 {
+                            word
+                        } else {
+                            (word >> (16 * h)) & 0xffff
+                        };
+                        let x = decode(d, bits);
+                        *acc = if k == 0 { x } else { op.apply(*acc, x) };
+                    }
+                }
+                let word = if per_word == 1 {
+                    encode(d, acc[0])
+                } else {
+                    encode(d, acc[0]) | (encode(d, acc[1]) << 16)
+                };
+                // SAFETY: checked above.
+                unsafe { std::ptr::write_volatile((out + 4 * w as usize) as *mut u32, word) };
             }
         }
         let mut j = b as usize;

@@ -15,7 +15,9 @@
 //! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
 //! | 16 | `u64` bytes of one staging half |
 //! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
+//! | 24 | `u64` bytes of one low-latency slot |
 //! | 128 | `u64[8]` every rank's staging area, as mapped on this rank |
+//! | 192 | `u64[8]` every rank's low-latency staging area, as mapped on this rank |
 //! | 256 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
 //! | 2048 | `u32[MAX_BLOCKS][8]` signal slots: block b, sender s |
 //! | 16384 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender |
@@ -44,6 +46,10 @@ pub const OFF_STAGE_HALF: usize = 16;
 pub const OFF_PADS: usize = 64;
 /// Peer staging areas.
 pub const OFF_STAGES: usize = 128;
+/// Bytes of one low-latency slot (`u64`).
+pub const OFF_LL_SLOT: usize = 24;
+/// Peer low-latency staging areas.
+pub const OFF_LL_STAGES: usize = 192;
 /// Block counters.
 pub const OFF_CTR: usize = 256;
 /// Signal slots.
@@ -63,17 +69,22 @@ pub enum Kernel {
     /// Peer-to-peer two-shot: barrier, each rank reduces its part and stores it on every rank,
     /// barrier.
     P2pTwoShot,
+    /// Peer-to-peer one-shot, low-latency protocol: every 4 data bytes travel with a 4-byte flag
+    /// (the call's counter) in one 8-byte store; receivers poll the data itself. No barrier, no
+    /// fence.
+    P2pOneShotLl,
 }
 
 impl Kernel {
     /// Every kernel family.
-    pub const ALL: [Kernel; 2] = [Kernel::P2pOneShot, Kernel::P2pTwoShot];
+    pub const ALL: [Kernel; 3] = [Kernel::P2pOneShot, Kernel::P2pTwoShot, Kernel::P2pOneShotLl];
 
     /// File name of the family's PTX.
     pub fn file(self) -> &'static str {
         match self {
             Kernel::P2pOneShot => "p2p_oneshot.ptx",
             Kernel::P2pTwoShot => "p2p_twoshot.ptx",
+            Kernel::P2pOneShotLl => "p2p_oneshot_ll.ptx",
         }
     }
 
@@ -81,6 +92,7 @@ impl Kernel {
         match self {
             Kernel::P2pOneShot => "p2p_oneshot",
             Kernel::P2pTwoShot => "p2p_twoshot",
+            Kernel::P2pOneShotLl => "p2p_oneshot_ll",
         }
     }
 
@@ -89,6 +101,7 @@ impl Kernel {
         match self {
             Kernel::P2pOneShot => include_str!("p2p_oneshot.ptx"),
             Kernel::P2pTwoShot => include_str!("p2p_twoshot.ptx"),
+            Kernel::P2pOneShotLl => include_str!("p2p_oneshot_ll.ptx"),
         }
     }
 
@@ -666,6 +679,165 @@ fn two_shot(f: &Flavor) -> String {
     s
 }
 
+/// Low-latency one-shot. Needs 4-byte aligned input and output and a message of whole 4-byte
+/// words (the host checks). Word w of rank s's input travels as `(flag << 32) | word` to slot
+/// `[parity][s]` of every rank's low-latency staging, flag = (c + 1) ^ (the call header folded
+/// to 32 bits); each rank polls its own slots until every word carries this call's flag,
+/// reduces and stores. A rank that called with another shape writes other flags: the others
+/// time out (reported), they never take its data.
+fn one_shot_ll(f: &Flavor) -> String {
+    let name = Kernel::P2pOneShotLl.entry(f.dtype, f.op);
+    let mut s = prologue(&name, f);
+    // words = count * es / 4; this block's words [rd11, rd12)
+    s += &format!(
+        r#"	shl.b64 %rd10, %rd4, {es};
+	shr.u64 %rd10, %rd10, 2;
+	add.u64 %rd14, %rd10, %rd13;
+	sub.u64 %rd14, %rd14, 1;
+	div.u64 %rd14, %rd14, %rd13;
+	mul.lo.u64 %rd11, %rd15, %rd14;
+	min.u64 %rd11, %rd11, %rd10;
+	add.u64 %rd12, %rd11, %rd14;
+	min.u64 %rd12, %rd12, %rd10;
+	// flag = (c + 1) ^ fold(sig): this call's counter and shape; parity = (c >> 1) & 1
+	add.u32 %r12, %r7, 1;
+	cvt.u32.u64 %r17, %rd7;
+	shr.b64 %rd18, %rd7, 32;
+	cvt.u32.u64 %r18, %rd18;
+	xor.b32 %r17, %r17, %r18;
+	xor.b32 %r12, %r12, %r17;
+	cvt.u64.u32 %rd17, %r12;
+	shl.b64 %rd17, %rd17, 32;
+	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	ld.global.u64 %rd30, [%rd1+{slot}];
+	// push delta (parity * nranks + rank) * slot; my slots: my area + parity * nranks * slot
+	mad.lo.u32 %r15, %r8, %r6, %r5;
+	cvt.u64.u32 %rd31, %r15;
+	mul.lo.u64 %rd31, %rd31, %rd30;
+	add.u64 %rd34, %rd1, {stages};
+	mul.wide.u32 %rd32, %r5, 8;
+	add.u64 %rd32, %rd1, %rd32;
+	ld.global.u64 %rd33, [%rd32+{stages}];
+	mul.lo.u32 %r16, %r8, %r6;
+	cvt.u64.u32 %rd35, %r16;
+	mul.lo.u64 %rd35, %rd35, %rd30;
+	add.u64 %rd33, %rd33, %rd35;
+"#,
+        es = f.es_log2(),
+        slot = OFF_LL_SLOT,
+        stages = OFF_LL_STAGES,
+    );
+    // send: word w -> 8-byte (flag, word) at offset 8w of my slot on every rank
+    let mut body = "	shl.b64 %rd24, %rd20, 2;
+	add.u64 %rd24, %rd2, %rd24;
+	ld.global.b32 %r30, [%rd24];
+	cvt.u64.u32 %rd25, %r30;
+	or.b64 %rd25, %rd25, %rd17;
+"
+    .to_string();
+    body += &store_loop(
+        "ls",
+        Addr::Table("%rd34", "%rd31"),
+        "	st.relaxed.sys.global.u64 [%rd26], %rd25;
+",
+    );
+    s += &strided("snd", "%rd11", "%rd12", 3, &body);
+    // receive: poll every rank's word, reduce in rank order, store
+    let combine = |first: bool| -> String {
+        let (d1, d2) = if first { (1, 2) } else { (11, 12) };
+        let mut c = if f.half() {
+            format!(
+                "	mov.b32 {{%h1, %h2}}, %r31;
+	{cvt} %f{d1}, %h1;
+	{cvt} %f{d2}, %h2;
+",
+                cvt = f.cvt_in()
+            )
+        } else {
+            format!(
+                "	mov.b32 %f{d1}, %r31;
+"
+            )
+        };
+        if !first {
+            c += &format!(
+                "	{} %f1, %f1, %f11;
+",
+                f.opi()
+            );
+            if f.half() {
+                c += &format!(
+                    "	{} %f2, %f2, %f12;
+",
+                    f.opi()
+                );
+            }
+        }
+        c
+    };
+    let poll = |label: &str| -> String {
+        format!(
+            r#"	mov.u64 %rd45, %globaltimer;
+$L_{label}_spin:
+	ld.relaxed.sys.global.u64 %rd46, [%rd26];
+	and.b64 %rd47, %rd46, -4294967296;
+	setp.eq.u64 %p11, %rd47, %rd17;
+	@%p11 bra $L_{label}_got;
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+	setp.ne.u32 %p12, %r44, 0;
+	@%p12 bra $L_{label}_got;
+	mov.u64 %rd48, %globaltimer;
+	sub.u64 %rd48, %rd48, %rd45;
+	setp.lt.u64 %p13, %rd48, %rd8;
+	@%p13 bra $L_{label}_spin;
+	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
+$L_{label}_got:
+	cvt.u32.u64 %r31, %rd46;
+"#
+        )
+    };
+    let mine = Addr::Stride("%rd33", "%rd30");
+    let mut body = "	shl.b64 %rd21, %rd20, 3;
+	mov.u32 %r34, 0;
+"
+    .to_string();
+    body += &mine.of_rank();
+    body += &poll("p0");
+    body += &combine(true);
+    body += "	mov.u32 %r34, 1;
+$L_rk:
+	setp.ge.u32 %p16, %r34, %r6;
+	@%p16 bra $L_rkend;
+";
+    body += &mine.of_rank();
+    body += &poll("pk");
+    body += &combine(false);
+    body += "	add.u32 %r34, %r34, 1;
+	bra.uni $L_rk;
+$L_rkend:
+";
+    if f.half() {
+        body += &format!(
+            "	{c} %h1, %f1;
+	{c} %h2, %f2;
+	mov.b32 %r31, {{%h1, %h2}};
+",
+            c = f.cvt_out()
+        );
+    } else {
+        body += "	mov.b32 %r31, %f1;
+";
+    }
+    body += "	shl.b64 %rd24, %rd20, 2;
+	add.u64 %rd24, %rd3, %rd24;
+	st.global.b32 [%rd24], %r31;
+";
+    s += &strided("rcv", "%rd11", "%rd12", 3, &body);
+    s += &epilogue();
+    s
+}
+
 /// The PTX text of one kernel family, as the generator writes it.
 pub fn generate(kernel: Kernel) -> String {
     let mut s = HEADER.to_string();
@@ -675,6 +847,7 @@ pub fn generate(kernel: Kernel) -> String {
             s += &match kernel {
                 Kernel::P2pOneShot => one_shot(&f),
                 Kernel::P2pTwoShot => two_shot(&f),
+                Kernel::P2pOneShotLl => one_shot_ll(&f),
             };
         }
     }

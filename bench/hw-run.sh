@@ -13,8 +13,8 @@ step info        $b/xtask info --json
 step test-hw     $b/xtask test-hw
 step ptx-check   $b/xtask ptx-check
 step ex-allreduce $b/bin/allreduce
+TAIL=40 step bench-allreduce $b/xtask bench-hw allreduce
+step bench-memory $b/xtask bench-hw memory -- --reps 15
 step ex-managed  $b/bin/managed
 step ex-multicast $b/bin/multicast
-step bench-memory $b/xtask bench-hw memory -- --reps 15
-TAIL=40 step bench-allreduce $b/xtask bench-hw allreduce
 grep -h -E "passed, |^RESULT" "$out"/*.log | head -60

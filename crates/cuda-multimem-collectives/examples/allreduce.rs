@@ -58,12 +58,16 @@ fn run() -> Res<bool> {
     let devices = &driver.devices()[..2];
     let multicast_allowed = std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0")
         && std::env::var("CUDA_MULTIMEM_DISABLE_MULTICAST").as_deref() != Ok("1");
+    // The multimem path (MultimemAllReduce) needs multicast, and pays off only for teams larger
+    // than 3: with two GPUs the peer-to-peer path is the right one either way.
     println!(
-        "path: peer-to-peer (the multimem path is not built yet{})",
-        if multicast_allowed {
-            ""
+        "path: peer-to-peer ({})",
+        if !multicast_allowed {
+            "multicast is disabled here"
+        } else if !cuda_multimem_collectives::multimem_pays_off(devices.len()) {
+            "multimem pays off only for teams larger than 3"
         } else {
-            "; multicast is disabled here anyway"
+            "multimem not chosen"
         }
     );
     let comm = Communicator::new(devices)?;

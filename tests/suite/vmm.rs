@@ -291,8 +291,16 @@ fn bad_sizes_offsets_and_devices_are_rejected_before_the_driver() {
             "({ro}, {ao}, {size}): {m:?}"
         );
     }
-    let _m = Mapping::new(&r, 0, &a, 0, g).unwrap();
-    let twice = Mapping::new(&r, 0, &a, g, g);
+    // A mapping covers a whole allocation: cuda.h says the offset "currently must be zero",
+    // and a 13.0 H200 answers CUDA_ERROR_NOT_SUPPORTED for 2 MiB of a 4 MiB allocation.
+    let r2 = Reservation::new(d, 2 * g).unwrap();
+    let part = Mapping::new(&r2, 0, &a, 0, g);
+    assert!(
+        matches!(part, Err(Error::Driver { code, .. }) if code == cuda_multimem_sys::CUresult::CUDA_ERROR_NOT_SUPPORTED),
+        "partial map: {part:?}"
+    );
+    let _m = Mapping::new(&r, 0, &a, 0, 2 * g).unwrap();
+    let twice = Mapping::new(&r, 0, &a, 0, 2 * g);
     assert!(
         matches!(twice, Err(Error::Driver { .. })),
         "double map: {twice:?}"

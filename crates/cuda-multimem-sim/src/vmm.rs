@@ -689,8 +689,10 @@ sim_api! {
         if p % min != 0 || size % min != 0 || offset % min != 0 {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        // Measured on a 13.0 driver: a range past the allocation's end is "not supported".
-        if offset.checked_add(size).is_none_or(|e| e > a.size) {
+        // cuda.h: the offset "currently must be zero". Measured on a 13.0 H200: a range past the
+        // allocation's end, and a mapping of only part of an allocation (2 MiB of 4 MiB from
+        // offset 0), are both CUDA_ERROR_NOT_SUPPORTED: a mapping covers a whole allocation.
+        if offset != 0 || size != a.size {
             return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
         }
         let raw = a.fd.as_raw_fd();

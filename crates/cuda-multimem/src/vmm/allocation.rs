@@ -399,7 +399,7 @@ impl PhysicalAllocation {
                 )
             )
         }?;
-        PhysicalAllocation::adopt_imported(driver, h, size)
+        PhysicalAllocation::adopt_imported(driver, h, size, HandleTypes::POSIX_FD)
     }
 
     /// Import an allocation exported as a fabric handle. `bytes` and `size` are untrusted: the
@@ -425,14 +425,17 @@ impl PhysicalAllocation {
                 )
             )
         }?;
-        PhysicalAllocation::adopt_imported(driver, h, size)
+        PhysicalAllocation::adopt_imported(driver, h, size, HandleTypes::FABRIC)
     }
 
     /// Own an imported handle: read its properties, check the claimed size by mapping it once.
+    /// `via` is the handle type it arrived as: a real 13.0 driver reports no requested handle
+    /// types for an imported allocation, but it evidently is shareable that way.
     fn adopt_imported(
         driver: &Driver,
         h: CUmemGenericAllocationHandle,
         size: usize,
+        via: HandleTypes,
     ) -> Result<Arc<PhysicalAllocation>> {
         // Owned from here: released on any error below.
         let mut a = PhysicalAllocation {
@@ -449,7 +452,13 @@ impl PhysicalAllocation {
             location: Location::from_raw(&prop.location).ok_or_else(|| {
                 Error::invalid("handle", "the imported allocation has an unknown location")
             })?,
-            handle_types: HandleTypes::from_raw(prop.requestedHandleTypes),
+            handle_types: {
+                let t = HandleTypes::from_raw(prop.requestedHandleTypes);
+                HandleTypes {
+                    posix_fd: t.posix_fd || via.posix_fd,
+                    fabric: t.fabric || via.fabric,
+                }
+            },
             gpu_direct_rdma: prop.allocFlags.gpuDirectRDMACapable != 0,
         };
         // The exporter's device ordinal may not exist here (another node of the fabric): then

@@ -162,7 +162,12 @@ fn both_algorithms_give_the_same_bits_when_forced() {
         return skip("both_algorithms", "needs 2 devices");
     }
     let mut rng = Rng::new(11);
-    for algorithm in [Algorithm::OneShotLl, Algorithm::OneShot, Algorithm::TwoShot] {
+    for algorithm in [
+        Algorithm::OneShotLl,
+        Algorithm::OneShot,
+        Algorithm::TwoShot,
+        Algorithm::TwoShotPush,
+    ] {
         let cfg = AllReduceConfig {
             algorithm: Some(algorithm),
             ..Default::default()
@@ -902,4 +907,65 @@ fn the_multimem_path_is_refused_where_multicast_is_disabled() {
         Err(e) => panic!("expected Disabled, got {e}"),
         Ok(_) => panic!("a multicast team was built where multicast is disabled"),
     }
+}
+
+// ---- failure half-way: nothing leaks ----
+
+fn live_without_contexts(
+    sim: &cuda_multimem_sim::Simulator,
+) -> std::collections::BTreeMap<String, i64> {
+    sim.live_resources()
+        .into_iter()
+        .filter(|(k, _)| k != "primary contexts")
+        .collect()
+}
+
+#[test]
+fn a_communicator_that_fails_half_way_leaks_nothing() {
+    use cuda_multimem_sim::FailurePlan;
+    use cuda_multimem_sys::CUresult;
+    let e = sim(SimConfig::new(2, 13000));
+    let sim = e.sim.as_ref().unwrap();
+    let devices = e.driver.devices();
+    let small = AllReduceConfig {
+        one_shot_max_bytes: Some(4096),
+        ll_max_bytes: 4096,
+        ..Default::default()
+    };
+    // warm up: contexts retained, kernels registered
+    drop(Communicator::with_config(&devices, small.clone()).unwrap());
+    let before = live_without_contexts(sim);
+    let mut failures = 0;
+    for skip in 0.. {
+        sim.inject_failure(FailurePlan {
+            call: None,
+            skip,
+            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        });
+        let r = Communicator::with_config(&devices, small.clone()).and_then(|c| {
+            let b = c.alloc(1 << 16)?;
+            Ok((c, b))
+        });
+        let fired = sim.clear_failure();
+        match r {
+            Ok(cb) => {
+                drop(cb);
+                assert_eq!(live_without_contexts(sim), before);
+                if fired.is_none() {
+                    break;
+                }
+            }
+            Err(err) => {
+                assert!(fired.is_some(), "failed without an injected failure: {err}");
+                failures += 1;
+                assert_eq!(
+                    live_without_contexts(sim),
+                    before,
+                    "after a failure at call #{skip} ({fired:?}): {err}"
+                );
+            }
+        }
+        assert!(skip < 2000, "construction never completed");
+    }
+    assert!(failures > 20, "only {failures} driver calls were exercised");
 }

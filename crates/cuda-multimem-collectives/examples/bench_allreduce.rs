@@ -51,6 +51,7 @@ fn parse() -> Res<Args> {
                     "one-shot" => Algorithm::OneShot,
                     "one-shot-ll" => Algorithm::OneShotLl,
                     "two-shot" => Algorithm::TwoShot,
+                    "two-shot-push" => Algorithm::TwoShotPush,
                     o => return Err(format!("unknown algorithm {o}").into()),
                 })
             }

@@ -786,7 +786,7 @@ impl Communicator {
         let per_rank = match algorithm {
             Algorithm::OneShot => units,
             Algorithm::OneShotLl => bytes.div_ceil(4) as u64,
-            Algorithm::TwoShot => units.div_ceil(team.n as u64),
+            Algorithm::TwoShot | Algorithm::TwoShotPush => units.div_ceil(team.n as u64),
         };
         let blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
         // Small messages: fewer threads (cheaper block barriers), at least 64.
@@ -960,6 +960,11 @@ impl Communicator {
             };
             choice = self.choice_with(count, dtype, Some(fallback));
         }
+        if choice.algorithm == Algorithm::TwoShotPush
+            && (input % 16 != 0 || output % 16 != 0 || bytes > self.inner.team.stage_half)
+        {
+            choice = self.choice_with(count, dtype, Some(Algorithm::TwoShot));
+        }
         if choice.algorithm == Algorithm::OneShot && bytes > self.inner.team.stage_half {
             return Err(Error::invalid(
                 "bytes",
@@ -1010,6 +1015,7 @@ impl Communicator {
             Algorithm::OneShot => Kernel::P2pOneShot,
             Algorithm::OneShotLl => Kernel::P2pOneShotLl,
             Algorithm::TwoShot => Kernel::P2pTwoShot,
+            Algorithm::TwoShotPush => Kernel::P2pTwoShotPush,
         };
         let f = r.functions[&(kernel, dtype, op)].0;
         // The call header every rank compares: what, how much, where.

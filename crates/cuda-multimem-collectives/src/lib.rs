@@ -161,6 +161,11 @@ pub enum Algorithm {
     /// 8-byte stores, receivers poll the data, no barrier. Needs 4-byte aligned operands and a
     /// whole number of 4-byte words; otherwise the call runs [`Algorithm::OneShot`].
     OneShotLl,
+    /// Two-shot whose remote traffic is only posted writes (experimental; only when forced).
+    /// Needs 16-byte aligned operands and a message no larger than the one-shot staging slot
+    /// ([`AllReduceConfig::one_shot_max_bytes`]); otherwise the call runs
+    /// [`Algorithm::TwoShot`].
+    TwoShotPush,
 }
 
 impl std::fmt::Display for Path {
@@ -178,6 +183,7 @@ impl std::fmt::Display for Algorithm {
             Algorithm::OneShot => "one-shot",
             Algorithm::TwoShot => "two-shot",
             Algorithm::OneShotLl => "one-shot-ll",
+            Algorithm::TwoShotPush => "two-shot-push",
         })
     }
 }

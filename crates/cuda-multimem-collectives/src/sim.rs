@@ -229,6 +229,69 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 }
             }
             Kernel::P2pOneShotLl => unreachable!("handled by run_ll"),
+            Kernel::P2pTwoShotPush => {
+                // vector units only (the host checks the alignment); tail as in the two-shot
+                let slot = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
+                let stage =
+                    |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
+                a.check(in_tab, 8 * n, false)?;
+                a.check(out_tab, 8 * n, false)?;
+                let tab = |t: usize, at: usize| u64_at(at + 8 * t).load(Ordering::Relaxed) as usize;
+                let din = inp.wrapping_sub(tab(rank, in_tab));
+                let dout = out.wrapping_sub(tab(rank, out_tab));
+                let ins: Vec<usize> = (0..n).map(|t| tab(t, in_tab).wrapping_add(din)).collect();
+                let outs: Vec<usize> = (0..n).map(|t| tab(t, out_tab).wrapping_add(dout)).collect();
+                let pp = (be - bs).div_ceil(n as u64);
+                let part = |k: usize| {
+                    let ps = (bs + k as u64 * pp).min(be);
+                    (ps * ub, (ps + pp).min(be) * ub)
+                };
+                for k in (0..n).filter(|&k| k != rank) {
+                    let (lo, hi) = part(k);
+                    let dst = stage(k) + (parity as usize * n + rank) * slot;
+                    let (off, len) = ((lo * es) as usize, ((hi - lo) * es) as usize);
+                    a.check(inp + off, len, false)?;
+                    a.check(dst + off, len, true)?;
+                    for i in lo..hi {
+                        st(d, dst, i, ld(d, inp, i));
+                    }
+                }
+                cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
+                let mine: Vec<usize> = (0..n)
+                    .map(|k| {
+                        if k == rank {
+                            inp
+                        } else {
+                            stage(rank) + (parity as usize * n + k) * slot
+                        }
+                    })
+                    .collect();
+                let (lo, hi) = part(rank);
+                let mut ranges = vec![(lo, hi, false)];
+                if last_block && rank == n - 1 {
+                    ranges.push((tail_start, count, true));
+                }
+                for (lo, hi, tail) in ranges {
+                    let (off, len) = ((lo * es) as usize, ((hi - lo) * es) as usize);
+                    let srcs = if tail { &ins } else { &mine };
+                    for x in srcs {
+                        a.check(x + off, len, false)?;
+                    }
+                    for o in &outs {
+                        a.check(o + off, len, true)?;
+                    }
+                    for i in lo..hi {
+                        let mut acc = ld(d, srcs[0], i);
+                        for x in &srcs[1..] {
+                            acc = op.apply(acc, ld(d, *x, i));
+                        }
+                        for o in &outs {
+                            st(d, *o, i, acc);
+                        }
+                    }
+                }
+                cx.barrier(a, b as usize, c.wrapping_add(2), None);
+            }
             Kernel::P2pTwoShot => {
                 a.check(in_tab, 8 * n, false)?;
                 a.check(out_tab, 8 * n, false)?;

@@ -73,11 +73,21 @@ pub enum Kernel {
     /// (the call's counter) in one 8-byte store; receivers poll the data itself. No barrier, no
     /// fence.
     P2pOneShotLl,
+    /// Peer-to-peer two-shot whose remote traffic is only posted writes: each rank pushes part k
+    /// of its input into owner k's staging, barrier, the owner reduces locally and pushes the
+    /// result to every rank's output, barrier. Needs 16-byte aligned operands and a staging slot
+    /// as large as the message (experimental; forced only).
+    P2pTwoShotPush,
 }
 
 impl Kernel {
     /// Every kernel family.
-    pub const ALL: [Kernel; 3] = [Kernel::P2pOneShot, Kernel::P2pTwoShot, Kernel::P2pOneShotLl];
+    pub const ALL: [Kernel; 4] = [
+        Kernel::P2pOneShot,
+        Kernel::P2pTwoShot,
+        Kernel::P2pOneShotLl,
+        Kernel::P2pTwoShotPush,
+    ];
 
     /// File name of the family's PTX.
     pub fn file(self) -> &'static str {
@@ -85,6 +95,7 @@ impl Kernel {
             Kernel::P2pOneShot => "p2p_oneshot.ptx",
             Kernel::P2pTwoShot => "p2p_twoshot.ptx",
             Kernel::P2pOneShotLl => "p2p_oneshot_ll.ptx",
+            Kernel::P2pTwoShotPush => "p2p_twoshot_push.ptx",
         }
     }
 
@@ -93,6 +104,7 @@ impl Kernel {
             Kernel::P2pOneShot => "p2p_oneshot",
             Kernel::P2pTwoShot => "p2p_twoshot",
             Kernel::P2pOneShotLl => "p2p_oneshot_ll",
+            Kernel::P2pTwoShotPush => "p2p_twoshot_push",
         }
     }
 
@@ -102,6 +114,7 @@ impl Kernel {
             Kernel::P2pOneShot => include_str!("p2p_oneshot.ptx"),
             Kernel::P2pTwoShot => include_str!("p2p_twoshot.ptx"),
             Kernel::P2pOneShotLl => include_str!("p2p_oneshot_ll.ptx"),
+            Kernel::P2pTwoShotPush => include_str!("p2p_twoshot_push.ptx"),
         }
     }
 
@@ -838,6 +851,105 @@ $L_rkend:
     s
 }
 
+/// Two-shot with pushes only (see [`Kernel::P2pTwoShotPush`]). Vector units only (the host
+/// sends misaligned calls to the other two-shot); the scalar tail goes as in the two-shot.
+/// Staging slot `[parity][sender]` holds the sender's parts at their message offsets.
+fn two_shot_push(f: &Flavor) -> String {
+    let name = Kernel::P2pTwoShotPush.entry(f.dtype, f.op);
+    let es = f.es_log2();
+    let mut s = prologue(&name, f);
+    s += &format!(
+        r#"	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	// output delta for the result pushes, input delta for the tail
+	mul.wide.u32 %rd30, %r5, 8;
+	add.u64 %rd31, %rd5, %rd30;
+	ld.global.nc.u64 %rd31, [%rd31];
+	sub.u64 %rd31, %rd2, %rd31;
+	add.u64 %rd32, %rd6, %rd30;
+	ld.global.nc.u64 %rd32, [%rd32];
+	sub.u64 %rd32, %rd3, %rd32;
+	// staging: slot size, push delta (parity*n + rank)*slot, my slots of this parity
+	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
+	mad.lo.u32 %r15, %r8, %r6, %r5;
+	cvt.u64.u32 %rd40, %r15;
+	mul.lo.u64 %rd40, %rd40, %rd39;
+	add.u64 %rd34, %rd1, {OFF_STAGES};
+	mul.wide.u32 %rd41, %r5, 8;
+	add.u64 %rd41, %rd1, %rd41;
+	ld.global.u64 %rd33, [%rd41+{OFF_STAGES}];
+	mul.lo.u32 %r16, %r8, %r6;
+	cvt.u64.u32 %rd42, %r16;
+	mul.lo.u64 %rd42, %rd42, %rd39;
+	add.u64 %rd33, %rd33, %rd42;
+	// part size pp = ceil((end - start) / nranks)
+	sub.u64 %rd35, %rd12, %rd11;
+	cvt.u64.u32 %rd36, %r6;
+	add.u64 %rd35, %rd35, %rd36;
+	sub.u64 %rd35, %rd35, 1;
+	div.u64 %rd35, %rd35, %rd36;
+	{tail}	sub.u32 %r11, %r4, 1;
+	setp.eq.u32 %p17, %r2, %r11;
+	sub.u32 %r13, %r6, 1;
+	setp.eq.and.u32 %p17, %r5, %r13, %p17;
+	// phase A: for every other rank k, push part k of my input into k's slot [parity][rank]
+	mov.u32 %r36, 0;
+$L_pa_k:
+	setp.ge.u32 %p18, %r36, %r6;
+	@%p18 bra $L_pa_end;
+	setp.eq.u32 %p19, %r36, %r5;
+	@%p19 bra $L_pa_next;
+	cvt.u64.u32 %rd37, %r36;
+	mul.lo.u64 %rd37, %rd37, %rd35;
+	add.u64 %rd37, %rd37, %rd11;
+	min.u64 %rd37, %rd37, %rd12;
+	add.u64 %rd38, %rd37, %rd35;
+	min.u64 %rd38, %rd38, %rd12;
+	mul.wide.u32 %rd43, %r36, 8;
+	add.u64 %rd43, %rd34, %rd43;
+	ld.global.nc.u64 %rd44, [%rd43];
+	add.u64 %rd44, %rd44, %rd40;
+"#,
+        tail = tail_range(f).trim_start()
+    );
+    s += &strided(
+        "pa",
+        "%rd37",
+        "%rd38",
+        4,
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd44, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
+    );
+    s += "$L_pa_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pa_k;\n$L_pa_end:\n";
+    s += "\tadd.u32 %r12, %r7, 1;\n";
+    s += &barrier("b1", "%r12", true);
+    // phase B: my part; rank k's copy is my input (k == rank) or my slot k (local memory)
+    s += r#"	cvt.u64.u32 %rd37, %r5;
+	mul.lo.u64 %rd37, %rd37, %rd35;
+	add.u64 %rd37, %rd37, %rd11;
+	min.u64 %rd37, %rd37, %rd12;
+	add.u64 %rd38, %rd37, %rd35;
+	min.u64 %rd38, %rd38, %rd12;
+"#;
+    let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd33, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
+    let mut body = format!(
+        "\tmov.u32 %r34, 0;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tmov.u32 %r34, 1;\n$L_pb_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_pb_kend;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_pb_k;\n$L_pb_kend:\n",
+        f.vec_in(true),
+        f.vec_in(false)
+    );
+    body += &store_to_ranks("sv", f, Addr::Table("%rd6", "%rd32"), true);
+    s += &strided("pb", "%rd37", "%rd38", 4, &body);
+    // tail as in the two-shot: remote reads of the inputs, stores to every output
+    s += "\t@!%p17 bra $L_red_done;\n";
+    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
+    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
+    s += &strided("red_t", "%rd16", "%rd4", es, &body);
+    s += "$L_red_done:\n";
+    s += "\tadd.u32 %r14, %r7, 2;\n";
+    s += &barrier("b2", "%r14", false);
+    s += &epilogue();
+    s
+}
+
 /// The PTX text of one kernel family, as the generator writes it.
 pub fn generate(kernel: Kernel) -> String {
     let mut s = HEADER.to_string();
@@ -848,6 +960,7 @@ pub fn generate(kernel: Kernel) -> String {
                 Kernel::P2pOneShot => one_shot(&f),
                 Kernel::P2pTwoShot => two_shot(&f),
                 Kernel::P2pOneShotLl => one_shot_ll(&f),
+                Kernel::P2pTwoShotPush => two_shot_push(&f),
             };
         }
     }

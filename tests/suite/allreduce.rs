@@ -969,3 +969,39 @@ fn a_communicator_that_fails_half_way_leaks_nothing() {
     }
     assert!(failures > 20, "only {failures} driver calls were exercised");
 }
+
+#[test]
+fn the_write_only_two_shot_is_chosen_up_to_its_limit_and_exact() {
+    let e = env();
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        return skip("two_shot_push", "needs 2 devices");
+    }
+    let comm = Communicator::with_config(
+        &devices[..2],
+        AllReduceConfig {
+            one_shot_max_bytes: Some(64 << 10),
+            push_max_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s = streams(&comm);
+    let buf = comm.alloc(2 << 20).unwrap();
+    let mut rng = Rng::new(99);
+    assert_eq!(
+        comm.choice(100_000, DType::F32).algorithm,
+        Algorithm::TwoShotPush
+    );
+    assert_eq!(
+        comm.choice(400_000, DType::F32).algorithm,
+        Algorithm::TwoShot
+    );
+    for (count, dtype, op) in [
+        (100_003usize, DType::F32, Op::Sum),
+        (300_000, DType::Bf16, Op::Max),
+        (400_000, DType::F16, Op::Min),
+    ] {
+        check_once(&comm, &s, &mut rng, &buf, &buf, (0, 0), count, dtype, op);
+    }
+}

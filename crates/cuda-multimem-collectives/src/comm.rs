@@ -304,12 +304,18 @@ pub struct AllReduceConfig {
     /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
     /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off.
     pub ll_max_bytes: usize,
+    /// Messages above the one-shot limit and up to this many bytes use the write-only two-shot
+    /// ([`Algorithm::TwoShotPush`]: 363 GB/s at 1 GiB on 2 x H200 against 339 for the reading
+    /// two-shot). It needs a staging slot as large as the message, so the staging grows to
+    /// 2 x N x this per rank: 0 (the default) leaves it off.
+    pub push_max_bytes: usize,
 }
 
 impl Default for AllReduceConfig {
     fn default() -> Self {
         AllReduceConfig {
             ll_max_bytes: 64 << 10,
+            push_max_bytes: 0,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -326,6 +332,14 @@ impl AllReduceConfig {
             3 => 2 << 20,
             _ => 512 << 10,
         })
+    }
+
+    /// Bytes of one staging slot: the larger of the one-shot and push limits.
+    fn stage_bytes(&self, n: usize) -> usize {
+        self.one_shot_max(n)
+            .max(self.push_max_bytes)
+            .max(4096)
+            .next_multiple_of(4096)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
@@ -368,6 +382,7 @@ impl AllReduceConfig {
             self.threads as u64,
             self.max_blocks as u64,
             self.ll_max_bytes as u64,
+            self.push_max_bytes as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -567,10 +582,7 @@ impl Communicator {
             .unwrap_or(1);
         Communicator::build(Team {
             n: devices.len(),
-            stage_half: config
-                .one_shot_max(devices.len())
-                .max(4096)
-                .next_multiple_of(4096),
+            stage_half: config.stage_bytes(devices.len()),
             config,
             multiprocessors,
             locals,
@@ -620,7 +632,7 @@ impl Communicator {
         let locals = vec![Local::new(rank, device)?];
         Communicator::build(Team {
             n,
-            stage_half: config.one_shot_max(n).max(4096).next_multiple_of(4096),
+            stage_half: config.stage_bytes(n),
             config,
             multiprocessors,
             locals,
@@ -774,6 +786,8 @@ impl Communicator {
             Algorithm::OneShotLl
         } else if bytes <= c.one_shot_max(team.n) {
             Algorithm::OneShot
+        } else if bytes <= c.push_max_bytes {
+            Algorithm::TwoShotPush
         } else {
             Algorithm::TwoShot
         });

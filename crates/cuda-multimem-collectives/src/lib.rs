@@ -161,10 +161,11 @@ pub enum Algorithm {
     /// 8-byte stores, receivers poll the data, no barrier. Needs 4-byte aligned operands and a
     /// whole number of 4-byte words; otherwise the call runs [`Algorithm::OneShot`].
     OneShotLl,
-    /// Two-shot whose remote traffic is only posted writes (experimental; only when forced).
-    /// Needs 16-byte aligned operands and a message no larger than the one-shot staging slot
-    /// ([`AllReduceConfig::one_shot_max_bytes`]); otherwise the call runs
-    /// [`Algorithm::TwoShot`].
+    /// Two-shot whose remote traffic is only posted writes: each rank pushes the parts of its
+    /// input to their owners' staging, owners reduce locally and push the results. Chosen up to
+    /// [`crate::AllReduceConfig::push_max_bytes`] (off by default: it needs a staging slot as
+    /// large as the message). Needs 16-byte aligned operands; otherwise, or when the message
+    /// does not fit the slot, the call runs [`Algorithm::TwoShot`].
     TwoShotPush,
 }
 

@@ -894,11 +894,11 @@ fn two_shot_push(f: &Flavor) -> String {
 	setp.eq.and.u32 %p17, %r5, %r13, %p17;
 	// phase A: for every other rank k, push part k of my input into k's slot [parity][rank]
 	mov.u32 %r36, 0;
-$L_pa_k:
+$L_pk_loop:
 	setp.ge.u32 %p18, %r36, %r6;
-	@%p18 bra $L_pa_end;
+	@%p18 bra $L_pk_done;
 	setp.eq.u32 %p19, %r36, %r5;
-	@%p19 bra $L_pa_next;
+	@%p19 bra $L_pk_next;
 	cvt.u64.u32 %rd37, %r36;
 	mul.lo.u64 %rd37, %rd37, %rd35;
 	add.u64 %rd37, %rd37, %rd11;
@@ -919,7 +919,7 @@ $L_pa_k:
         4,
         "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd44, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
     );
-    s += "$L_pa_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pa_k;\n$L_pa_end:\n";
+    s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
     s += "\tadd.u32 %r12, %r7, 1;\n";
     s += &barrier("b1", "%r12", true);
     // phase B: my part; rank k's copy is my input (k == rank) or my slot k (local memory)
@@ -997,6 +997,42 @@ mod tests {
             return;
         }
         assert!(multimem::PTX == text, "multimem.ptx is stale");
+    }
+
+    /// ptxas rejects a label defined twice in one function; check every generated entry.
+    #[test]
+    fn no_label_is_defined_twice_in_an_entry() {
+        let texts = Kernel::ALL
+            .iter()
+            .map(|k| generate(*k))
+            .chain([multimem::generate()]);
+        for text in texts {
+            for entry in text.split(".visible .entry ").skip(1) {
+                let name = entry.split('(').next().unwrap_or_default();
+                let mut seen = std::collections::HashSet::new();
+                for line in entry.lines() {
+                    let l = line.trim();
+                    if l.starts_with('$') && l.ends_with(':') {
+                        assert!(
+                            seen.insert(l.to_string()),
+                            "{name}: label {l} defined twice"
+                        );
+                    }
+                }
+                // and every branch target exists
+                for line in entry.lines() {
+                    if let Some(t) = line.trim().split("bra").nth(1) {
+                        let t = t.trim_start_matches(".uni").trim().trim_end_matches(';');
+                        if t.starts_with('$') {
+                            assert!(
+                                seen.contains(&format!("{t}:")),
+                                "{name}: branch to undefined {t}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
 
 mod allreduce;
+mod device;
 mod endpoint;
 mod loader;
 mod managed;

@@ -1,0 +1,196 @@
+//! Driver selection, devices, attributes, peer access for ordinary allocations, streams and
+//! events — the foundation every other module stands on.
+
+use cuda_multimem::sys::CUresult;
+use cuda_multimem::{Driver, Error, Event, Stream};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::{env, sim, skip, Rng};
+
+#[test]
+fn a_malformed_driver_selection_is_an_error_naming_what_was_wrong() {
+    for (value, needle) in [
+        ("bogus", "expected `cuda` or `sim"),
+        ("simulator", "expected `cuda` or `sim"),
+        ("sim:devices", "not of the form key=value"),
+        ("sim:devices=0", "devices"),
+        ("sim:devices=65", "devices"),
+        ("sim:version=11080", "version"),
+        ("sim:version=13055", "version"),
+        ("sim:version=abc", "abc"),
+        ("sim:colour=blue", "unknown simulator option `colour`"),
+        ("sim:multicast=maybe", "multicast"),
+    ] {
+        match Driver::from_selection(value) {
+            Err(Error::Config(msg)) => assert!(msg.contains(needle), "{value}: {msg}"),
+            other => panic!("{value}: expected a configuration error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_path_to_a_library_that_is_not_a_cuda_driver_is_a_clear_error() {
+    let e = cuda_multimem_sys::Driver::load_from("libm.so.6").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("libm.so.6") && msg.contains("not a usable CUDA driver"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn the_simulated_driver_reports_its_configuration() {
+    let e = sim(SimConfig::parse("devices=3,version=12080,cliques=2,numa=-1").unwrap());
+    let d = &e.driver;
+    assert!(d.is_simulated());
+    assert_eq!(d.version(), 12080);
+    assert_eq!(d.device_count(), 3);
+    let devs = d.devices();
+    assert!(devs[0].can_access_peer(&devs[1]).unwrap());
+    assert!(
+        !devs[0].can_access_peer(&devs[2]).unwrap(),
+        "devices of different cliques are not peers"
+    );
+    assert_eq!(devs[0].host_numa_id().unwrap(), None);
+    assert_eq!(
+        devs[0].logical_endpoint_unicast().unwrap(),
+        None,
+        "12.8 predates attribute 153"
+    );
+    assert!(d.device(3).is_err());
+}
+
+#[test]
+fn device_attributes_are_consistent() {
+    let e = env();
+    for dev in e.driver.devices() {
+        let (major, _) = dev.compute_capability().unwrap();
+        assert!(major >= 7, "compute capability {major}");
+        assert!(dev.multiprocessor_count().unwrap() > 0);
+        assert!(!dev.name().unwrap().is_empty());
+        let (free, total) = dev.memory_info().unwrap();
+        assert!(free <= total && total == dev.total_memory().unwrap());
+        // Logical-endpoint attributes exist exactly from 13.3.
+        assert_eq!(
+            dev.logical_endpoint_unicast().unwrap().is_some(),
+            e.driver.version() >= 13030
+        );
+    }
+}
+
+#[test]
+fn peer_access_for_ordinary_allocations_goes_through_the_context() {
+    let e = env();
+    let d = &e.driver;
+    if d.device_count() < 2 {
+        return skip(
+            "peer_access_for_ordinary_allocations_goes_through_the_context",
+            "needs two devices",
+        );
+    }
+    let (a, b) = (d.device(0).unwrap(), d.device(1).unwrap());
+    if !a.can_access_peer(&b).unwrap() {
+        return skip(
+            "peer_access_for_ordinary_allocations_goes_through_the_context",
+            "devices 0 and 1 are not peers",
+        );
+    }
+    assert!(matches!(
+        a.enable_peer_access(&a),
+        Err(Error::InvalidArgument { arg: "peer", .. })
+    ));
+    a.enable_peer_access(&b).unwrap();
+    a.enable_peer_access(&b).unwrap(); // already enabled is not an error
+                                       // Copy device 1 -> device 0 with cuMemcpyPeer and check the bytes.
+    let sys = d.sys();
+    let n = 1 << 20;
+    let mut data = vec![0u8; n];
+    Rng::new(7).fill(&mut data);
+    let (mut pa, mut pb) = (0u64, 0u64);
+    b.bind().unwrap();
+    // SAFETY: out-pointer valid; device 1's context is current; the source buffer holds n bytes.
+    unsafe {
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut pb, n),
+            CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys.cuMemcpyHtoD_v3020().unwrap()(pb, data.as_ptr().cast(), n),
+            CUresult::CUDA_SUCCESS
+        );
+    }
+    a.bind().unwrap();
+    let mut back = vec![0u8; n];
+    // SAFETY: as above, on device 0; both allocations hold n bytes.
+    unsafe {
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut pa, n),
+            CUresult::CUDA_SUCCESS
+        );
+        let rc = sys.cuMemcpyPeer().unwrap()(
+            pa,
+            a.primary_context().unwrap(),
+            pb,
+            b.primary_context().unwrap(),
+            n,
+        );
+        assert_eq!(rc, CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys.cuMemcpyDtoH_v3020().unwrap()(back.as_mut_ptr().cast(), pa, n),
+            CUresult::CUDA_SUCCESS
+        );
+        sys.cuMemFree_v3020().unwrap()(pa);
+        b.bind().unwrap();
+        sys.cuMemFree_v3020().unwrap()(pb);
+    }
+    assert_eq!(back, data);
+}
+
+#[test]
+fn events_time_stream_work_and_report_completion() {
+    let e = env();
+    let dev = e.driver.device(0).unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let (a, b) = (
+        Event::new(&dev, true).unwrap(),
+        Event::new(&dev, true).unwrap(),
+    );
+    a.record(&s).unwrap();
+    b.record(&s).unwrap();
+    b.synchronize().unwrap();
+    assert!(a.is_complete().unwrap() && b.is_complete().unwrap());
+    let t = b.elapsed_since(&a).unwrap();
+    assert!(t.as_secs_f64() < 1.0, "{t:?}");
+    s.synchronize().unwrap();
+    let untimed = Event::new(&dev, false).unwrap();
+    untimed.record(&s).unwrap();
+    untimed.synchronize().unwrap();
+    assert!(
+        b.elapsed_since(&untimed).is_err(),
+        "an event without timing cannot be timed"
+    );
+    if e.driver.device_count() > 1 {
+        let other = Stream::new(&e.driver.device(1).unwrap()).unwrap();
+        assert!(matches!(
+            a.record(&other),
+            Err(Error::InvalidArgument { arg: "stream", .. })
+        ));
+    }
+}
+
+#[test]
+fn primary_contexts_are_released_when_the_last_driver_clone_goes() {
+    let e = sim(SimConfig::new(2, 13000));
+    let s = e.sim.clone().unwrap();
+    let d2 = e.driver.clone();
+    d2.device(0).unwrap().bind().unwrap();
+    d2.device(1).unwrap().bind().unwrap();
+    assert_eq!(s.live_resources().get("primary contexts"), Some(&2));
+    drop(d2);
+    assert_eq!(
+        s.live_resources().get("primary contexts"),
+        Some(&2),
+        "a clone still holds them"
+    );
+    drop(e.driver);
+    assert_eq!(s.live_resources().get("primary contexts"), None);
+}

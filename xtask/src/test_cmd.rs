@@ -108,6 +108,39 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
         failed_runs.push("unit and doc tests".to_string());
     }
 
+    // The MPI bootstrap: a test that starts `mpirun -n 2` over this crate's test binary, on the
+    // simulator. Needs the `mpi` feature (an MPI library and libclang to build) and `mpirun`.
+    if Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        println!("== MPI bootstrap (feature mpi) on the simulated driver");
+        let (ok, out) = run_capture(
+            cargo()
+                .args([
+                    "test",
+                    "-p",
+                    "cuda-multimem-collectives",
+                    "--features",
+                    "mpi",
+                    "--test",
+                    "mpi",
+                    "--",
+                    "--nocapture",
+                ])
+                .args(extra),
+        )?;
+        tally.read(&out, "mpi");
+        if !ok {
+            failed_runs.push("MPI bootstrap test".to_string());
+        }
+    } else {
+        tally.skipped.push("[mpi] MPI bootstrap: `mpirun` is not on this machine (install openmpi-bin and libopenmpi-dev)".into());
+    }
+
     for v in versions {
         let sel = format!("sim:devices={devices},version={v}");
         println!("== suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}");

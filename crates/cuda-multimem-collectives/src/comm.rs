@@ -835,14 +835,6 @@ impl Communicator {
         op: Op,
         stream: &Stream,
     ) -> Result<Choice> {
-        for (b, name) in [(input, "input"), (output, "output")] {
-            if !Arc::ptr_eq(&b.comm.inner, &self.inner) {
-                return Err(Error::invalid(
-                    if name == "input" { "input" } else { "output" },
-                    "a buffer of another communicator",
-                ));
-            }
-        }
         let l = self.local(rank)?;
         if stream.device() != &l.device {
             return Err(Error::invalid(
@@ -855,11 +847,89 @@ impl Communicator {
             ));
         }
         let es = dtype.size();
-        let in_ptr = input.sym.addrs[rank] + (in_offset * es) as u64;
-        let out_ptr = output.sym.addrs[rank] + (out_offset * es) as u64;
+        let (in_ptr, out_ptr) = self.operands(rank, input, in_offset, output, out_offset, dtype)?;
         // SAFETY: the stream is a live stream of the rank's device (a borrowed `Stream`); the
         // pointers are checked against the team's buffers by `all_reduce_raw`.
         unsafe { self.all_reduce_raw(rank, in_ptr, out_ptr, count * es, dtype, op, stream.raw()) }
+    }
+
+    /// [`Communicator::all_reduce`] on a stream of the `cudarc` crate (feature `cudarc`): the
+    /// same call, queued on `stream`, which must belong to rank `rank`'s device. Both libraries
+    /// must drive the same (real) CUDA driver; cudarc cannot talk to the simulator.
+    ///
+    /// ```no_run
+    /// # fn f(comm: &cuda_multimem_collectives::Communicator,
+    /// #      buf: &cuda_multimem_collectives::SymmetricBuffer) -> Result<(), Box<dyn std::error::Error>> {
+    /// use cuda_multimem_collectives::{DType, Op};
+    /// let ctx = cudarc::driver::CudaContext::new(0)?;
+    /// let stream = ctx.new_stream()?;
+    /// comm.all_reduce_on_cudarc_stream(0, buf, 0, buf, 0, 1024, DType::Bf16, Op::Sum, &stream)?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "cudarc")]
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_on_cudarc_stream(
+        &self,
+        rank: usize,
+        input: &SymmetricBuffer,
+        in_offset: usize,
+        output: &SymmetricBuffer,
+        out_offset: usize,
+        count: usize,
+        dtype: DType,
+        op: Op,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<Choice> {
+        let l = self.local(rank)?;
+        let ordinal = stream.context().ordinal();
+        if ordinal as i32 != l.device.ordinal() {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "a cudarc stream of device {ordinal}; rank {rank} is device {}",
+                    l.device.ordinal()
+                ),
+            ));
+        }
+        let (i, o) = self.operands(rank, input, in_offset, output, out_offset, dtype)?;
+        // SAFETY: a live cudarc stream (borrowed) of the rank's device, in the same process and
+        // driver; cudarc's CUstream is the driver's opaque stream pointer like ours.
+        unsafe {
+            self.all_reduce_raw(
+                rank,
+                i,
+                o,
+                count * dtype.size(),
+                dtype,
+                op,
+                stream.cu_stream() as CUstream,
+            )
+        }
+    }
+
+    fn operands(
+        &self,
+        rank: usize,
+        input: &SymmetricBuffer,
+        in_offset: usize,
+        output: &SymmetricBuffer,
+        out_offset: usize,
+        dtype: DType,
+    ) -> Result<(CUdeviceptr, CUdeviceptr)> {
+        for (b, name) in [(input, "input"), (output, "output")] {
+            if !Arc::ptr_eq(&b.comm.inner, &self.inner) {
+                return Err(Error::invalid(
+                    if name == "input" { "input" } else { "output" },
+                    "a buffer of another communicator",
+                ));
+            }
+        }
+        self.local(rank)?;
+        let es = dtype.size();
+        Ok((
+            input.sym.addrs[rank] + (in_offset * es) as u64,
+            output.sym.addrs[rank] + (out_offset * es) as u64,
+        ))
     }
 
     fn local(&self, rank: usize) -> Result<&Local> {

@@ -22,13 +22,12 @@ pub use guard::{
     TORCH_SYMM_MEM_DISABLE_MULTICAST_ENV,
 };
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use cuda_multimem_sys::{
-    CUdeviceptr, CUmemAccessDesc, CUmemAccess_flags, CUmemAllocationHandleType as HT,
-    CUmemFabricHandle, CUmemGenericAllocationHandle, CUmulticastGranularity_flags,
-    CUmulticastObjectProp,
+    CUdeviceptr, CUmemAccessDesc, CUmemAccess_flags, CUmemGenericAllocationHandle,
+    CUmulticastGranularity_flags, CUmulticastObjectProp,
 };
 use parking_lot::Mutex;
 
@@ -695,27 +694,11 @@ impl MulticastObject {
                 "the multicast object was created without the POSIX-fd handle type; choose it in the spec",
             ));
         }
-        let mut fd: libc::c_int = -1;
-        // SAFETY: the driver writes one int (the fd); flags must be 0.
-        unsafe {
-            cu!(
-                self.inner.driver,
-                cuMemExportToShareableHandle(
-                    (&mut fd as *mut libc::c_int).cast(),
-                    self.inner.handle,
-                    HT::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0
-                )
-            )
-        }?;
-        if fd < 0 {
-            return Err(Error::invalid("fd", format!("the driver exported fd {fd}")));
-        }
+        let fd = crate::vmm::share::export_posix_fd(&self.inner.driver, self.inner.handle)?;
         self.inner
             .shared
             .store(true, std::sync::atomic::Ordering::Release);
-        // SAFETY: a new fd that the driver gave us.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        Ok(fd)
     }
 
     /// Export as a fabric handle (the spec must have asked for it).
@@ -726,23 +709,11 @@ impl MulticastObject {
                 "the multicast object was created without the fabric handle type; choose it in the spec",
             ));
         }
-        let mut h = CUmemFabricHandle::default();
-        // SAFETY: the driver writes one CUmemFabricHandle; flags must be 0.
-        unsafe {
-            cu!(
-                self.inner.driver,
-                cuMemExportToShareableHandle(
-                    (&mut h as *mut CUmemFabricHandle).cast(),
-                    self.inner.handle,
-                    HT::CU_MEM_HANDLE_TYPE_FABRIC,
-                    0
-                )
-            )
-        }?;
+        let h = crate::vmm::share::export_fabric(&self.inner.driver, self.inner.handle)?;
         self.inner
             .shared
             .store(true, std::sync::atomic::Ordering::Release);
-        Ok(FabricHandle(h.data))
+        Ok(h)
     }
 
     fn check_import(driver: &Driver, spec: &MulticastSpec) -> Result<usize> {
@@ -769,19 +740,7 @@ impl MulticastObject {
         spec: &MulticastSpec,
     ) -> Result<MulticastObject> {
         let g = MulticastObject::check_import(driver, spec)?;
-        let mut h: CUmemGenericAllocationHandle = 0;
-        // SAFETY: for POSIX fds the driver takes the fd number as a pointer-sized value and does
-        // not take ownership; valid out-pointer.
-        unsafe {
-            cu!(
-                driver,
-                cuMemImportFromShareableHandle(
-                    &mut h,
-                    fd.as_raw_fd() as usize as *mut libc::c_void,
-                    HT::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                )
-            )
-        }?;
+        let h = crate::vmm::share::import_posix_fd(driver, fd)?;
         Ok(MulticastObject::adopt(driver, h, *spec, g, true))
     }
 
@@ -794,19 +753,7 @@ impl MulticastObject {
     ) -> Result<MulticastObject> {
         let handle = FabricHandle::from_bytes(bytes)?;
         let g = MulticastObject::check_import(driver, spec)?;
-        let mut raw = CUmemFabricHandle { data: handle.0 };
-        let mut h: CUmemGenericAllocationHandle = 0;
-        // SAFETY: the driver reads one CUmemFabricHandle; valid out-pointer.
-        unsafe {
-            cu!(
-                driver,
-                cuMemImportFromShareableHandle(
-                    &mut h,
-                    (&mut raw as *mut CUmemFabricHandle).cast(),
-                    HT::CU_MEM_HANDLE_TYPE_FABRIC
-                )
-            )
-        }?;
+        let h = crate::vmm::share::import_fabric(driver, &handle)?;
         Ok(MulticastObject::adopt(driver, h, *spec, g, true))
     }
 

@@ -2,12 +2,12 @@
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #![allow(clippy::manual_is_multiple_of)]
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use cuda_multimem_sys::{
     CUmemAllocationGranularity_flags as G, CUmemAllocationHandleType as HT, CUmemAllocationProp,
-    CUmemAllocationType, CUmemFabricHandle, CUmemGenericAllocationHandle,
+    CUmemAllocationType, CUmemGenericAllocationHandle,
 };
 
 use super::{ensure_context, Location};
@@ -325,24 +325,7 @@ impl PhysicalAllocation {
                 "the allocation was created without the POSIX-fd handle type; choose it at creation",
             ));
         }
-        let mut fd: libc::c_int = -1;
-        // SAFETY: the driver writes one int (the fd) through the pointer; flags must be 0.
-        unsafe {
-            cu!(
-                self.driver,
-                cuMemExportToShareableHandle(
-                    (&mut fd as *mut libc::c_int).cast(),
-                    self.handle,
-                    HT::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0
-                )
-            )
-        }?;
-        if fd < 0 {
-            return Err(Error::invalid("fd", format!("the driver exported fd {fd}")));
-        }
-        // SAFETY: the driver gave us a new fd that we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        super::share::export_posix_fd(&self.driver, self.handle)
     }
 
     /// Export as a fabric handle (needs [`HandleTypes::fabric`] at creation).
@@ -353,20 +336,7 @@ impl PhysicalAllocation {
                 "the allocation was created without the fabric handle type; choose it at creation",
             ));
         }
-        let mut h = CUmemFabricHandle::default();
-        // SAFETY: the driver writes one CUmemFabricHandle through the pointer; flags must be 0.
-        unsafe {
-            cu!(
-                self.driver,
-                cuMemExportToShareableHandle(
-                    (&mut h as *mut CUmemFabricHandle).cast(),
-                    self.handle,
-                    HT::CU_MEM_HANDLE_TYPE_FABRIC,
-                    0
-                )
-            )
-        }?;
-        Ok(FabricHandle(h.data))
+        super::share::export_fabric(&self.driver, self.handle)
     }
 
     /// Import an allocation exported as a POSIX fd by this or another process. `size` is what
@@ -386,19 +356,7 @@ impl PhysicalAllocation {
         }
         check_import_size(size)?;
         ensure_context(driver, 0)?;
-        let mut h: CUmemGenericAllocationHandle = 0;
-        // SAFETY: for POSIX fds the driver takes the fd number cast to a pointer and does not
-        // take ownership of it; the out-pointer is valid.
-        unsafe {
-            cu!(
-                driver,
-                cuMemImportFromShareableHandle(
-                    &mut h,
-                    raw as usize as *mut libc::c_void,
-                    HT::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                )
-            )
-        }?;
+        let h = super::share::import_posix_fd(driver, fd)?;
         PhysicalAllocation::adopt_imported(driver, h, size, HandleTypes::POSIX_FD)
     }
 
@@ -412,19 +370,7 @@ impl PhysicalAllocation {
         let handle = FabricHandle::from_bytes(bytes)?;
         check_import_size(size)?;
         ensure_context(driver, 0)?;
-        let mut raw = CUmemFabricHandle { data: handle.0 };
-        let mut h: CUmemGenericAllocationHandle = 0;
-        // SAFETY: the driver reads one CUmemFabricHandle; the out-pointer is valid.
-        unsafe {
-            cu!(
-                driver,
-                cuMemImportFromShareableHandle(
-                    &mut h,
-                    (&mut raw as *mut CUmemFabricHandle).cast(),
-                    HT::CU_MEM_HANDLE_TYPE_FABRIC
-                )
-            )
-        }?;
+        let h = super::share::import_fabric(driver, &handle)?;
         PhysicalAllocation::adopt_imported(driver, h, size, HandleTypes::FABRIC)
     }
 

@@ -54,6 +54,7 @@ mod allocation;
 mod buffer;
 mod mapping;
 mod reservation;
+pub(crate) mod share;
 
 pub use allocation::{
     AllocationBuilder, AllocationSpec, FabricHandle, Granularity, HandleTypes, PhysicalAllocation,

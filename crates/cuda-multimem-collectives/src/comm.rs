@@ -1140,25 +1140,16 @@ impl Communicator {
             &mut a_sig as *mut _ as *mut c_void,
             &mut a_timeout as *mut _ as *mut c_void,
         ];
-        r.device.bind()?;
         // SAFETY: a function of this device's module; eight parameters as the PTX declares
         // (all .u64), each pointing at a live local; the caller promises the stream.
         unsafe {
-            cu!(
-                r.device.driver(),
-                cuLaunchKernel(
-                    f,
-                    choice.blocks,
-                    1,
-                    1,
-                    choice.threads,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut()
-                )
+            kernels::launch(
+                &r.device,
+                f,
+                choice.blocks,
+                choice.threads,
+                stream,
+                &mut params,
             )
         }?;
         Ok(choice)

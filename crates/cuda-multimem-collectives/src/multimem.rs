@@ -325,25 +325,16 @@ impl MultimemAllReduce {
             &mut p_count as *mut _ as *mut c_void,
             &mut p_timeout as *mut _ as *mut c_void,
         ];
-        r.device.bind()?;
         // SAFETY: a function of this device's module with four .u64 parameters, each pointing
         // at a live local; a live stream of the device.
         unsafe {
-            cu!(
-                r.device.driver(),
-                cuLaunchKernel(
-                    f,
-                    choice.blocks,
-                    1,
-                    1,
-                    choice.threads,
-                    1,
-                    1,
-                    0,
-                    stream.raw(),
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut()
-                )
+            crate::kernels::launch(
+                &r.device,
+                f,
+                choice.blocks,
+                choice.threads,
+                stream.raw(),
+                &mut params,
             )
         }?;
         Ok(choice)

@@ -24,6 +24,49 @@
 
 use crate::{DType, Op};
 
+/// Launch `f` on `stream` of `device` with a one-dimensional grid of `blocks` × `threads` and no
+/// dynamic shared memory (the shape every kernel here takes).
+///
+/// # Safety
+/// `f` is a function of a module loaded on `device`; `params` holds one pointer per parameter the
+/// PTX entry declares, each to a live value of that parameter's type; `stream` is a live stream of
+/// `device` (or null).
+pub(crate) unsafe fn launch(
+    device: &cuda_multimem::Device,
+    f: cuda_multimem::sys::CUfunction,
+    blocks: u32,
+    threads: u32,
+    stream: cuda_multimem::sys::CUstream,
+    params: &mut [*mut std::ffi::c_void],
+) -> cuda_multimem::Result<()> {
+    device.bind()?;
+    let launch = device.driver().sys().cuLaunchKernel()?;
+    // SAFETY: as the caller promises; extra is null.
+    let rc = unsafe {
+        launch(
+            f,
+            blocks,
+            1,
+            1,
+            threads,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    if rc == cuda_multimem::sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(cuda_multimem::Error::Driver {
+            call: "cuLaunchKernel",
+            code: rc,
+        })
+    }
+}
+
 pub mod multimem;
 
 /// Environment variable naming a folder of replacement `.ptx` files (tuning only).

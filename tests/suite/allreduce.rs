@@ -203,6 +203,8 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
         AllReduceConfig {
             one_shot_max_bytes: Some(8 << 10),
             ll_max_bytes: 4 << 10,
+            // small slots: the write-only two-shot runs in several rounds per block
+            stage_bytes: Some(8 << 10),
             max_blocks: 4,
             threads: 64,
             ..Default::default()
@@ -221,7 +223,12 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
         let es = dtype.size();
         let count = 1 + (rng.next_u64() % (region as u64 / es as u64 - 16)) as usize;
         let count = if c % 4 == 0 { count % 3000 + 1 } else { count };
-        let off = (rng.next_u64() % 8) as usize;
+        // aligned half of the time (the write-only two-shot), else the reading two-shot
+        let off = if rng.next_u64() & 1 == 0 {
+            0
+        } else {
+            (rng.next_u64() % 8) as usize
+        };
         let count = count.min(region / es - off);
         // inputs are written before any call is queued: they are read-only afterwards, so each
         // call gets fresh data through its own input region (one per call)
@@ -970,38 +977,140 @@ fn a_communicator_that_fails_half_way_leaks_nothing() {
     assert!(failures > 20, "only {failures} driver calls were exercised");
 }
 
-#[test]
-fn the_write_only_two_shot_is_chosen_up_to_its_limit_and_exact() {
-    let e = env();
+/// A team whose staging slots are one 4 KiB page: the write-only two-shot then needs many
+/// rounds (with G blocks each block owns 256 / G vectors of a slot).
+fn small_stage_team(e: &Env, max_blocks: u32) -> Option<Communicator> {
     let devices = e.driver.devices();
     if devices.len() < 2 {
-        return skip("two_shot_push", "needs 2 devices");
+        skip("two_shot_push", "needs 2 devices");
+        return None;
     }
-    let comm = Communicator::with_config(
-        &devices[..2],
-        AllReduceConfig {
-            one_shot_max_bytes: Some(64 << 10),
-            push_max_bytes: 1 << 20,
-            ..Default::default()
-        },
+    Some(
+        Communicator::with_config(
+            &devices[..2],
+            AllReduceConfig {
+                one_shot_max_bytes: Some(4 << 10),
+                ll_max_bytes: 1 << 10,
+                stage_bytes: Some(4 << 10),
+                max_blocks,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
     )
-    .unwrap();
+}
+
+#[test]
+fn the_write_only_two_shot_is_the_default_above_one_shot_and_runs_in_rounds() {
+    let e = env();
+    for max_blocks in [0u32, 3] {
+        let Some(comm) = small_stage_team(&e, max_blocks) else {
+            return;
+        };
+        let s = streams(&comm);
+        let buf = comm.alloc(2 << 20).unwrap();
+        let out = comm.alloc(2 << 20).unwrap();
+        let mut rng = Rng::new(99 + max_blocks as u64);
+        assert_eq!(
+            comm.choice(100_000, DType::F32).algorithm,
+            Algorithm::TwoShotPush
+        );
+        assert_eq!(comm.choice(1000, DType::F32).algorithm, Algorithm::OneShot);
+        // counts that leave vector tails, in place and out of place, every dtype
+        for (count, dtype, op) in [
+            (100_003usize, DType::F32, Op::Sum),
+            (300_001, DType::Bf16, Op::Max),
+            (400_000, DType::F16, Op::Min),
+            (2_047, DType::F32, Op::Max),
+        ] {
+            check_once(&comm, &s, &mut rng, &buf, &buf, (0, 0), count, dtype, op);
+            check_once(&comm, &s, &mut rng, &buf, &out, (8, 16), count, dtype, op);
+        }
+        // misaligned operands: the reading two-shot runs instead, still exact
+        let r = comm
+            .all_reduce(0, &buf, 1, &out, 1, 50_000, DType::F32, Op::Sum, &s[0])
+            .unwrap();
+        assert_eq!(r.algorithm, Algorithm::TwoShot);
+        comm.all_reduce(1, &buf, 1, &out, 1, 50_000, DType::F32, Op::Sum, &s[1])
+            .unwrap();
+        sync(&s);
+        comm.check().unwrap();
+        check_once(
+            &comm,
+            &s,
+            &mut rng,
+            &buf,
+            &out,
+            (3, 5),
+            50_000,
+            DType::Bf16,
+            Op::Sum,
+        );
+    }
+}
+
+/// Push calls (many rounds, both slot parities) queued back to back with one-shot calls that use
+/// the same staging slots, nothing synchronised in between: a slot reused too early shows as a
+/// wrong element.
+#[test]
+fn write_only_two_shot_and_one_shot_share_the_staging_back_to_back() {
+    let e = env();
+    let Some(comm) = small_stage_team(&e, 5) else {
+        return;
+    };
     let s = streams(&comm);
-    let buf = comm.alloc(2 << 20).unwrap();
-    let mut rng = Rng::new(99);
-    assert_eq!(
-        comm.choice(100_000, DType::F32).algorithm,
-        Algorithm::TwoShotPush
-    );
-    assert_eq!(
-        comm.choice(400_000, DType::F32).algorithm,
-        Algorithm::TwoShot
-    );
-    for (count, dtype, op) in [
-        (100_003usize, DType::F32, Op::Sum),
-        (300_000, DType::Bf16, Op::Max),
-        (400_000, DType::F16, Op::Min),
-    ] {
-        check_once(&comm, &s, &mut rng, &buf, &buf, (0, 0), count, dtype, op);
+    let calls = 12usize;
+    let region = 256 << 10;
+    let inp = comm.alloc(region * calls).unwrap();
+    let out = comm.alloc(region * calls).unwrap();
+    let mut rng = Rng::new(123);
+    let mut plan = Vec::new();
+    for c in 0..calls {
+        let dtype = DType::ALL[c % 3];
+        let op = Op::ALL[(c / 3) % 3];
+        // alternate: push (16 KiB .. 256 KiB), one-shot (<= 4 KiB)
+        let bytes = if c % 2 == 0 {
+            (16 << 10) + (rng.next_u64() % (240 << 10)) as usize
+        } else {
+            1024 + (rng.next_u64() % 3072) as usize
+        };
+        let count = bytes / dtype.size();
+        let inputs: Vec<Vec<u8>> = (0..2).map(|_| random(&mut rng, dtype, count)).collect();
+        plan.push((dtype, op, count, inputs));
+    }
+    for r in 0..2 {
+        let mut all = vec![0u8; region * calls];
+        for (c, (_, _, _, inputs)) in plan.iter().enumerate() {
+            all[c * region..c * region + inputs[r].len()].copy_from_slice(&inputs[r]);
+        }
+        inp.copy_from_host(r, &all).unwrap();
+    }
+    for (c, (dtype, op, count, _)) in plan.iter().enumerate() {
+        let base = c * region / dtype.size();
+        for (r, st) in s.iter().enumerate() {
+            let got = comm
+                .all_reduce(r, &inp, base, &out, base, *count, *dtype, *op, st)
+                .unwrap();
+            let want = if c % 2 == 0 {
+                Algorithm::TwoShotPush
+            } else {
+                Algorithm::OneShot
+            };
+            assert_eq!(got.algorithm, want, "call {c}");
+        }
+    }
+    sync(&s);
+    comm.check().unwrap();
+    for r in 0..2 {
+        let mut all = vec![0u8; region * calls];
+        out.copy_to_host(r, &mut all).unwrap();
+        for (c, (dtype, op, count, inputs)) in plan.iter().enumerate() {
+            let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference(*dtype, *op, &refs);
+            let got = &all[c * region..c * region + count * dtype.size()];
+            if let Some(m) = first_mismatch(*dtype, got, &want) {
+                panic!("call {c} ({count} x {dtype:?} {op:?}), rank {r}: {m}");
+            }
+        }
     }
 }

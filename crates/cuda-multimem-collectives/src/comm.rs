@@ -290,8 +290,8 @@ impl Sym {
 pub struct AllReduceConfig {
     /// Messages up to this many bytes use one-shot (when not forced); `None`: by team size
     /// (8 MiB for 2 ranks, 2 MiB for 3, 512 KiB for more: one-shot moves (N-1) times the
-    /// message per rank, two-shot 2(N-1)/N times). Also sizes the one-shot staging area
-    /// (2 x N x this per rank).
+    /// message per rank, two-shot 2(N-1)/N times). A staging slot is at least this large
+    /// (see `stage_bytes`).
     pub one_shot_max_bytes: Option<usize>,
     /// Force an algorithm (`None`: choose by size).
     pub algorithm: Option<Algorithm>,
@@ -304,18 +304,19 @@ pub struct AllReduceConfig {
     /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
     /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off.
     pub ll_max_bytes: usize,
-    /// Messages above the one-shot limit and up to this many bytes use the write-only two-shot
-    /// ([`Algorithm::TwoShotPush`]: 363 GB/s at 1 GiB on 2 x H200 against 339 for the reading
-    /// two-shot). It needs a staging slot as large as the message, so the staging grows to
-    /// 2 x N x this per rank: 0 (the default) leaves it off.
-    pub push_max_bytes: usize,
+    /// Bytes of one staging slot (there are 2 x N per rank); `None`: the larger of the one-shot
+    /// limit and 16 MiB / N. One-shot messages must fit a slot; the write-only two-shot
+    /// ([`Algorithm::TwoShotPush`], the default above the one-shot limit) goes through the
+    /// slots in rounds of N x this many bytes, so larger slots mean fewer rounds (barriers).
+    /// Rounded up to 4 KiB; at least 4 KiB, at most 1 GiB.
+    pub stage_bytes: Option<usize>,
 }
 
 impl Default for AllReduceConfig {
     fn default() -> Self {
         AllReduceConfig {
             ll_max_bytes: 64 << 10,
-            push_max_bytes: 0,
+            stage_bytes: None,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -334,10 +335,13 @@ impl AllReduceConfig {
         })
     }
 
-    /// Bytes of one staging slot: the larger of the one-shot and push limits.
+    /// Bytes of one staging slot: as configured, else the larger of the one-shot limit and
+    /// 16 MiB / N (the push rounds then cover 16 MiB of the message); never smaller than the
+    /// one-shot limit.
     fn stage_bytes(&self, n: usize) -> usize {
-        self.one_shot_max(n)
-            .max(self.push_max_bytes)
+        self.stage_bytes
+            .unwrap_or((16 << 20) / n.max(1))
+            .max(self.one_shot_max(n))
             .max(4096)
             .next_multiple_of(4096)
     }
@@ -364,6 +368,14 @@ impl AllReduceConfig {
                 format!("{}; at most 16 MiB", self.ll_max_bytes),
             ));
         }
+        if let Some(b) = self.stage_bytes {
+            if !(4096..=1 << 30).contains(&b) {
+                return Err(Error::invalid(
+                    "config.stage_bytes",
+                    format!("{b}; expected 4 KiB to 1 GiB"),
+                ));
+            }
+        }
         if self.timeout.is_zero() {
             return Err(Error::invalid(
                 "config.timeout",
@@ -382,7 +394,7 @@ impl AllReduceConfig {
             self.threads as u64,
             self.max_blocks as u64,
             self.ll_max_bytes as u64,
-            self.push_max_bytes as u64,
+            self.stage_bytes.unwrap_or(0) as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -786,10 +798,8 @@ impl Communicator {
             Algorithm::OneShotLl
         } else if bytes <= c.one_shot_max(team.n) {
             Algorithm::OneShot
-        } else if bytes <= c.push_max_bytes {
-            Algorithm::TwoShotPush
         } else {
-            Algorithm::TwoShot
+            Algorithm::TwoShotPush
         });
         let max_blocks = if c.max_blocks == 0 {
             (2 * team.multiprocessors).min(MAX_BLOCKS as u32)
@@ -1044,9 +1054,8 @@ impl Communicator {
             };
             choice = self.choice_with(count, dtype, Some(fallback));
         }
-        if choice.algorithm == Algorithm::TwoShotPush
-            && (input % 16 != 0 || output % 16 != 0 || bytes > self.inner.team.stage_half)
-        {
+        if choice.algorithm == Algorithm::TwoShotPush && (input % 16 != 0 || output % 16 != 0) {
+            // The write-only two-shot moves 16-byte vectors only: run the reading two-shot.
             choice = self.choice_with(count, dtype, Some(Algorithm::TwoShot));
         }
         if choice.algorithm == Algorithm::OneShot && bytes > self.inner.team.stage_half {

@@ -162,10 +162,10 @@ pub enum Algorithm {
     /// whole number of 4-byte words; otherwise the call runs [`Algorithm::OneShot`].
     OneShotLl,
     /// Two-shot whose remote traffic is only posted writes: each rank pushes the parts of its
-    /// input to their owners' staging, owners reduce locally and push the results. Chosen up to
-    /// [`crate::AllReduceConfig::push_max_bytes`] (off by default: it needs a staging slot as
-    /// large as the message). Needs 16-byte aligned operands; otherwise, or when the message
-    /// does not fit the slot, the call runs [`Algorithm::TwoShot`].
+    /// input to their owners' staging, owners reduce locally and push the results, in rounds
+    /// through fixed-size staging slots ([`crate::AllReduceConfig::stage_bytes`]). The default
+    /// above the one-shot limit. Needs 16-byte aligned operands; otherwise the call runs
+    /// [`Algorithm::TwoShot`].
     TwoShotPush,
 }
 

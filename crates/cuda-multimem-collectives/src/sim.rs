@@ -180,6 +180,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
         let bs = (b * per).min(units);
         let be = (bs + per).min(units);
         let last_block = b == g - 1;
+        let mut final_ctr = c.wrapping_add(2);
         match k {
             Kernel::P2pOneShot => {
                 // staging: [parity][sender][half]; push into my slot of every rank's staging,
@@ -230,7 +231,13 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
             }
             Kernel::P2pOneShotLl => unreachable!("handled by run_ll"),
             Kernel::P2pTwoShotPush => {
-                // vector units only (the host checks the alignment); tail as in the two-shot
+                // rounds through this block's share of the slots (see the PTX); vector units
+                // only (the host checks the alignment); tail as in the two-shot
+                if !aligned {
+                    return Err(KernelError::Failed(
+                        "two-shot-push with misaligned operands".into(),
+                    ));
+                }
                 let slot = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
                 let stage =
                     |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
@@ -241,48 +248,72 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 let dout = out.wrapping_sub(tab(rank, out_tab));
                 let ins: Vec<usize> = (0..n).map(|t| tab(t, in_tab).wrapping_add(din)).collect();
                 let outs: Vec<usize> = (0..n).map(|t| tab(t, out_tab).wrapping_add(dout)).collect();
-                let pp = (be - bs).div_ceil(n as u64);
-                let part = |k: usize| {
-                    let ps = (bs + k as u64 * pp).min(be);
-                    (ps * ub, (ps + pp).min(be) * ub)
-                };
-                for k in (0..n).filter(|&k| k != rank) {
-                    let (lo, hi) = part(k);
-                    let dst = stage(k) + (parity as usize * n + rank) * slot;
-                    let (off, len) = ((lo * es) as usize, ((hi - lo) * es) as usize);
-                    a.check(inp + off, len, false)?;
-                    a.check(dst + off, len, true)?;
-                    for i in lo..hi {
-                        st(d, dst, i, ld(d, inp, i));
-                    }
-                }
-                cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
-                let mine: Vec<usize> = (0..n)
-                    .map(|k| {
-                        if k == rank {
-                            inp
-                        } else {
-                            stage(rank) + (parity as usize * n + k) * slot
+                let bsz = (slot as u64 / 16) / g;
+                let boff = (b * bsz * 16) as usize;
+                let chunk = n as u64 * bsz;
+                let rounds = per.div_ceil(chunk).max(1);
+                let mut lo_r = bs;
+                for j in 0..rounds {
+                    let q = ((parity as u64 + j) & 1) as usize;
+                    let lo_c = lo_r.min(be);
+                    let hi_c = (lo_c + chunk).min(be);
+                    let pp = (hi_c - lo_c).div_ceil(n as u64);
+                    let part = |k: usize| {
+                        let ps = (lo_c + k as u64 * pp).min(hi_c);
+                        (ps, (ps + pp).min(hi_c))
+                    };
+                    for k in (0..n).filter(|&k| k != rank) {
+                        let (ps, pe) = part(k);
+                        let dst = stage(k) + (q * n + rank) * slot + boff;
+                        let len = ((pe - ps) * 16) as usize;
+                        a.check(inp + (ps * 16) as usize, len, false)?;
+                        a.check(dst, len, true)?;
+                        for i in ps * ub..pe * ub {
+                            st(d, dst, i - ps * ub, ld(d, inp, i));
                         }
-                    })
-                    .collect();
-                let (lo, hi) = part(rank);
-                let mut ranges = vec![(lo, hi, false)];
-                if last_block && rank == n - 1 {
-                    ranges.push((tail_start, count, true));
+                    }
+                    cx.barrier(a, b as usize, c.wrapping_add(1 + j as u32), Some(parity));
+                    let (ps, pe) = part(rank);
+                    // rank k's copy of my part: my input, or my slot k (indexed from ps)
+                    let srcs: Vec<(usize, u64)> = (0..n)
+                        .map(|k| {
+                            if k == rank {
+                                (inp, 0)
+                            } else {
+                                (stage(rank) + (q * n + k) * slot + boff, ps * ub)
+                            }
+                        })
+                        .collect();
+                    let len = ((pe - ps) * 16) as usize;
+                    for &(x, base) in &srcs {
+                        a.check(x + ((ps * ub - base) * es) as usize, len, false)?;
+                    }
+                    for o in &outs {
+                        a.check(o + (ps * 16) as usize, len, true)?;
+                    }
+                    for i in ps * ub..pe * ub {
+                        let mut acc = ld(d, srcs[0].0, i - srcs[0].1);
+                        for &(x, base) in &srcs[1..] {
+                            acc = op.apply(acc, ld(d, x, i - base));
+                        }
+                        for o in &outs {
+                            st(d, *o, i, acc);
+                        }
+                    }
+                    lo_r += chunk;
                 }
-                for (lo, hi, tail) in ranges {
+                if last_block && rank == n - 1 {
+                    let (lo, hi) = (tail_start, count);
                     let (off, len) = ((lo * es) as usize, ((hi - lo) * es) as usize);
-                    let srcs = if tail { &ins } else { &mine };
-                    for x in srcs {
+                    for x in &ins {
                         a.check(x + off, len, false)?;
                     }
                     for o in &outs {
                         a.check(o + off, len, true)?;
                     }
                     for i in lo..hi {
-                        let mut acc = ld(d, srcs[0], i);
-                        for x in &srcs[1..] {
+                        let mut acc = ld(d, ins[0], i);
+                        for x in &ins[1..] {
                             acc = op.apply(acc, ld(d, *x, i));
                         }
                         for o in &outs {
@@ -290,7 +321,9 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                         }
                     }
                 }
-                cx.barrier(a, b as usize, c.wrapping_add(2), None);
+                cx.barrier(a, b as usize, c.wrapping_add(rounds as u32 + 1), None);
+                // c + 2M, M = ceil((R + 1) / 2) made odd: the header parity still flips
+                final_ctr = c.wrapping_add(2 * (((rounds as u32 + 2) >> 1) | 1));
             }
             Kernel::P2pTwoShot => {
                 a.check(in_tab, 8 * n, false)?;
@@ -335,7 +368,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
         }
         let mut j = b as usize;
         while j < MAX_BLOCKS {
-            u32_at(pad + OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
+            u32_at(pad + OFF_CTR + 4 * j).store(final_ctr, Ordering::Relaxed);
             j += g as usize;
         }
     }

@@ -440,9 +440,14 @@ $L_{label}_arrived:
 /// Epilogue: this block's counter and its replicas b, b+G, b+2G, ... < MAX_BLOCKS become c + 2,
 /// spread over the threads (thread i writes slots b + i*G, b + (i+T)*G, ...).
 fn epilogue() -> String {
+    "\tadd.u32 %r9, %r7, 2;\n".to_string() + &epilogue_to("%r9")
+}
+
+/// Epilogue writing the value in register `val` (see [`epilogue`]).
+fn epilogue_to(val: &str) -> String {
     format!(
-        r#"	// ---- counters: c + 2 into slots b + i*G (thread i), i.e. b, b + G, ... < MAX_BLOCKS
-	add.u32 %r9, %r7, 2;
+        r#"	// ---- counters: the call's final value into slots b + i*G (thread i), i.e. b, b + G, ...
+	mov.u32 %r9, {val};
 	mad.lo.u32 %r10, %r1, %r4, %r2;
 	mul.lo.u32 %r11, %r3, %r4;
 $L_ctr_loop:
@@ -894,9 +899,15 @@ $L_rkend:
     s
 }
 
-/// Two-shot with pushes only (see [`Kernel::P2pTwoShotPush`]). Vector units only (the host
-/// sends misaligned calls to the other two-shot); the scalar tail goes as in the two-shot.
-/// Staging slot `[parity][sender]` holds the sender's parts at their message offsets.
+/// Write-only two-shot in rounds (see [`Kernel::P2pTwoShotPush`]). Vector units only (the host
+/// sends misaligned calls to the reading two-shot); the scalar tail goes as in the two-shot.
+///
+/// Block b's range is cut into rounds of `C = n * bsz` units, `bsz = (slot bytes / 16) / G`:
+/// each block owns `bsz` units of every staging slot, at `b * bsz * 16`. Round j: push part k
+/// of the round's chunk into k's slot `[q][rank]` (q = (header parity + j) & 1) at the part's
+/// offset in the chunk → barrier(c+1+j) → reduce my part from my input and my slots, push the
+/// result into every rank's output. After R rounds (the same R on every block and rank) the
+/// tail, barrier(c+R+1) and counters c + 2M (M odd, 2M ≥ R+1: the header parity still flips).
 fn two_shot_push(f: &Flavor) -> String {
     let name = Kernel::P2pTwoShotPush.entry(f.dtype, f.op);
     let es = f.es_log2();
@@ -912,30 +923,65 @@ fn two_shot_push(f: &Flavor) -> String {
 	add.u64 %rd32, %rd6, %rd30;
 	ld.global.nc.u64 %rd32, [%rd32];
 	sub.u64 %rd32, %rd3, %rd32;
-	// staging: slot size, push delta (parity*n + rank)*slot, my slots of this parity
+	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units (rd50), at
+	// byte offset b * bsz * 16 (rd52); units per round C = n * bsz (rd51)
 	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
-	mad.lo.u32 %r15, %r8, %r6, %r5;
-	cvt.u64.u32 %rd40, %r15;
-	mul.lo.u64 %rd40, %rd40, %rd39;
+	shr.u64 %rd50, %rd39, 4;
+	div.u64 %rd50, %rd50, %rd13;
+	mul.lo.u64 %rd52, %rd15, %rd50;
+	shl.b64 %rd52, %rd52, 4;
+	cvt.u64.u32 %rd36, %r6;
+	mul.lo.u64 %rd51, %rd50, %rd36;
+	// rounds R = max(1, ceil(per / C)) (r20): the same on every block and rank
+	add.u64 %rd53, %rd14, %rd51;
+	sub.u64 %rd53, %rd53, 1;
+	div.u64 %rd53, %rd53, %rd51;
+	max.u64 %rd53, %rd53, 1;
+	cvt.u32.u64 %r20, %rd53;
+	// counters after the call: c + 2M, M = ceil((R + 1) / 2) made odd (r21)
+	add.u32 %r21, %r20, 2;
+	shr.u32 %r21, %r21, 1;
+	or.b32 %r21, %r21, 1;
+	shl.b32 %r21, %r21, 1;
+	add.u32 %r21, %r7, %r21;
+	// every rank's staging (table rd34), mine (rd54)
 	add.u64 %rd34, %rd1, {OFF_STAGES};
 	mul.wide.u32 %rd41, %r5, 8;
 	add.u64 %rd41, %rd1, %rd41;
-	ld.global.u64 %rd33, [%rd41+{OFF_STAGES}];
-	mul.lo.u32 %r16, %r8, %r6;
-	cvt.u64.u32 %rd42, %r16;
-	mul.lo.u64 %rd42, %rd42, %rd39;
-	add.u64 %rd33, %rd33, %rd42;
-	// part size pp = ceil((end - start) / nranks)
-	sub.u64 %rd35, %rd12, %rd11;
-	cvt.u64.u32 %rd36, %r6;
-	add.u64 %rd35, %rd35, %rd36;
-	sub.u64 %rd35, %rd35, 1;
-	div.u64 %rd35, %rd35, %rd36;
+	ld.global.u64 %rd54, [%rd41+{OFF_STAGES}];
 	{tail}	sub.u32 %r11, %r4, 1;
 	setp.eq.u32 %p17, %r2, %r11;
 	sub.u32 %r13, %r6, 1;
 	setp.eq.and.u32 %p17, %r5, %r13, %p17;
-	// phase A: for every other rank k, push part k of my input into k's slot [parity][rank]
+	// ---- rounds: j in r37, the round's first unit in rd55
+	mov.u32 %r37, 0;
+	mov.u64 %rd55, %rd11;
+$L_round:
+	setp.ge.u32 %p20, %r37, %r20;
+	@%p20 bra $L_rounds_done;
+	// chunk [lo, hi) = [min(rd55, end), min(lo + C, end)); part size pp = ceil((hi - lo) / n)
+	min.u64 %rd55, %rd55, %rd12;
+	add.u64 %rd56, %rd55, %rd51;
+	min.u64 %rd56, %rd56, %rd12;
+	sub.u64 %rd35, %rd56, %rd55;
+	add.u64 %rd35, %rd35, %rd36;
+	sub.u64 %rd35, %rd35, 1;
+	div.u64 %rd35, %rd35, %rd36;
+	// slot parity q = (parity + j) & 1: push delta (q*n + rank)*slot + block offset (rd57),
+	// my slots of parity q: mine + q*n*slot + block offset (rd58)
+	add.u32 %r22, %r8, %r37;
+	and.b32 %r22, %r22, 1;
+	mad.lo.u32 %r15, %r22, %r6, %r5;
+	cvt.u64.u32 %rd57, %r15;
+	mul.lo.u64 %rd57, %rd57, %rd39;
+	add.u64 %rd57, %rd57, %rd52;
+	mul.lo.u32 %r16, %r22, %r6;
+	cvt.u64.u32 %rd58, %r16;
+	mul.lo.u64 %rd58, %rd58, %rd39;
+	add.u64 %rd58, %rd58, %rd54;
+	add.u64 %rd58, %rd58, %rd52;
+	// phase A: for every other rank k, part k of the chunk into k's slot [q][rank], at
+	// (unit - part start) * 16
 	mov.u32 %r36, 0;
 $L_pk_loop:
 	setp.ge.u32 %p18, %r36, %r6;
@@ -944,14 +990,16 @@ $L_pk_loop:
 	@%p19 bra $L_pk_next;
 	cvt.u64.u32 %rd37, %r36;
 	mul.lo.u64 %rd37, %rd37, %rd35;
-	add.u64 %rd37, %rd37, %rd11;
-	min.u64 %rd37, %rd37, %rd12;
+	add.u64 %rd37, %rd37, %rd55;
+	min.u64 %rd37, %rd37, %rd56;
 	add.u64 %rd38, %rd37, %rd35;
-	min.u64 %rd38, %rd38, %rd12;
+	min.u64 %rd38, %rd38, %rd56;
 	mul.wide.u32 %rd43, %r36, 8;
 	add.u64 %rd43, %rd34, %rd43;
-	ld.global.nc.u64 %rd44, [%rd43];
-	add.u64 %rd44, %rd44, %rd40;
+	ld.global.nc.u64 %rd59, [%rd43];
+	add.u64 %rd59, %rd59, %rd57;
+	shl.b64 %rd43, %rd37, 4;
+	sub.u64 %rd59, %rd59, %rd43;
 "#,
         tail = tail_range(f).trim_start()
     );
@@ -960,20 +1008,22 @@ $L_pk_loop:
         "%rd37",
         "%rd38",
         4,
-        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd44, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd59, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
     );
     s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
-    s += "\tadd.u32 %r12, %r7, 1;\n";
+    s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n";
     s += &barrier("b1", "%r12", true);
     // phase B: my part; rank k's copy is my input (k == rank) or my slot k (local memory)
     s += r#"	cvt.u64.u32 %rd37, %r5;
 	mul.lo.u64 %rd37, %rd37, %rd35;
-	add.u64 %rd37, %rd37, %rd11;
-	min.u64 %rd37, %rd37, %rd12;
+	add.u64 %rd37, %rd37, %rd55;
+	min.u64 %rd37, %rd37, %rd56;
 	add.u64 %rd38, %rd37, %rd35;
-	min.u64 %rd38, %rd38, %rd12;
+	min.u64 %rd38, %rd38, %rd56;
+	shl.b64 %rd43, %rd37, 4;
+	sub.u64 %rd60, %rd58, %rd43;
 "#;
-    let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd33, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
+    let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd60, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
     let mut body = format!(
         "\tmov.u32 %r34, 0;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tmov.u32 %r34, 1;\n$L_pb_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_pb_kend;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_pb_k;\n$L_pb_kend:\n",
         f.vec_in(true),
@@ -981,15 +1031,16 @@ $L_pk_loop:
     );
     body += &store_to_ranks("sv", f, Addr::Table("%rd6", "%rd32"), true);
     s += &strided("pb", "%rd37", "%rd38", 4, &body);
+    s += "\tadd.u32 %r37, %r37, 1;\n\tadd.u64 %rd55, %rd55, %rd51;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
     // tail as in the two-shot: remote reads of the inputs, stores to every output
     s += "\t@!%p17 bra $L_red_done;\n";
     let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
     body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
     s += &strided("red_t", "%rd16", "%rd4", es, &body);
     s += "$L_red_done:\n";
-    s += "\tadd.u32 %r14, %r7, 2;\n";
+    s += "\tadd.u32 %r14, %r7, %r20;\n\tadd.u32 %r14, %r14, 1;\n";
     s += &barrier("b2", "%r14", false);
-    s += &epilogue();
+    s += &epilogue_to("%r21");
     s
 }
 

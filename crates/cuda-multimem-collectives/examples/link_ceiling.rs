@@ -1,0 +1,404 @@
+//! What the link between two GPUs moves, one way and both ways at once, by the copy engines
+//! and by kernels: the ceiling the large-message allreduce is measured against (a two-rank
+//! allreduce moves the whole message each way). Tuning tool for the GPU machine:
+//!
+//! `CUDA_MULTIMEM_DRIVER=cuda link_ceiling [--bytes B] [--runs R]`
+//!
+//! Modes: `ce` (`cuMemcpyDtoDAsync` between the two devices' memory), `sm` (every thread copies
+//! 16-byte vectors from local memory to the peer, block-contiguous ranges as the allreduce
+//! kernels walk them), `sm4` (the same, four loads in flight per thread), `bulk` (thread 0 of
+//! each block moves 32 KiB chunks with `cp.async.bulk` through shared memory). Each mode runs
+//! one way (device 0 writes to device 1) and both ways (each device writes to the other), timed
+//! with CUDA events on each device (the slower device counts), median of the runs.
+
+use std::ffi::c_void;
+use std::process::ExitCode;
+
+use cuda_multimem::{Device, Driver, Event, Stream};
+use cuda_multimem_collectives::{Communicator, SymmetricBuffer};
+use cuda_multimem_sys::{CUfunction, CUmodule, CUresult};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+const PTX: &str = r#"
+.version 8.1
+.target sm_90
+.address_size 64
+
+// dst[i] = src[i] for 16-byte units i of block b's range [b*per, min((b+1)*per, n))
+.visible .entry sm_copy(.param .u64 p_dst, .param .u64 p_src, .param .u64 p_n)
+{
+	.reg .pred %p<4>;
+	.reg .b32 %r<40>;
+	.reg .b64 %rd<32>;
+	ld.param.u64 %rd1, [p_dst];
+	ld.param.u64 %rd2, [p_src];
+	ld.param.u64 %rd3, [p_n];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r3, %ntid.x;
+	mov.u32 %r4, %nctaid.x;
+	cvt.u64.u32 %rd4, %r4;
+	add.u64 %rd5, %rd3, %rd4;
+	sub.u64 %rd5, %rd5, 1;
+	div.u64 %rd5, %rd5, %rd4;
+	cvt.u64.u32 %rd6, %r2;
+	mul.lo.u64 %rd7, %rd6, %rd5;
+	min.u64 %rd7, %rd7, %rd3;
+	add.u64 %rd8, %rd7, %rd5;
+	min.u64 %rd8, %rd8, %rd3;
+	cvt.u64.u32 %rd9, %r1;
+	add.u64 %rd10, %rd7, %rd9;
+	cvt.u64.u32 %rd11, %r3;
+L1:
+	setp.ge.u64 %p1, %rd10, %rd8;
+	@%p1 bra L1_END;
+	shl.b64 %rd12, %rd10, 4;
+	add.u64 %rd13, %rd2, %rd12;
+	ld.global.v4.b32 {%r10, %r11, %r12, %r13}, [%rd13];
+	add.u64 %rd14, %rd1, %rd12;
+	st.global.v4.b32 [%rd14], {%r10, %r11, %r12, %r13};
+	add.u64 %rd10, %rd10, %rd11;
+	bra.uni L1;
+L1_END:
+	ret;
+}
+
+// as sm_copy, four units per thread in flight (units i, i+T, i+2T, i+3T)
+.visible .entry sm_copy4(.param .u64 p_dst, .param .u64 p_src, .param .u64 p_n)
+{
+	.reg .pred %p<4>;
+	.reg .b32 %r<40>;
+	.reg .b64 %rd<32>;
+	ld.param.u64 %rd1, [p_dst];
+	ld.param.u64 %rd2, [p_src];
+	ld.param.u64 %rd3, [p_n];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r3, %ntid.x;
+	mov.u32 %r4, %nctaid.x;
+	cvt.u64.u32 %rd4, %r4;
+	add.u64 %rd5, %rd3, %rd4;
+	sub.u64 %rd5, %rd5, 1;
+	div.u64 %rd5, %rd5, %rd4;
+	cvt.u64.u32 %rd6, %r2;
+	mul.lo.u64 %rd7, %rd6, %rd5;
+	min.u64 %rd7, %rd7, %rd3;
+	add.u64 %rd8, %rd7, %rd5;
+	min.u64 %rd8, %rd8, %rd3;
+	cvt.u64.u32 %rd9, %r1;
+	add.u64 %rd10, %rd7, %rd9;
+	cvt.u64.u32 %rd11, %r3;
+	shl.b64 %rd15, %rd11, 4;
+	shl.b64 %rd16, %rd11, 2;
+L4:
+	mad.lo.u64 %rd17, %rd11, 3, %rd10;
+	setp.ge.u64 %p1, %rd17, %rd8;
+	@%p1 bra L1;
+	shl.b64 %rd12, %rd10, 4;
+	add.u64 %rd13, %rd2, %rd12;
+	ld.global.v4.b32 {%r10, %r11, %r12, %r13}, [%rd13];
+	add.u64 %rd13, %rd13, %rd15;
+	ld.global.v4.b32 {%r14, %r15, %r16, %r17}, [%rd13];
+	add.u64 %rd13, %rd13, %rd15;
+	ld.global.v4.b32 {%r18, %r19, %r20, %r21}, [%rd13];
+	add.u64 %rd13, %rd13, %rd15;
+	ld.global.v4.b32 {%r22, %r23, %r24, %r25}, [%rd13];
+	add.u64 %rd14, %rd1, %rd12;
+	st.global.v4.b32 [%rd14], {%r10, %r11, %r12, %r13};
+	add.u64 %rd14, %rd14, %rd15;
+	st.global.v4.b32 [%rd14], {%r14, %r15, %r16, %r17};
+	add.u64 %rd14, %rd14, %rd15;
+	st.global.v4.b32 [%rd14], {%r18, %r19, %r20, %r21};
+	add.u64 %rd14, %rd14, %rd15;
+	st.global.v4.b32 [%rd14], {%r22, %r23, %r24, %r25};
+	add.u64 %rd10, %rd10, %rd16;
+	bra.uni L4;
+L1:
+	setp.ge.u64 %p1, %rd10, %rd8;
+	@%p1 bra L1_END;
+	shl.b64 %rd12, %rd10, 4;
+	add.u64 %rd13, %rd2, %rd12;
+	ld.global.v4.b32 {%r10, %r11, %r12, %r13}, [%rd13];
+	add.u64 %rd14, %rd1, %rd12;
+	st.global.v4.b32 [%rd14], {%r10, %r11, %r12, %r13};
+	add.u64 %rd10, %rd10, %rd11;
+	bra.uni L1;
+L1_END:
+	ret;
+}
+
+// thread 0 of each block: chunks c = b, b+G, ... of 32 KiB: global -> shared (cp.async.bulk,
+// mbarrier), shared -> peer (cp.async.bulk bulk_group), wait until shared is read again
+.extern .shared .align 128 .b8 smem[];
+.visible .entry bulk_copy(.param .u64 p_dst, .param .u64 p_src, .param .u64 p_n)
+{
+	.reg .pred %p<4>;
+	.reg .b32 %r<16>;
+	.reg .b64 %rd<32>;
+	.shared .align 8 .b64 mbar;
+	mov.u32 %r1, %tid.x;
+	setp.ne.u32 %p1, %r1, 0;
+	@%p1 bra DONE;
+	ld.param.u64 %rd1, [p_dst];
+	ld.param.u64 %rd2, [p_src];
+	ld.param.u64 %rd3, [p_n];
+	shl.b64 %rd3, %rd3, 4;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r4, %nctaid.x;
+	mov.u32 %r5, smem;
+	mov.u32 %r6, mbar;
+	mbarrier.init.shared.b64 [%r6], 1;
+	fence.mbarrier_init.release.cluster;
+	fence.proxy.async.shared::cta;
+	mov.u32 %r7, 0;
+	cvt.u64.u32 %rd5, %r2;
+	cvt.u64.u32 %rd6, %r4;
+LOOP:
+	shl.b64 %rd7, %rd5, 15;
+	setp.ge.u64 %p2, %rd7, %rd3;
+	@%p2 bra END;
+	sub.u64 %rd8, %rd3, %rd7;
+	min.u64 %rd8, %rd8, 32768;
+	cvt.u32.u64 %r8, %rd8;
+	add.u64 %rd9, %rd2, %rd7;
+	add.u64 %rd10, %rd1, %rd7;
+	mbarrier.arrive.expect_tx.shared.b64 %rd11, [%r6], %r8;
+	cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r5], [%rd9], %r8, [%r6];
+WAIT:
+	mbarrier.try_wait.parity.shared.b64 %p3, [%r6], %r7;
+	@!%p3 bra WAIT;
+	xor.b32 %r7, %r7, 1;
+	cp.async.bulk.global.shared::cta.bulk_group [%rd10], [%r5], %r8;
+	cp.async.bulk.commit_group;
+	cp.async.bulk.wait_group.read 0;
+	add.u64 %rd5, %rd5, %rd6;
+	bra.uni LOOP;
+END:
+	cp.async.bulk.wait_group 0;
+DONE:
+	ret;
+}
+"#;
+
+struct Kernels {
+    _module: CUmodule,
+    sm: CUfunction,
+    sm4: CUfunction,
+    bulk: CUfunction,
+}
+
+fn load(driver: &Driver, d: &Device) -> Res<Kernels> {
+    d.bind()?;
+    let text = std::ffi::CString::new(PTX)?;
+    let mut m: CUmodule = std::ptr::null_mut();
+    // SAFETY: NUL-terminated PTX, valid out-pointer, context current.
+    let rc = unsafe { driver.sys().cuModuleLoadData()?(&mut m, text.as_ptr() as *const c_void) };
+    if rc != CUresult::CUDA_SUCCESS {
+        return Err(format!("cuModuleLoadData: {rc}").into());
+    }
+    let f = |name: &str| -> Res<CUfunction> {
+        let c = std::ffi::CString::new(name)?;
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: live module, NUL-terminated name, valid out-pointer.
+        let rc = unsafe { driver.sys().cuModuleGetFunction()?(&mut f, m, c.as_ptr()) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(format!("cuModuleGetFunction({name}): {rc}").into());
+        }
+        Ok(f)
+    };
+    Ok(Kernels {
+        _module: m,
+        sm: f("sm_copy")?,
+        sm4: f("sm_copy4")?,
+        bulk: f("bulk_copy")?,
+    })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Ce,
+    Sm,
+    Sm4,
+    Bulk,
+}
+
+/// Queue one copy of `bytes` from `src` (local to `d`) to `dst` (the peer's memory) on `s`.
+fn copy(
+    driver: &Driver,
+    d: &Device,
+    k: &Kernels,
+    mode: Mode,
+    s: &Stream,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    sms: u32,
+) -> Res<()> {
+    d.bind()?;
+    let rc = if mode == Mode::Ce {
+        // SAFETY: both ranges lie in live allocations mapped for this device; live stream.
+        unsafe { driver.sys().cuMemcpyDtoDAsync()?(dst, src, bytes, s.raw()) }
+    } else {
+        let (f, blocks, threads, shmem) = match mode {
+            Mode::Sm => (k.sm, 2 * sms, 512, 0),
+            Mode::Sm4 => (k.sm4, 2 * sms, 512, 0),
+            _ => (k.bulk, 6 * sms, 32, 32768),
+        };
+        let (mut a, mut b, mut n) = (dst, src, (bytes / 16) as u64);
+        let mut p: [*mut c_void; 3] = [
+            &mut a as *mut _ as *mut c_void,
+            &mut b as *mut _ as *mut c_void,
+            &mut n as *mut _ as *mut c_void,
+        ];
+        // SAFETY: a function of this device's module taking three u64 parameters, each pointing
+        // at a live local; live stream.
+        unsafe {
+            driver.sys().cuLaunchKernel()?(
+                f,
+                blocks,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                shmem,
+                s.raw(),
+                p.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+    };
+    if rc != CUresult::CUDA_SUCCESS {
+        return Err(format!("copy: {rc}").into());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("link_ceiling: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Res<()> {
+    let mut bytes = 1usize << 30;
+    let mut runs = 5usize;
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let v = it.next().ok_or(format!("{k} needs a value"))?;
+        match k.as_str() {
+            "--bytes" => bytes = v.parse()?,
+            "--runs" => runs = v.parse()?,
+            o => return Err(format!("unknown argument {o}").into()),
+        }
+    }
+    bytes = bytes.next_multiple_of(1 << 16);
+    let driver = Driver::from_env()?;
+    let devices = driver.devices();
+    if devices.len() < 2 {
+        return Err("needs 2 devices".into());
+    }
+    let devices = &devices[..2];
+    let comm = Communicator::new(devices)?;
+    // each rank: [source | destination]
+    let buf: SymmetricBuffer = comm.alloc(2 * bytes)?;
+    let ks: Vec<Kernels> = devices
+        .iter()
+        .map(|d| load(&driver, d))
+        .collect::<Res<_>>()?;
+    let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
+    let ev: Vec<(Event, Event)> = devices
+        .iter()
+        .map(|d| Ok((Event::new(d, true)?, Event::new(d, true)?)))
+        .collect::<Res<_>>()?;
+    let sms = devices[0].multiprocessor_count()? as u32;
+    println!(
+        "# link ceiling, 2 x {}, {} MiB per direction, median of {runs}{}",
+        devices[0].name()?,
+        bytes >> 20,
+        if driver.is_simulated() {
+            " (SIMULATED: times mean nothing)"
+        } else {
+            ""
+        }
+    );
+    println!("{:>6} {:>10} {:>12}", "mode", "direction", "GB/s each");
+    for mode in [Mode::Ce, Mode::Sm, Mode::Sm4, Mode::Bulk] {
+        for both in [false, true] {
+            let ranks: &[usize] = if both { &[0, 1] } else { &[0] };
+            let mut times = Vec::new();
+            for rep in 0..runs + 1 {
+                for &r in ranks {
+                    let src = buf.ptr(r).ok_or("rank")?;
+                    let dst = buf.ptr(1 - r).ok_or("rank")? + bytes as u64;
+                    ev[r].0.record(&streams[r])?;
+                    copy(
+                        &driver,
+                        &devices[r],
+                        &ks[r],
+                        mode,
+                        &streams[r],
+                        dst,
+                        src,
+                        bytes,
+                        sms,
+                    )?;
+                    ev[r].1.record(&streams[r])?;
+                }
+                let mut t = 0f64;
+                for &r in ranks {
+                    streams[r].synchronize()?;
+                    t = t.max(ev[r].1.elapsed_since(&ev[r].0)?.as_secs_f64());
+                }
+                if rep > 0 {
+                    times.push(t);
+                }
+            }
+            times.sort_by(|a, b| a.total_cmp(b));
+            let t = times[times.len() / 2];
+            let name = match mode {
+                Mode::Ce => "ce",
+                Mode::Sm => "sm",
+                Mode::Sm4 => "sm4",
+                Mode::Bulk => "bulk",
+            };
+            let dir = if both { "both" } else { "one" };
+            println!("{name:>6} {dir:>10} {:>12.1}", bytes as f64 / t / 1e9);
+            println!(
+                "RESULT {{\"mode\":\"{name}\",\"direction\":\"{dir}\",\"bytes\":{bytes},\"gbps\":{:.2}}}",
+                bytes as f64 / t / 1e9
+            );
+        }
+    }
+    // the last copy must have arrived intact (a wrong kernel shows here, not as a speed)
+    let mut a = vec![0u8; 1 << 20];
+    let mut b = vec![0u8; 1 << 20];
+    let pattern: Vec<u8> = (0..1usize << 20).map(|i| (i * 131 % 251) as u8).collect();
+    buf.copy_from_host(0, &pattern)?;
+    copy(
+        &driver,
+        &devices[0],
+        &ks[0],
+        Mode::Bulk,
+        &streams[0],
+        buf.ptr(1).ok_or("rank")? + bytes as u64,
+        buf.ptr(0).ok_or("rank")?,
+        1 << 20,
+        sms,
+    )?;
+    streams[0].synchronize()?;
+    let mut whole = vec![0u8; 2 * bytes];
+    buf.copy_to_host(1, &mut whole)?;
+    a.copy_from_slice(&whole[bytes..bytes + (1 << 20)]);
+    b.copy_from_slice(&pattern);
+    println!(
+        "bulk copy of 1 MiB arrived intact: {}",
+        if a == b { "yes" } else { "NO" }
+    );
+    Ok(())
+}

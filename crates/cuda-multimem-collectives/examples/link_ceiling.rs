@@ -224,6 +224,7 @@ enum Mode {
 }
 
 /// Queue one copy of `bytes` from `src` (local to `d`) to `dst` (the peer's memory) on `s`.
+#[allow(clippy::too_many_arguments)]
 fn copy(
     driver: &Driver,
     d: &Device,

@@ -885,6 +885,50 @@ fn multimem_one_shot_and_two_shot_forced_on_a_simulated_team_of_5() {
     multimem_round(5, 24, Some(Algorithm::TwoShot));
 }
 
+/// Ranks of a multimem team that disagree (same grid, so the barriers alone would pass and the
+/// reduction would mix different calls) are reported as a disagreement, not as results.
+#[test]
+fn multimem_ranks_that_disagree_are_reported_not_reduced() {
+    let e = sim(SimConfig::new(3, 13000));
+    let devices = e.driver.devices();
+    let cfg = AllReduceConfig {
+        max_blocks: 2,
+        threads: 64,
+        timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    // (rank 0's call, the other ranks' call): another op, another dtype of the same size,
+    // another count with the same grid
+    let cases = [
+        (
+            (4096usize, DType::Bf16, Op::Sum),
+            (4096usize, DType::Bf16, Op::Max),
+        ),
+        ((4096, DType::F16, Op::Sum), (4096, DType::Bf16, Op::Sum)),
+        ((4096, DType::F32, Op::Sum), (4000, DType::F32, Op::Sum)),
+    ];
+    for (mine, theirs) in cases {
+        let mm = MultimemAllReduce::new(&devices, 64 << 10, cfg.clone()).unwrap();
+        let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
+        assert_eq!(
+            mm.choice(mine.0, mine.1).blocks,
+            mm.choice(theirs.0, theirs.1).blocks
+        );
+        for (r, st) in s.iter().enumerate() {
+            let (count, dtype, op) = if r == 0 { mine } else { theirs };
+            mm.all_reduce(r, count, dtype, op, st).unwrap();
+        }
+        sync(&s);
+        let err = mm.check().unwrap_err();
+        assert_eq!(invalid_arg(err), "ranks", "{mine:?} against {theirs:?}");
+        // and the team refuses further calls
+        let again = mm
+            .all_reduce(0, 16, DType::F32, Op::Sum, &s[0])
+            .unwrap_err();
+        assert_eq!(invalid_arg(again), "ranks");
+    }
+}
+
 #[test]
 fn multimem_pays_off_only_for_teams_larger_than_3() {
     assert!(!multimem_pays_off(2) && !multimem_pays_off(3));

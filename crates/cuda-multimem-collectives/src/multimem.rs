@@ -15,7 +15,7 @@ use cuda_multimem_sys::{CUdeviceptr, CUfunction};
 
 use crate::comm::{cu, multiprocessors, Module, Raw};
 use crate::kernels::multimem::{self as mm, MmKernel};
-use crate::kernels::{ERR_TIMEOUT, MAX_BLOCKS, MAX_RANKS};
+use crate::kernels::{ERR_MISMATCH, ERR_TIMEOUT, MAX_BLOCKS, MAX_RANKS};
 use crate::{Algorithm, AllReduceConfig, Choice, DType, Op, Path};
 
 /// Whether the multimem path should beat peer-to-peer two-shot for large messages on a team of
@@ -299,8 +299,8 @@ impl MultimemAllReduce {
                 ),
             ));
         }
-        if self.poisoned.load(Ordering::Relaxed) != 0 {
-            return Err(timeout_error());
+        if let e @ 1.. = self.poisoned.load(Ordering::Relaxed) {
+            return Err(poison_error(e));
         }
         let choice = self.choice(count, dtype);
         if count == 0 {
@@ -319,13 +319,26 @@ impl MultimemAllReduce {
         let mut p_mc = mc;
         let mut p_count = count as u64;
         let mut p_timeout = self.config.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let mut params: [*mut c_void; 4] = [
+        // The call header every member compares at the first barrier: what and how much.
+        let mut p_sig = 0xcbf2_9ce4_8422_2325u64;
+        for x in [
+            count as u64,
+            dtype.code(),
+            op.code(),
+            k as u64,
+            choice.blocks as u64,
+        ] {
+            p_sig = (p_sig ^ x).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        p_sig |= 1 << 63;
+        let mut params: [*mut c_void; 5] = [
             &mut p_uc as *mut _ as *mut c_void,
             &mut p_mc as *mut _ as *mut c_void,
             &mut p_count as *mut _ as *mut c_void,
             &mut p_timeout as *mut _ as *mut c_void,
+            &mut p_sig as *mut _ as *mut c_void,
         ];
-        // SAFETY: a function of this device's module with four .u64 parameters, each pointing
+        // SAFETY: a function of this device's module with five .u64 parameters, each pointing
         // at a live local; a live stream of the device.
         unsafe {
             crate::kernels::launch(
@@ -340,9 +353,11 @@ impl MultimemAllReduce {
         Ok(choice)
     }
 
-    /// Report a timeout seen by earlier calls (after synchronising the streams); the team then
-    /// refuses further calls.
+    /// Report a timeout or a disagreement between ranks (size, type, operation, algorithm)
+    /// seen by earlier calls (after synchronising the streams); the team then refuses further
+    /// calls.
     pub fn check(&self) -> Result<()> {
+        let mut worst = 0;
         for (i, r) in self.ranks.iter().enumerate() {
             let mut w = [0u8; 4];
             r.device.bind()?;
@@ -354,19 +369,31 @@ impl MultimemAllReduce {
                     cuMemcpyDtoH_v3020(w.as_mut_ptr() as *mut c_void, at, 4)
                 )
             }?;
-            if u32::from_le_bytes(w) != 0 {
-                self.poisoned.store(ERR_TIMEOUT, Ordering::Relaxed);
-                return Err(timeout_error());
+            match u32::from_le_bytes(w) {
+                0 => {}
+                ERR_MISMATCH => worst = ERR_MISMATCH,
+                _ if worst == 0 => worst = ERR_TIMEOUT,
+                _ => {}
             }
+        }
+        if worst != 0 {
+            self.poisoned.store(worst, Ordering::Relaxed);
+            return Err(poison_error(worst));
         }
         Ok(())
     }
 }
 
-fn timeout_error() -> Error {
-    Error::Timeout {
-        what: "a multimem allreduce barrier (a peer did not arrive); the team is unusable now"
-            .into(),
-        after: Duration::ZERO,
+fn poison_error(code: u32) -> Error {
+    match code {
+        ERR_MISMATCH => Error::invalid(
+            "ranks",
+            "the ranks called the multimem allreduce with different sizes, types, operations or algorithms; the team is unusable now",
+        ),
+        _ => Error::Timeout {
+            what: "a multimem allreduce barrier (a peer did not arrive); the team is unusable now"
+                .into(),
+            after: Duration::ZERO,
+        },
     }
 }

@@ -503,6 +503,7 @@ fn run_mm(
     use crate::kernels::multimem::*;
     let (uc, mc, count) = (a.u64(0)? as usize, a.u64(1)? as usize, a.u64(2)?);
     let timeout = Duration::from_nanos(a.u64(3)?);
+    let sig = a.u64(4)?;
     a.check(uc, MM_DATA, true)?;
     let rank = u32_at(uc + MM_OFF_RANK).load(Ordering::Relaxed) as usize;
     let n = u32_at(uc + MM_OFF_NRANKS).load(Ordering::Relaxed) as usize;
@@ -520,9 +521,28 @@ fn run_mm(
         a.multicast_targets(addr, len)?
             .ok_or(KernelError::IllegalAddress { addr, len })
     };
+    for &p in &peers {
+        a.check(p, MM_DATA, true)?;
+    }
     let err = u32_at(uc + MM_OFF_ERR);
-    let barrier = |b: usize, val: u32| -> Result<(), KernelError> {
+    // `parity`: store the call header into every member's slot [parity][b][rank] first, and
+    // compare every member's slot in my memory with mine after arriving (as the PTX)
+    let barrier = |b: usize, val: u32, parity: Option<u32>| -> Result<(), KernelError> {
         a.jitter();
+        let hdr = |p: u32, s: usize| MM_OFF_HDR + 8 * ((p as usize * MAX_BLOCKS + b) * 8 + s);
+        if let Some(p) = parity {
+            for &m in &peers {
+                u64_at(m + hdr(p, rank)).store(sig, Ordering::Relaxed);
+            }
+        }
+        let arrived = || {
+            if let Some(p) = parity {
+                if (0..n).any(|s| u64_at(uc + hdr(p, s)).load(Ordering::Relaxed) != sig) {
+                    let _ =
+                        err.compare_exchange(0, ERR_MISMATCH, Ordering::Relaxed, Ordering::Relaxed);
+                }
+            }
+        };
         for t in targets(mc + MM_OFF_SIG + 4 * b, 4)? {
             u32_at(t).fetch_add(1, Ordering::Release);
         }
@@ -531,9 +551,11 @@ fn run_mm(
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
-            if mine.load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0
-                || err.load(Ordering::Relaxed) != 0
-            {
+            if mine.load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0 {
+                arrived();
+                return Ok(());
+            }
+            if err.load(Ordering::Relaxed) != 0 {
                 return Ok(());
             }
             if start.elapsed() >= timeout {
@@ -558,7 +580,7 @@ fn run_mm(
         let c = u32_at(uc + MM_OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
         let bs = (b * per).min(units);
         let be = (bs + per).min(units);
-        barrier(b as usize, c.wrapping_add(1))?;
+        barrier(b as usize, c.wrapping_add(1), Some((c >> 1) & 1))?;
         let last_block = b == g - 1;
         let (lo, hi, tail) = match k {
             MmKernel::OneShot => (bs, be, last_block),
@@ -613,7 +635,7 @@ fn run_mm(
                 }
             }
         }
-        barrier(b as usize, c.wrapping_add(2))?;
+        barrier(b as usize, c.wrapping_add(2), None)?;
         // counters in step, and the absent blocks' arrival words too (additive: this rank's
         // two arrivals on every member)
         let mut j = b as usize;

@@ -12,8 +12,9 @@
 //! | 3076 | `u32` rank |
 //! | 3080 | `u32` team size |
 //! | 3088 | `u64` capacity (bytes of the input region = bytes of the output region) |
-//! | 3584 | `u64[8]` every member's unicast address (for scalar tails) |
-//! | 4096 | input region, then output region |
+//! | 3584 | `u64[8]` every member's unicast address (for scalar tails and call headers) |
+//! | 4096 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender (as the peer-to-peer pad) |
+//! | 65536 | input region, then output region |
 
 use super::{Flavor, HEADER, MAX_BLOCKS};
 use crate::{DType, Op};
@@ -32,8 +33,10 @@ pub const MM_OFF_NRANKS: usize = 3080;
 pub const MM_OFF_CAP: usize = 3088;
 /// Members' unicast addresses.
 pub const MM_OFF_PEERS: usize = 3584;
+/// Call headers.
+pub const MM_OFF_HDR: usize = 4096;
 /// Start of the input region.
-pub const MM_DATA: usize = 4096;
+pub const MM_DATA: usize = 65536;
 
 /// The two multimem algorithms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -98,13 +101,67 @@ fn mm_store(f: &Flavor, addr: &str) -> String {
     format!("\tmultimem.st.relaxed.sys.global.v4.{ty} [{addr}], {{%r30, %r31, %r32, %r33}};\n")
 }
 
-fn barrier(label: &str, val: &str) -> String {
+/// The barrier of block b at `val`; with `check_header`, thread 0 first stores the call header
+/// (%rd7) into slot `[parity %r8][b][rank]` of every member through the unicast addresses, and
+/// after arriving compares every member's slot of its own memory with its own header.
+fn barrier(label: &str, val: &str, check_header: bool) -> String {
+    let (hdr_store, hdr_check) = if check_header {
+        (
+            format!(
+                r#"	// call header into [member k + HDR + 8*((parity*MAXB + b)*8 + rank)] for every k
+	mad.lo.u32 %r41, %r8, {mb}, %r2;
+	mad.lo.u32 %r41, %r41, 8, %r5;
+	mul.wide.u32 %rd43, %r41, 8;
+	mov.u32 %r34, 0;
+$L_{label}_h:
+	setp.ge.u32 %p14, %r34, %r6;
+	@%p14 bra $L_{label}_hend;
+	mul.wide.u32 %rd27, %r34, 8;
+	add.u64 %rd27, %rd1, %rd27;
+	ld.global.u64 %rd26, [%rd27+{peers}];
+	add.u64 %rd26, %rd26, %rd43;
+	st.relaxed.sys.global.u64 [%rd26+{hdr}], %rd7;
+	add.u32 %r34, %r34, 1;
+	bra.uni $L_{label}_h;
+$L_{label}_hend:
+"#,
+                mb = MAX_BLOCKS,
+                peers = MM_OFF_PEERS,
+                hdr = MM_OFF_HDR,
+            ),
+            format!(
+                r#"	// every member's header of this call, as stored in my memory, equals mine
+	mad.lo.u32 %r41, %r8, {mb}, %r2;
+	mul.lo.u32 %r41, %r41, 8;
+	mov.u32 %r34, 0;
+$L_{label}_c:
+	setp.ge.u32 %p14, %r34, %r6;
+	@%p14 bra $L_{label}_cend;
+	add.u32 %r45, %r41, %r34;
+	mul.wide.u32 %rd48, %r45, 8;
+	add.u64 %rd48, %rd1, %rd48;
+	ld.relaxed.sys.global.u64 %rd49, [%rd48+{hdr}];
+	add.u32 %r34, %r34, 1;
+	setp.eq.u64 %p15, %rd49, %rd7;
+	@%p15 bra $L_{label}_c;
+	atom.global.cas.b32 %r46, [%rd1+{err}], 0, {mismatch};
+$L_{label}_cend:
+"#,
+                mb = MAX_BLOCKS,
+                hdr = MM_OFF_HDR,
+                err = MM_OFF_ERR,
+                mismatch = super::ERR_MISMATCH,
+            ),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     format!(
         r#"	// ---- barrier {label}: every member's arrival word of block b reaches nranks * {val}
 	bar.sync 0;
 	setp.ne.u32 %p10, %r1, 0;
 	@%p10 bra $L_{label}_done;
-	mul.wide.u32 %rd40, %r2, 4;
+{hdr_store}	mul.wide.u32 %rd40, %r2, 4;
 	add.u64 %rd41, %rd2, %rd40;
 	add.u64 %rd42, %rd1, %rd40;
 	fence.proxy.alias;
@@ -127,7 +184,7 @@ $L_{label}_spin:
 	bra.uni $L_{label}_done;
 $L_{label}_arrived:
 	fence.proxy.alias;
-$L_{label}_done:
+{hdr_check}$L_{label}_done:
 	bar.sync 0;
 "#,
         sig = MM_OFF_SIG,
@@ -173,7 +230,8 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	.param .u64 p_uc,
 	.param .u64 p_mc,
 	.param .u64 p_count,
-	.param .u64 p_timeout
+	.param .u64 p_timeout,
+	.param .u64 p_sig
 )
 {{
 	.reg .pred %p<24>;
@@ -186,6 +244,7 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	ld.param.u64 %rd2, [p_mc];
 	ld.param.u64 %rd4, [p_count];
 	ld.param.u64 %rd8, [p_timeout];
+	ld.param.u64 %rd7, [p_sig];
 	mov.u32 %r1, %tid.x;
 	mov.u32 %r2, %ctaid.x;
 	mov.u32 %r3, %ntid.x;
@@ -198,6 +257,9 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	mul.wide.u32 %rd10, %r2, 4;
 	add.u64 %rd10, %rd1, %rd10;
 	ld.global.u32 %r7, [%rd10+{ctr}];
+	// header parity (c >> 1) & 1
+	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
 	// units: 16-byte vectors; block b's units [rd11, rd12)
 	shr.u64 %rd10, %rd4, {vl};
 	cvt.u64.u32 %rd13, %r4;
@@ -220,7 +282,7 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
         data = MM_DATA,
         ctr = MM_OFF_CTR,
     );
-    s += &barrier("b1", "%r12");
+    s += &barrier("b1", "%r12", true);
     match k {
         MmKernel::OneShot => {
             // every unit of the block: ld_reduce through the multicast input, store locally
@@ -259,7 +321,7 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
         }
     }
     s += "$L_tail_done:\n\tadd.u32 %r14, %r7, 2;\n";
-    s += &barrier("b2", "%r14");
+    s += &barrier("b2", "%r14", false);
     s += &epilogue();
     s
 }
@@ -314,5 +376,9 @@ pub fn generate() -> String {
     s
 }
 
-const _: () =
-    assert!(MM_OFF_CTR + MAX_BLOCKS * 4 <= MM_OFF_SIG && MM_OFF_SIG + MAX_BLOCKS * 4 <= MM_OFF_ERR);
+const _: () = assert!(
+    MM_OFF_CTR + MAX_BLOCKS * 4 <= MM_OFF_SIG
+        && MM_OFF_SIG + MAX_BLOCKS * 4 <= MM_OFF_ERR
+        && MM_OFF_PEERS + 8 * super::MAX_RANKS <= MM_OFF_HDR
+        && MM_OFF_HDR + 2 * MAX_BLOCKS * super::MAX_RANKS * 8 <= MM_DATA
+);

@@ -79,17 +79,10 @@ impl DevMem {
                 ),
             ));
         }
-        self.device.bind()?;
-        // SAFETY: destination range inside the allocation (checked), source a live slice.
+        // SAFETY: destination range inside the allocation (checked).
         unsafe {
-            cu!(
-                self.device.driver(),
-                cuMemcpyHtoD_v3020(
-                    self.ptr + offset as u64,
-                    bytes.as_ptr() as *const c_void,
-                    bytes.len()
-                )
-            )
+            self.device
+                .copy_from_host_blocking(self.ptr + offset as u64, bytes)
         }
     }
 }
@@ -253,18 +246,9 @@ impl Sym {
     }
 
     fn write(&self, device: &Device, rank: usize, offset: usize, bytes: &[u8]) -> Result<()> {
-        device.bind()?;
-        // SAFETY: callers keep offset + len inside the part (checked by SymmetricBuffer).
-        unsafe {
-            cu!(
-                device.driver(),
-                cuMemcpyHtoD_v3020(
-                    self.addrs[rank] + offset as u64,
-                    bytes.as_ptr() as *const c_void,
-                    bytes.len()
-                )
-            )
-        }
+        // SAFETY: callers keep offset + len inside the part (checked by SymmetricBuffer); the
+        // copy has reached the device when this returns (kernels on any stream see it).
+        unsafe { device.copy_from_host_blocking(self.addrs[rank] + offset as u64, bytes) }
     }
 
     fn read(&self, device: &Device, rank: usize, offset: usize, out: &mut [u8]) -> Result<()> {

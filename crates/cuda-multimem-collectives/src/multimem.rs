@@ -114,14 +114,8 @@ impl MultimemAllReduce {
                 let o = mm::MM_OFF_PEERS + 8 * j;
                 hdr[o..o + 8].copy_from_slice(&p.to_le_bytes());
             }
-            r.device.bind()?;
             // SAFETY: the header region of member i's memory (mapped read-write for it).
-            unsafe {
-                cu!(
-                    r.device.driver(),
-                    cuMemcpyHtoD_v3020(peers[i], hdr.as_ptr() as *const c_void, hdr.len())
-                )
-            }?;
+            unsafe { r.device.copy_from_host_blocking(peers[i], &hdr) }?;
         }
         let multiprocessors = devices
             .iter()
@@ -187,12 +181,7 @@ impl MultimemAllReduce {
         r.device.bind()?;
         match (to_device, out) {
             // SAFETY: inside rank's region (checked), mapped for its device; the slice is live.
-            (Some(d), _) => unsafe {
-                cu!(
-                    r.device.driver(),
-                    cuMemcpyHtoD_v3020(at, d.as_ptr() as *const c_void, len)
-                )
-            },
+            (Some(d), _) => unsafe { r.device.copy_from_host_blocking(at, &d[..len]) },
             // SAFETY: as above.
             (None, Some(o)) => unsafe {
                 cu!(

@@ -50,6 +50,37 @@ impl Device {
         unsafe { cu!(self.driver, cuCtxSetCurrent(ctx)) }
     }
 
+    /// Copy `data` from host memory to `dst` and return once it is in device memory.
+    ///
+    /// A plain `cuMemcpyHtoD` from pageable memory returns once the data are staged, before the
+    /// DMA to the device has completed (CUDA's "API synchronization behavior"), so a kernel on a
+    /// non-blocking stream launched right after may still read the old contents (the
+    /// two-process allreduce test saw exactly that on H200s, past the first MiB). The copy runs
+    /// on the legacy default stream; this then synchronises that stream (which the copy itself
+    /// already waited for), not the device: kernels on non-blocking streams are not waited for.
+    ///
+    /// # Safety
+    /// `dst .. dst + data.len()` is device memory (or a mapping) this device may write.
+    pub unsafe fn copy_from_host_blocking(
+        &self,
+        dst: cuda_multimem_sys::CUdeviceptr,
+        data: &[u8],
+    ) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller promises the destination; the slice is live for the call.
+        unsafe {
+            cu!(
+                self.driver,
+                cuMemcpyHtoD_v3020(dst, data.as_ptr().cast(), data.len())
+            )
+        }?;
+        // SAFETY: the legacy default stream of the current context.
+        unsafe { cu!(self.driver, cuStreamSynchronize(std::ptr::null_mut())) }
+    }
+
     /// The raw primary context (retained on first use).
     pub fn primary_context(&self) -> Result<cuda_multimem_sys::CUcontext> {
         self.driver.primary_context(self.ordinal)

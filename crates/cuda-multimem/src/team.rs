@@ -394,14 +394,9 @@ impl Team {
         match &self.backing {
             Backing::Multicast { mapping, .. } => {
                 let dst = mapping.device_ptr() + offset as CUdeviceptr;
-                // SAFETY: `data` is readable for its length; the destination lies in the mapped
-                // multicast range (checked), alive while self lives.
-                unsafe {
-                    cu!(
-                        driver,
-                        cuMemcpyHtoD_v3020(dst, data.as_ptr().cast(), data.len())
-                    )
-                }
+                // SAFETY: the destination lies in the mapped multicast range (checked), alive
+                // while self lives; the copy has landed when this returns.
+                unsafe { first.copy_from_host_blocking(dst, data) }
             }
             Backing::Endpoint { endpoint, .. } => {
                 let stream = match self.stream.get() {

@@ -13,10 +13,11 @@ v() { local name=$1; shift; echo "== $name: $*"; "$b" $common "$@" 2>&1 | grep -
 [ -x bundle/bin/link_ceiling ] && bundle/bin/link_ceiling --runs 5 2>&1 | grep -v '^RESULT'
 v push-default
 v push-32m          --stage-bytes 33554432
-v push-t1024-b132-32m --threads 1024 --blocks 132 --stage-bytes 33554432
-v push-t1024-b132-8m  --threads 1024 --blocks 132
 v push-t1024-32m    --threads 1024 --stage-bytes 33554432
-v push-t1024-b132-64m --threads 1024 --blocks 132 --stage-bytes 67108864
+v push-t1024-b132-32m --threads 1024 --blocks 132 --stage-bytes 33554432
+v push-t1024-b128-32m --threads 1024 --blocks 128 --stage-bytes 33554432
+v push-t512-b132-32m --threads 512 --blocks 132 --stage-bytes 33554432
+v push-t1024-64m    --threads 1024 --stage-bytes 67108864
 IFS=';' read -ra extra <<< "${TUNE_VARIANTS:-}"
 for x in "${extra[@]}"; do [ -n "$x" ] && v ${x%%:*} ${x#*:}; done
 v push-default-again

@@ -796,7 +796,11 @@ impl Communicator {
             Algorithm::OneShotLl => bytes.div_ceil(4) as u64,
             Algorithm::TwoShot | Algorithm::TwoShotPush => units.div_ceil(team.n as u64),
         };
-        let blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
+        let mut blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
+        if algorithm == Algorithm::TwoShotPush {
+            // every block owns at least 8 vectors (128 bytes) of each staging slot
+            blocks = blocks.min(team.stage_half as u64 / 128).max(1);
+        }
         // Small messages: fewer threads (cheaper block barriers), at least 64.
         let threads = per_rank
             .div_ceil(blocks)

@@ -172,7 +172,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
     let aligned = (inp | out) % 16 == 0;
     let units = if aligned { count / v } else { count };
     let ub = if aligned { v } else { 1 }; // elements per unit
-    let per = units.div_ceil(g);
+    let per = units.div_ceil(g).next_multiple_of(8); // blocks start on 128-byte lines
     let tail_start = if aligned { units * v } else { count };
     for b in 0..g {
         let c = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
@@ -248,7 +248,12 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 let dout = out.wrapping_sub(tab(rank, out_tab));
                 let ins: Vec<usize> = (0..n).map(|t| tab(t, in_tab).wrapping_add(din)).collect();
                 let outs: Vec<usize> = (0..n).map(|t| tab(t, out_tab).wrapping_add(dout)).collect();
-                let bsz = (slot as u64 / 16) / g;
+                let bsz = ((slot as u64 / 16) / g) & !7;
+                if bsz == 0 {
+                    return Err(KernelError::Failed(format!(
+                        "a {slot}-byte staging slot cannot be shared by {g} blocks"
+                    )));
+                }
                 let boff = (b * bsz * 16) as usize;
                 let chunk = n as u64 * bsz;
                 let rounds = per.div_ceil(chunk).max(1);
@@ -257,7 +262,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                     let q = ((parity as u64 + j) & 1) as usize;
                     let lo_c = lo_r.min(be);
                     let hi_c = (lo_c + chunk).min(be);
-                    let pp = (hi_c - lo_c).div_ceil(n as u64);
+                    let pp = (hi_c - lo_c).div_ceil(n as u64).next_multiple_of(8);
                     let part = |k: usize| {
                         let ps = (lo_c + k as u64 * pp).min(hi_c);
                         (ps, (ps + pp).min(hi_c))
@@ -338,7 +343,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 let dout = out.wrapping_sub(outs[rank]);
                 let ins: Vec<usize> = ins.iter().map(|x| x.wrapping_add(din)).collect();
                 let outs: Vec<usize> = outs.iter().map(|x| x.wrapping_add(dout)).collect();
-                let pp = (be - bs).div_ceil(n as u64);
+                let pp = (be - bs).div_ceil(n as u64).next_multiple_of(8);
                 let ps = (bs + rank as u64 * pp).min(be);
                 let pe = (ps + pp).min(be);
                 let mut ranges = vec![(ps * ub, pe * ub)];
@@ -574,7 +579,7 @@ fn run_mm(
     let es = d.size() as u64;
     let v = 16 / es;
     let units = count / v;
-    let per = units.div_ceil(g);
+    let per = units.div_ceil(g).next_multiple_of(8);
     let tail_start = units * v;
     for b in 0..g {
         let c = u32_at(uc + MM_OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
@@ -585,7 +590,7 @@ fn run_mm(
         let (lo, hi, tail) = match k {
             MmKernel::OneShot => (bs, be, last_block),
             MmKernel::TwoShot => {
-                let pp = (be - bs).div_ceil(n as u64);
+                let pp = (be - bs).div_ceil(n as u64).next_multiple_of(8);
                 let ps = (bs + rank as u64 * pp).min(be);
                 (ps, (ps + pp).min(be), last_block && rank == n - 1)
             }

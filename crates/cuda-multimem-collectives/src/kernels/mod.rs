@@ -353,6 +353,9 @@ fn prologue(name: &str, f: &Flavor) -> String {
 	add.u64 %rd14, %rd10, %rd13;
 	sub.u64 %rd14, %rd14, 1;
 	div.u64 %rd14, %rd14, %rd13;
+	// rounded up to 8 units: with 16-byte vectors every block starts on a 128-byte line
+	add.u64 %rd14, %rd14, 7;
+	and.b64 %rd14, %rd14, -8;
 	cvt.u64.u32 %rd15, %r2;
 	mul.lo.u64 %rd11, %rd15, %rd14;
 	min.u64 %rd11, %rd11, %rd10;
@@ -699,12 +702,14 @@ fn two_shot(f: &Flavor) -> String {
 	add.u64 %rd32, %rd6, %rd30;
 	ld.global.nc.u64 %rd32, [%rd32];
 	sub.u64 %rd32, %rd3, %rd32;
-	// my part of the block's units: pp = ceil((end - start) / nranks)
+	// my part of the block's units: pp = ceil((end - start) / nranks), rounded up to 8 units
 	sub.u64 %rd35, %rd12, %rd11;
 	cvt.u64.u32 %rd36, %r6;
 	add.u64 %rd35, %rd35, %rd36;
 	sub.u64 %rd35, %rd35, 1;
 	div.u64 %rd35, %rd35, %rd36;
+	add.u64 %rd35, %rd35, 7;
+	and.b64 %rd35, %rd35, -8;
 	cvt.u64.u32 %rd37, %r5;
 	mul.lo.u64 %rd37, %rd37, %rd35;
 	add.u64 %rd37, %rd37, %rd11;
@@ -902,7 +907,8 @@ $L_rkend:
 /// Write-only two-shot in rounds (see [`Kernel::P2pTwoShotPush`]). Vector units only (the host
 /// sends misaligned calls to the reading two-shot); the scalar tail goes as in the two-shot.
 ///
-/// Block b's range is cut into rounds of `C = n * bsz` units, `bsz = (slot bytes / 16) / G`:
+/// Block b's range is cut into rounds of `C = n * bsz` units, `bsz = (slot bytes / 16) / G`
+/// rounded down to 8:
 /// each block owns `bsz` units of every staging slot, at `b * bsz * 16`. Round j: push part k
 /// of the round's chunk into k's slot `[q][rank]` (q = (header parity + j) & 1) at the part's
 /// offset in the chunk → barrier(c+1+j) → reduce my part from my input and my slots, push the
@@ -923,11 +929,13 @@ fn two_shot_push(f: &Flavor) -> String {
 	add.u64 %rd32, %rd6, %rd30;
 	ld.global.nc.u64 %rd32, [%rd32];
 	sub.u64 %rd32, %rd3, %rd32;
-	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units (rd50), at
-	// byte offset b * bsz * 16 (rd52); units per round C = n * bsz (rd51)
+	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units rounded down
+	// to 8 (the host keeps G <= slot / 128) (rd50), at byte offset b * bsz * 16 (rd52); units
+	// per round C = n * bsz (rd51)
 	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
 	shr.u64 %rd50, %rd39, 4;
 	div.u64 %rd50, %rd50, %rd13;
+	and.b64 %rd50, %rd50, -8;
 	mul.lo.u64 %rd52, %rd15, %rd50;
 	shl.b64 %rd52, %rd52, 4;
 	cvt.u64.u32 %rd36, %r6;
@@ -960,6 +968,7 @@ $L_round:
 	setp.ge.u32 %p20, %r37, %r20;
 	@%p20 bra $L_rounds_done;
 	// chunk [lo, hi) = [min(rd55, end), min(lo + C, end)); part size pp = ceil((hi - lo) / n)
+	// rounded up to 8 units (at most bsz, a multiple of 8)
 	min.u64 %rd55, %rd55, %rd12;
 	add.u64 %rd56, %rd55, %rd51;
 	min.u64 %rd56, %rd56, %rd12;
@@ -967,6 +976,8 @@ $L_round:
 	add.u64 %rd35, %rd35, %rd36;
 	sub.u64 %rd35, %rd35, 1;
 	div.u64 %rd35, %rd35, %rd36;
+	add.u64 %rd35, %rd35, 7;
+	and.b64 %rd35, %rd35, -8;
 	// slot parity q = (parity + j) & 1: push delta (q*n + rank)*slot + block offset (rd57),
 	// my slots of parity q: mine + q*n*slot + block offset (rd58)
 	add.u32 %r22, %r8, %r37;

@@ -266,6 +266,8 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	add.u64 %rd14, %rd10, %rd13;
 	sub.u64 %rd14, %rd14, 1;
 	div.u64 %rd14, %rd14, %rd13;
+	add.u64 %rd14, %rd14, 7;
+	and.b64 %rd14, %rd14, -8;
 	cvt.u64.u32 %rd15, %r2;
 	mul.lo.u64 %rd11, %rd15, %rd14;
 	min.u64 %rd11, %rd11, %rd10;
@@ -301,6 +303,8 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	add.u64 %rd35, %rd35, %rd36;
 	sub.u64 %rd35, %rd35, 1;
 	div.u64 %rd35, %rd35, %rd36;
+	add.u64 %rd35, %rd35, 7;
+	and.b64 %rd35, %rd35, -8;
 	cvt.u64.u32 %rd37, %r5;
 	mul.lo.u64 %rd37, %rd37, %rd35;
 	add.u64 %rd37, %rd37, %rd11;

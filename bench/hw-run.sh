@@ -7,7 +7,7 @@ out=${OUT:-hw-logs}; mkdir -p "$out"
 b=bundle
 export RUST_BACKTRACE=1
 step() { local name=$1; shift; echo "===== $name: $*"; local t0=$(date +%s); "$@" >"$out/$name.log" 2>&1; local rc=$?; echo "      rc=$rc ($(( $(date +%s) - t0 )) s)"; tail -n "${TAIL:-25}" "$out/$name.log"; }
-nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv > "$out/gpus.txt" 2>&1; cat "$out/gpus.txt"
+nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv 2>&1  # stdout only: at most 8 files come back from $OUT
 env | grep -E 'NVLS|MULTICAST' | sort
 step info        $b/xtask info --json
 step test-hw     $b/xtask test-hw
@@ -17,4 +17,5 @@ TAIL=40 step bench-allreduce $b/xtask bench-hw allreduce
 step bench-memory $b/xtask bench-hw memory -- --reps 15
 step ex-managed  $b/bin/managed
 step ex-multicast $b/bin/multicast
-grep -h -E "passed, |^RESULT" "$out"/*.log | head -60
+[ -x $b/bin/link_ceiling ] && CUDA_MULTIMEM_DRIVER=cuda $b/bin/link_ceiling --runs 5 2>&1 | grep -v "^RESULT"
+grep -h -E "passed, " "$out"/*.log | head -20   # the RESULT lines are in the logs

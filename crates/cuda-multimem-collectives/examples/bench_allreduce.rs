@@ -4,7 +4,7 @@
 //! prints (busbw = algbw * 2(n-1)/n).
 //!
 //! `CUDA_MULTIMEM_DRIVER=cuda cargo run --release --example bench_allreduce -- [--ranks N]
-//! [--min-bytes B] [--max-bytes B] [--runs R] [--algorithm one-shot-ll|one-shot|two-shot] [--ll-max B] [--stage-bytes B] [--blocks B] [--threads T] [--check-max B]`
+//! [--min-bytes B] [--max-bytes B] [--runs R] [--algorithm one-shot-ll|one-shot|two-shot] [--ll-max B] [--stage-bytes B] [--blocks B] [--threads T] [--push-threads T] [--check-max B]`
 //! (`cargo xtask bench-hw allreduce` runs it on the GPU machine). With
 //! `CUDA_MULTIMEM_DRIVER=sim` it runs on the simulator (times are meaningless there).
 
@@ -49,6 +49,7 @@ fn parse() -> Res<Args> {
             "--blocks" => a.config.max_blocks = v()?.parse()?,
             "--threads" => a.config.threads = v()?.parse()?,
             "--stage-bytes" => a.config.stage_bytes = Some(v()?.parse()?),
+            "--push-threads" => a.config.push_threads = v()?.parse()?,
             "--check-max" => a.check_max = v()?.parse()?,
             "--ll-max" => a.config.ll_max_bytes = v()?.parse()?,
             "--one-shot-max" => a.config.one_shot_max_bytes = Some(v()?.parse()?),

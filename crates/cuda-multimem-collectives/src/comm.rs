@@ -157,7 +157,9 @@ struct Sym {
 }
 
 impl Sym {
-    fn new(team: &Team, bytes: usize) -> Result<Sym> {
+    /// `zero`: clear the local parts (pads, low-latency staging and user buffers; the staging of
+    /// one-shot and the write-only two-shot is always written before it is read, so it is not).
+    fn new(team: &Team, bytes: usize, zero: bool) -> Result<Sym> {
         let mut addrs = vec![0; team.n];
         let mut maps = Vec::new();
         match &team.bootstrap {
@@ -237,7 +239,7 @@ impl Sym {
                 }
             }
         }
-        for l in &team.locals {
+        for l in team.locals.iter().filter(|_| zero) {
             l.device.bind()?;
             // SAFETY: the whole local part, just mapped read-write for this device.
             unsafe { cu!(l.device.driver(), cuMemsetD8_v3020(addrs[l.rank], 0, bytes)) }?;
@@ -288,8 +290,13 @@ pub struct AllReduceConfig {
     /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
     /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off.
     pub ll_max_bytes: usize,
+    /// Threads per block of the write-only two-shot ([`Algorithm::TwoShotPush`]), which runs
+    /// one block per multiprocessor (a power of two of them, unless `max_blocks` says
+    /// otherwise): 1024 and 128 blocks on 2 x H200 moved 362 GB/s at 256 MiB where 512 x 256
+    /// moved 357 (docs/perf.md).
+    pub push_threads: u32,
     /// Bytes of one staging slot (there are 2 x N per rank); `None`: the larger of the one-shot
-    /// limit and 16 MiB / N. One-shot messages must fit a slot; the write-only two-shot
+    /// limit and 64 MiB / N. One-shot messages must fit a slot; the write-only two-shot
     /// ([`Algorithm::TwoShotPush`], the default above the one-shot limit) goes through the
     /// slots in rounds of N x this many bytes, so larger slots mean fewer rounds (barriers).
     /// Rounded up to 4 KiB; at least 4 KiB, at most 1 GiB.
@@ -301,6 +308,7 @@ impl Default for AllReduceConfig {
         AllReduceConfig {
             ll_max_bytes: 64 << 10,
             stage_bytes: None,
+            push_threads: 1024,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -320,25 +328,27 @@ impl AllReduceConfig {
     }
 
     /// Bytes of one staging slot: as configured, else the larger of the one-shot limit and
-    /// 16 MiB / N (the push rounds then cover 16 MiB of the message); never smaller than the
-    /// one-shot limit.
+    /// 64 MiB / N (a push round then covers 64 MiB of the message: 32 MiB slots moved 362 GB/s
+    /// at 256 MiB on 2 x H200, 8 MiB slots 357); never smaller than the one-shot limit.
     fn stage_bytes(&self, n: usize) -> usize {
         self.stage_bytes
-            .unwrap_or((16 << 20) / n.max(1))
+            .unwrap_or((64 << 20) / n.max(1))
             .max(self.one_shot_max(n))
             .max(4096)
             .next_multiple_of(4096)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
-        if self.threads < 64 || self.threads > 1024 || self.threads % 32 != 0 {
-            return Err(Error::invalid(
-                "config.threads",
-                format!(
-                    "{}; expected a multiple of 32 from 64 to 1024",
-                    self.threads
-                ),
-            ));
+        for (t, name) in [
+            (self.threads, "config.threads"),
+            (self.push_threads, "config.push_threads"),
+        ] {
+            if !(64..=1024).contains(&t) || t % 32 != 0 {
+                return Err(Error::invalid(
+                    name,
+                    format!("{t}; expected a multiple of 32 from 64 to 1024"),
+                ));
+            }
         }
         if self.max_blocks as usize > MAX_BLOCKS {
             return Err(Error::invalid(
@@ -379,6 +389,7 @@ impl AllReduceConfig {
             self.max_blocks as u64,
             self.ll_max_bytes as u64,
             self.stage_bytes.unwrap_or(0) as u64,
+            self.push_threads as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -637,12 +648,12 @@ impl Communicator {
     }
 
     fn build(team: Team) -> Result<Communicator> {
-        let pads = Sym::new(&team, PAD_BYTES)?;
-        let stages = Sym::new(&team, 2 * team.n * team.stage_half)?;
+        let pads = Sym::new(&team, PAD_BYTES, true)?;
+        let stages = Sym::new(&team, 2 * team.n * team.stage_half, false)?;
         let ll_slot = (2 * team.config.ll_max_bytes)
             .max(4096)
             .next_multiple_of(4096);
-        let ll = Sym::new(&team, 2 * team.n * ll_slot)?;
+        let ll = Sym::new(&team, 2 * team.n * ll_slot, true)?;
         // Each local rank's pad: its rank, the team size, the staging half, every rank's pad
         // and staging area as mapped in this process.
         for l in &team.locals {
@@ -729,7 +740,7 @@ impl Communicator {
                 ));
             }
         }
-        let sym = Sym::new(team, bytes)?;
+        let sym = Sym::new(team, bytes, true)?;
         let mut table = Vec::with_capacity(8 * MAX_RANKS);
         for a in &sym.addrs {
             table.extend_from_slice(&a.to_le_bytes());
@@ -785,19 +796,25 @@ impl Communicator {
         } else {
             Algorithm::TwoShotPush
         });
-        let max_blocks = if c.max_blocks == 0 {
-            (2 * team.multiprocessors).min(MAX_BLOCKS as u32)
-        } else {
+        let push = algorithm == Algorithm::TwoShotPush;
+        let max_blocks = if c.max_blocks != 0 {
             c.max_blocks
+        } else if push {
+            // one block per multiprocessor, a power of two of them: block ranges of
+            // power-of-two messages stay whole lines and the rounds even
+            1 << (team.multiprocessors.clamp(1, MAX_BLOCKS as u32).ilog2())
+        } else {
+            (2 * team.multiprocessors).min(MAX_BLOCKS as u32)
         } as u64;
+        let max_threads = if push { c.push_threads } else { c.threads } as u64;
         let units = bytes.div_ceil(16) as u64;
         let per_rank = match algorithm {
             Algorithm::OneShot => units,
             Algorithm::OneShotLl => bytes.div_ceil(4) as u64,
             Algorithm::TwoShot | Algorithm::TwoShotPush => units.div_ceil(team.n as u64),
         };
-        let mut blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
-        if algorithm == Algorithm::TwoShotPush {
+        let mut blocks = per_rank.div_ceil(max_threads).clamp(1, max_blocks);
+        if push {
             // every block owns at least 8 vectors (128 bytes) of each staging slot
             blocks = blocks.min(team.stage_half as u64 / 128).max(1);
         }
@@ -805,7 +822,7 @@ impl Communicator {
         let threads = per_rank
             .div_ceil(blocks)
             .next_multiple_of(32)
-            .clamp(64, c.threads as u64);
+            .clamp(64, max_threads);
         Choice {
             path: Path::PeerToPeer,
             algorithm,

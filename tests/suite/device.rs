@@ -194,3 +194,100 @@ fn primary_contexts_are_released_when_the_last_driver_clone_goes() {
     drop(e.driver);
     assert_eq!(s.live_resources().get("primary contexts"), None);
 }
+
+/// The simulator keeps the real driver's copy semantics: a synchronous `cuMemcpyHtoD` from
+/// pageable memory returns before all of its bytes reached the device (here: past the first
+/// MiB), and a non-blocking stream does not wait for the legacy stream — the race the two-process
+/// allreduce test hit on H200s. A blocking stream does wait; so does anyone who synchronises the
+/// legacy stream. Simulator only (on a GPU the window is microseconds, not a test).
+#[test]
+fn pageable_copies_land_in_the_legacy_streams_order_and_non_blocking_streams_do_not_wait() {
+    let e = sim(SimConfig::new(1, 13000));
+    let d = e.driver.device(0).unwrap();
+    d.bind().unwrap();
+    let sys = e.driver.sys();
+    let n = 3 << 20;
+    let mut a = 0;
+    let mut b = 0;
+    // SAFETY: out-pointers valid, context current.
+    unsafe {
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut a, n),
+            CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut b, n),
+            CUresult::CUDA_SUCCESS
+        );
+    }
+    let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8 + 1).collect();
+    let copy_and_read = |flags: u32, sync_legacy: bool| -> Vec<u8> {
+        // SAFETY: both ranges are n bytes of live allocations; the stream is created, used and
+        // destroyed here; `back` holds n bytes.
+        unsafe {
+            assert_eq!(
+                sys.cuMemsetD8_v3020().unwrap()(a, 0, n),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                sys.cuMemsetD8_v3020().unwrap()(b, 0, n),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                sys.cuStreamSynchronize().unwrap()(std::ptr::null_mut()),
+                CUresult::CUDA_SUCCESS
+            );
+            let mut s = std::ptr::null_mut();
+            assert_eq!(
+                sys.cuStreamCreate().unwrap()(&mut s, flags),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                sys.cuMemcpyHtoD_v3020().unwrap()(a, data.as_ptr().cast(), n),
+                CUresult::CUDA_SUCCESS
+            );
+            if sync_legacy {
+                assert_eq!(
+                    sys.cuStreamSynchronize().unwrap()(std::ptr::null_mut()),
+                    CUresult::CUDA_SUCCESS
+                );
+            }
+            // a's bytes as the stream sees them, copied to b in its order
+            assert_eq!(
+                sys.cuMemcpyDtoDAsync_v3020().unwrap()(b, a, n, s),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                sys.cuStreamSynchronize().unwrap()(s),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                sys.cuStreamDestroy_v4000().unwrap()(s),
+                CUresult::CUDA_SUCCESS
+            );
+            let mut back = vec![0u8; n];
+            assert_eq!(
+                sys.cuMemcpyDtoH_v3020().unwrap()(back.as_mut_ptr().cast(), b, n),
+                CUresult::CUDA_SUCCESS
+            );
+            back
+        }
+    };
+    let non_blocking = cuda_multimem::sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING.0;
+    // non-blocking stream, nobody waited: the first MiB is there, the rest is not yet
+    let got = copy_and_read(non_blocking, false);
+    assert!(got[..1 << 20] == data[..1 << 20]);
+    assert!(
+        got[1 << 20..].iter().all(|&x| x == 0),
+        "the staged part landed early"
+    );
+    // the same after synchronising the legacy stream: all of it
+    assert!(copy_and_read(non_blocking, true) == data);
+    // a blocking stream waits for the legacy stream by itself
+    assert!(copy_and_read(0, false) == data);
+    // SAFETY: our allocations, no work pending on them.
+    unsafe {
+        sys.cuMemFree_v3020().unwrap()(a);
+        sys.cuMemFree_v3020().unwrap()(b);
+    }
+}

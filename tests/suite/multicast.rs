@@ -22,17 +22,12 @@ use cuda_multimem_tests::{env, sim, skip, Rng};
 
 const MIB: usize = 1 << 20;
 
+/// Copy host bytes to device memory with device 0's context current, and wait until they are
+/// there: a pageable `cuMemcpyHtoD` returns before its DMA has finished, so another context, a
+/// peer device or another process could read the old bytes (the simulator models that).
 pub(crate) fn htod(d: &Driver, dst: CUdeviceptr, src: &[u8]) -> Result<(), Error> {
-    d.device(0)?.bind()?;
-    let f = d.sys().cuMemcpyHtoD()?;
-    // SAFETY: `src` is valid for its length; the driver checks the device range.
-    match unsafe { f(dst, src.as_ptr().cast(), src.len()) } {
-        CUresult::CUDA_SUCCESS => Ok(()),
-        code => Err(Error::Driver {
-            call: "cuMemcpyHtoD",
-            code,
-        }),
-    }
+    // SAFETY: the driver checks the device range; `src` is live for the call.
+    unsafe { d.device(0)?.copy_from_host_blocking(dst, src) }
 }
 
 pub(crate) fn dtoh(d: &Driver, dst: &mut [u8], src: CUdeviceptr) -> Result<(), Error> {

@@ -16,20 +16,12 @@ use cuda_multimem_tests::{env, sim, skip, Rng};
 
 const MIB: usize = 1 << 20;
 
-/// Copy host bytes to device memory (`cuMemcpyHtoD`), with device 0's context current.
+/// Copy host bytes to device memory with device 0's context current, and wait until they are
+/// there: a pageable `cuMemcpyHtoD` returns before its DMA has finished, so another context, a
+/// peer device or another process could read the old bytes (the simulator models that).
 fn htod(d: &Driver, dst: CUdeviceptr, src: &[u8]) -> Result<(), Error> {
-    d.device(0)?.bind()?;
-    let f = d.sys().cuMemcpyHtoD()?;
-    // SAFETY: `src` is valid for `src.len()` bytes; the device range is checked by the driver.
-    let r = unsafe { f(dst, src.as_ptr().cast(), src.len()) };
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Driver {
-            call: "cuMemcpyHtoD",
-            code: r,
-        })
-    }
+    // SAFETY: the driver checks the device range; `src` is live for the call.
+    unsafe { d.device(0)?.copy_from_host_blocking(dst, src) }
 }
 
 /// Copy device memory to host bytes (`cuMemcpyDtoH`), with device 0's context current.

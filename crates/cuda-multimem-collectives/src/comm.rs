@@ -64,7 +64,7 @@ impl DevMem {
             len,
         };
         // SAFETY: the whole allocation, just made.
-        unsafe { cu!(device.driver(), cuMemsetD8_v3020(p, 0, len)) }?;
+        unsafe { device.memset_blocking(p, 0, len) }?;
         Ok(m)
     }
 
@@ -242,7 +242,7 @@ impl Sym {
         for l in team.locals.iter().filter(|_| zero) {
             l.device.bind()?;
             // SAFETY: the whole local part, just mapped read-write for this device.
-            unsafe { cu!(l.device.driver(), cuMemsetD8_v3020(addrs[l.rank], 0, bytes)) }?;
+            unsafe { l.device.memset_blocking(addrs[l.rank], 0, bytes) }?;
         }
         Ok(Sym { addrs, _maps: maps })
     }

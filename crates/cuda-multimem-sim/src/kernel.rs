@@ -456,6 +456,7 @@ sim_api! {
             state: st.clone(),
         });
         let kernel = f.kernel.clone();
+        crate::stream::implicit_order(st, &s)?;
         s.enqueue(Arc::new(move || {
             args.jitter();
             kernel(&args).map_err(|e| e.code())

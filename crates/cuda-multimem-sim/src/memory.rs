@@ -229,11 +229,93 @@ fn copy_async(st: &Arc<State>, dst: usize, src: usize, len: usize, stream: CUstr
     crate::stream::enqueue(st, stream, Arc::new(move || copy(&s2, dst, src, len)))
 }
 
+/// A synchronous copy or memset: wait for what the real driver waits for first (the legacy
+/// stream and the blocking streams of the current device, not its non-blocking streams), then
+/// run `f` on the calling thread.
 fn sync_then<T>(st: &State, f: impl FnOnce() -> SimResult<T>) -> SimResult<T> {
     if let Ok(dev) = current_device(st) {
-        crate::stream::synchronize_device(st, dev)?;
+        crate::stream::synchronize_legacy(st, dev)?;
     }
     f()
+}
+
+/// Bytes of a synchronous host-to-device copy from pageable memory that have reached the
+/// device when the call returns; the rest is staged and lands in the legacy stream's order, as
+/// soon as somebody waits for that stream (a synchronise, a synchronous copy, a blocking
+/// stream's next operation) or at the latest [`PAGEABLE_DMA_MAX_DELAY`] later. The real driver
+/// returns once pageable data are staged ("the DMA to final destination may not have
+/// completed"); on 2 x H200 a kernel on a non-blocking stream read the old bytes past the first
+/// MiB of such a copy.
+pub const PAGEABLE_SYNC_BYTES: usize = 1 << 20;
+/// See [`PAGEABLE_SYNC_BYTES`].
+pub const PAGEABLE_DMA_MAX_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// `cuMemcpyHtoD`: pinned (or other simulator-known) sources copy at once; pageable ones copy
+/// their first [`PAGEABLE_SYNC_BYTES`] at once and the rest, staged now, later on the legacy
+/// stream.
+fn htod_sync(st: &Arc<State>, dst: usize, src: usize, len: usize) -> SimResult {
+    sync_then(st, || {
+        if len <= PAGEABLE_SYNC_BYTES || st.ext::<Memory>().find(src).is_some() {
+            return copy(st, dst, src, len);
+        }
+        st.ext::<Memory>().check(dst, len, true)?;
+        copy(st, dst, src, PAGEABLE_SYNC_BYTES)?;
+        // SAFETY: the caller's source is readable for `len` bytes during the call.
+        let staged: Arc<Vec<u8>> = Arc::new(
+            unsafe {
+                std::slice::from_raw_parts(
+                    (src + PAGEABLE_SYNC_BYTES) as *const u8,
+                    len - PAGEABLE_SYNC_BYTES,
+                )
+            }
+            .to_vec(),
+        );
+        let s2 = st.clone();
+        let legacy = crate::stream::stream(st, std::ptr::null_mut())?;
+        let since = legacy.flushes();
+        let l2 = legacy.clone();
+        crate::stream::implicit_order(st, &legacy)?;
+        legacy.enqueue(Arc::new(move || {
+            l2.wait_flush(since, PAGEABLE_DMA_MAX_DELAY);
+            copy(
+                &s2,
+                dst + PAGEABLE_SYNC_BYTES,
+                staged.as_ptr() as usize,
+                staged.len(),
+            )
+        }))
+    })
+}
+
+/// `cuMemsetD8`/`cuMemsetD32`: asynchronous with respect to the host, on the legacy stream,
+/// except for pinned host and managed memory (synchronous).
+fn memset_sync(st: &Arc<State>, dst: usize, v: u32, width: usize, n: usize) -> SimResult {
+    if is_plain_device_memory(st, dst) {
+        st.ext::<Memory>()
+            .check(dst, n.saturating_mul(width), true)?;
+        on_legacy_stream(st, move |st| fill(st, dst, v, width, n))
+    } else {
+        sync_then(st, || fill(st, dst, v, width, n))
+    }
+}
+
+/// Device memory proper (allocations, VMM and multicast mappings): not pinned host memory, not
+/// managed memory, not unknown (pageable) memory.
+fn is_plain_device_memory(st: &State, addr: usize) -> bool {
+    matches!(
+        st.ext::<Memory>().find(addr),
+        Some((_, r)) if !matches!(r.kind, RegionKind::Host | RegionKind::Managed)
+    )
+}
+
+/// A synchronous device-to-device copy or a memset of device memory: no host-side
+/// synchronisation, queued on the legacy stream (the real driver's behaviour).
+fn on_legacy_stream(
+    st: &Arc<State>,
+    op: impl Fn(&State) -> SimResult + Send + Sync + 'static,
+) -> SimResult {
+    let s2 = st.clone();
+    crate::stream::enqueue(st, std::ptr::null_mut(), Arc::new(move || op(&s2)))
 }
 
 sim_api! {
@@ -292,13 +374,23 @@ sim_api! {
         Ok(())
     }
     cuMemcpy @ 4000 as PFN_cuMemcpy_v4000 => fn memcpy(st, dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
-        sync_then(st, || copy(st, dst as usize, src as usize, n))
+        let (d, s) = (dst as usize, src as usize);
+        match (is_plain_device_memory(st, d), is_plain_device_memory(st, s)) {
+            (true, true) => {
+                let m = st.ext::<Memory>();
+                m.check(s, n, false)?;
+                m.check(d, n, true)?;
+                on_legacy_stream(st, move |st| copy(st, d, s, n))
+            }
+            (true, false) => htod_sync(st, d, s, n),
+            _ => sync_then(st, || copy(st, d, s, n)),
+        }
     }
     cuMemcpyHtoD @ 3020 as PFN_cuMemcpyHtoD_v3020 => fn memcpy_htod(st, dst: CUdeviceptr, src: *const c_void, n: usize) {
         if n > 0 && (src.is_null() || !is_device_memory(st, dst as usize)) {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        sync_then(st, || copy(st, dst as usize, src as usize, n))
+        htod_sync(st, dst as usize, src as usize, n)
     }
     cuMemcpyDtoH @ 3020 as PFN_cuMemcpyDtoH_v3020 => fn memcpy_dtoh(st, dst: *mut c_void, src: CUdeviceptr, n: usize) {
         if n > 0 && (dst.is_null() || !is_device_memory(st, src as usize)) {
@@ -310,7 +402,11 @@ sim_api! {
         if n > 0 && (!is_device_memory(st, src as usize) || !is_device_memory(st, dst as usize)) {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        sync_then(st, || copy(st, dst as usize, src as usize, n))
+        let (d, s) = (dst as usize, src as usize);
+        let m = st.ext::<Memory>();
+        m.check(s, n, false)?;
+        m.check(d, n, true)?;
+        on_legacy_stream(st, move |st| copy(st, d, s, n))
     }
     cuMemcpyAsync @ 4000 as PFN_cuMemcpyAsync_v4000 => fn memcpy_async(st, dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) {
         copy_async(st, dst as usize, src as usize, n, s)
@@ -333,7 +429,12 @@ sim_api! {
     cuMemcpyPeer @ 4000 as PFN_cuMemcpyPeer_v4000 => fn memcpy_peer(st, dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize) {
         crate::device::context_device(st, dctx)?;
         crate::device::context_device(st, sctx)?;
-        sync_then(st, || copy(st, dst as usize, src as usize, n))
+        // device to device: no host-side synchronisation, in the legacy stream's order
+        let (d, s) = (dst as usize, src as usize);
+        let m = st.ext::<Memory>();
+        m.check(s, n, false)?;
+        m.check(d, n, true)?;
+        on_legacy_stream(st, move |st| copy(st, d, s, n))
     }
     cuMemcpyPeerAsync @ 4000 as PFN_cuMemcpyPeerAsync_v4000 => fn memcpy_peer_async(st, dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize, s: CUstream) {
         crate::device::context_device(st, dctx)?;
@@ -341,10 +442,10 @@ sim_api! {
         copy_async(st, dst as usize, src as usize, n, s)
     }
     cuMemsetD8 @ 3020 as PFN_cuMemsetD8_v3020 => fn memset_d8(st, dst: CUdeviceptr, v: u8, n: usize) {
-        sync_then(st, || fill(st, dst as usize, v as u32, 1, n))
+        memset_sync(st, dst as usize, v as u32, 1, n)
     }
     cuMemsetD32 @ 3020 as PFN_cuMemsetD32_v3020 => fn memset_d32(st, dst: CUdeviceptr, v: c_uint, n: usize) {
-        sync_then(st, || fill(st, dst as usize, v, 4, n))
+        memset_sync(st, dst as usize, v, 4, n)
     }
     cuMemsetD8Async @ 3020 as PFN_cuMemsetD8Async_v3020 => fn memset_d8_async(st, dst: CUdeviceptr, v: u8, n: usize, s: CUstream) {
         st.ext::<Memory>().check(dst as usize, n, true)?;

@@ -19,6 +19,14 @@ pub(crate) type Op = Arc<dyn Fn() -> SimResult + Send + Sync>;
 
 pub(crate) struct Stream {
     pub device: i32,
+    /// The device's legacy default stream (handles 0, 1 and 2).
+    legacy: bool,
+    /// Created without `CU_STREAM_NON_BLOCKING` (the legacy stream counts as blocking): ordered
+    /// against the legacy stream, as the real driver does implicitly.
+    blocking: bool,
+    /// Requests to finish staged work early (see [`Stream::wait_flush`]).
+    flush: Mutex<u64>,
+    flush_cv: Condvar,
     q: Mutex<Queue>,
     cv: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -35,9 +43,13 @@ struct Queue {
 }
 
 impl Stream {
-    fn spawn(device: i32) -> Arc<Stream> {
+    fn spawn(device: i32, legacy: bool, blocking: bool) -> Arc<Stream> {
         let s = Arc::new(Stream {
             device,
+            legacy,
+            blocking,
+            flush: Mutex::new(0),
+            flush_cv: Condvar::new(),
             q: Mutex::new(Queue::default()),
             cv: Condvar::new(),
             thread: Mutex::new(None),
@@ -95,8 +107,35 @@ impl Stream {
         self.q.lock().capture.is_some()
     }
 
+    /// Somebody waits for this stream's work: staged work (a pageable copy's DMA) should land
+    /// now rather than at its deadline.
+    pub fn request_flush(&self) {
+        *self.flush.lock() += 1;
+        self.flush_cv.notify_all();
+    }
+
+    /// Flush requests so far.
+    pub fn flushes(&self) -> u64 {
+        *self.flush.lock()
+    }
+
+    /// Block (on this stream's worker) until a flush is requested after `since`, or `max`
+    /// passed: how staged work lands "some time later" in a way tests can rely on.
+    pub fn wait_flush(&self, since: u64, max: std::time::Duration) {
+        let deadline = Instant::now() + max;
+        let mut f = self.flush.lock();
+        while *f == since {
+            if self.flush_cv.wait_until(&mut f, deadline).timed_out() {
+                break;
+            }
+        }
+    }
+
     /// Wait for everything queued so far; report (and clear) an error of an earlier operation.
     pub fn synchronize(&self) -> SimResult {
+        if self.legacy {
+            self.request_flush();
+        }
         let mut q = self.q.lock();
         if q.capture.is_some() {
             return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
@@ -148,7 +187,7 @@ pub(crate) fn stream(st: &State, h: CUstream) -> SimResult<Arc<Stream>> {
             .default
             .lock()
             .entry(dev)
-            .or_insert_with(|| Stream::spawn(dev))
+            .or_insert_with(|| Stream::spawn(dev, true, true))
             .clone());
     }
     if !is_kind(h, Kind::Stream) {
@@ -158,9 +197,92 @@ pub(crate) fn stream(st: &State, h: CUstream) -> SimResult<Arc<Stream>> {
     found.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
 
-/// Queue `op` on stream `h`.
+/// Queue `op` on stream `h` (after the implicit ordering against the legacy stream).
 pub(crate) fn enqueue(st: &State, h: CUstream, op: Op) -> SimResult {
-    stream(st, h)?.enqueue(op)
+    let s = stream(st, h)?;
+    implicit_order(st, &s)?;
+    s.enqueue(op)
+}
+
+/// A one-shot signal between two streams' workers.
+struct Marker {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+/// Make `from` wait (in stream order) for everything queued on `on` so far.
+fn wait_for_tail(from: &Stream, on: &Stream) -> SimResult {
+    on.request_flush();
+    let m = Arc::new(Marker {
+        done: Mutex::new(false),
+        cv: Condvar::new(),
+    });
+    let m2 = m.clone();
+    on.enqueue(Arc::new(move || {
+        *m2.done.lock() = true;
+        m2.cv.notify_all();
+        Ok(())
+    }))?;
+    from.enqueue(Arc::new(move || {
+        let mut d = m.done.lock();
+        while !*d {
+            m.cv.wait(&mut d);
+        }
+        Ok(())
+    }))
+}
+
+/// The real driver's implicit synchronisation: work queued on the legacy default stream waits
+/// for earlier work of the device's blocking streams, and work queued on a blocking stream waits
+/// for earlier work of the legacy stream. Non-blocking streams are ordered against nothing.
+/// Nothing is inserted while a stream captures (the real driver refuses such mixing there).
+pub(crate) fn implicit_order(st: &State, s: &Arc<Stream>) -> SimResult {
+    if !s.blocking || s.capturing() {
+        return Ok(());
+    }
+    let streams = st.ext::<Streams>();
+    if s.legacy {
+        let busy: Vec<Arc<Stream>> = streams
+            .by_handle
+            .lock()
+            .values()
+            .filter(|x| x.device == s.device && x.blocking && !x.idle() && !x.capturing())
+            .cloned()
+            .collect();
+        for b in busy {
+            wait_for_tail(s, &b)?;
+        }
+    } else {
+        let legacy = streams.default.lock().get(&s.device).cloned();
+        if let Some(l) = legacy.filter(|l| !l.idle() && !l.capturing()) {
+            wait_for_tail(s, &l)?;
+        }
+    }
+    Ok(())
+}
+
+/// What a synchronous copy or memset waits for before it starts ("a stream sync is performed
+/// before the copy is initiated"): the legacy stream and the blocking streams of device `dev`,
+/// not its non-blocking streams.
+pub(crate) fn synchronize_legacy(st: &State, dev: i32) -> SimResult {
+    let s = st.ext::<Streams>();
+    let mut all: Vec<Arc<Stream>> = s
+        .by_handle
+        .lock()
+        .values()
+        .filter(|x| x.device == dev && x.blocking)
+        .cloned()
+        .collect();
+    all.extend(s.default.lock().get(&dev).cloned());
+    let mut first = Ok(());
+    for x in all {
+        if let Err(e) = x.synchronize() {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+    }
+    first
 }
 
 /// Wait for every stream of device `dev`.
@@ -244,7 +366,7 @@ fn new_stream(st: &State, flags: c_uint) -> SimResult<u64> {
     st.ext::<Streams>()
         .by_handle
         .lock()
-        .insert(h, Stream::spawn(dev));
+        .insert(h, Stream::spawn(dev, false, flags & 1 == 0));
     st.live_add("streams", 1);
     Ok(h)
 }
@@ -285,7 +407,9 @@ sim_api! {
     cuStreamWaitEvent @ 3020 as PFN_cuStreamWaitEvent_v3020 => fn stream_wait_event(st, h: CUstream, ev: CUevent, flags: c_uint) {
         let e = event(st, ev)?;
         let generation = e.m.lock().recorded;
-        stream(st, h)?.enqueue(Arc::new(move || {
+        let s = stream(st, h)?;
+        implicit_order(st, &s)?;
+        s.enqueue(Arc::new(move || {
             e.wait_for(generation);
             Ok(())
         }))
@@ -327,6 +451,7 @@ sim_api! {
     cuGraphLaunch @ 10000 as PFN_cuGraphLaunch_v10000 => fn graph_launch(st, exec: CUgraphExec, h: CUstream) {
         let ops = st.ext::<Streams>().execs.lock().get(&(exec as u64)).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
         let s = stream(st, h)?;
+        implicit_order(st, &s)?;
         for op in ops.iter() {
             s.enqueue(op.clone())?;
         }
@@ -362,6 +487,7 @@ sim_api! {
     cuEventRecord @ 2000 as PFN_cuEventRecord_v2000 => fn event_record(st, ev: CUevent, h: CUstream) {
         let e = event(st, ev)?;
         let s = stream(st, h)?;
+        implicit_order(st, &s)?;
         let generation = {
             let mut g = e.m.lock();
             g.recorded += 1;

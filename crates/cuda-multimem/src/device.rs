@@ -81,6 +81,29 @@ impl Device {
         unsafe { cu!(self.driver, cuStreamSynchronize(std::ptr::null_mut())) }
     }
 
+    /// Set `len` bytes at `dst` to `value` and return once they are set. A plain `cuMemsetD8` on
+    /// device memory is queued on the legacy default stream and returns at once; kernels on
+    /// non-blocking streams do not wait for it (they could run before it, or be overwritten by
+    /// it). This synchronises the legacy stream after it.
+    ///
+    /// # Safety
+    /// `dst .. dst + len` is device memory (or a mapping) this device may write.
+    pub unsafe fn memset_blocking(
+        &self,
+        dst: cuda_multimem_sys::CUdeviceptr,
+        value: u8,
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller promises the destination.
+        unsafe { cu!(self.driver, cuMemsetD8_v3020(dst, value, len)) }?;
+        // SAFETY: the legacy default stream of the current context.
+        unsafe { cu!(self.driver, cuStreamSynchronize(std::ptr::null_mut())) }
+    }
+
     /// The raw primary context (retained on first use).
     pub fn primary_context(&self) -> Result<cuda_multimem_sys::CUcontext> {
         self.driver.primary_context(self.ordinal)

@@ -815,8 +815,8 @@ impl Communicator {
         };
         let mut blocks = per_rank.div_ceil(max_threads).clamp(1, max_blocks);
         if push {
-            // every block owns at least 8 vectors (128 bytes) of each half-slot
-            blocks = blocks.min(team.stage_half as u64 / 256).max(1);
+            // every block owns at least 8 vectors (128 bytes) of each staging slot
+            blocks = blocks.min(team.stage_half as u64 / 128).max(1);
         }
         // Small messages: fewer threads (cheaper block barriers), at least 64.
         let threads = per_rank

@@ -83,13 +83,6 @@ impl Ctx {
     /// The barrier of block `b` at `val` (see the PTX `barrier`): signal every peer, then wait
     /// for every peer, bounded by the timeout; check the header when `parity` is given.
     fn barrier(&self, a: &LaunchArgs, b: usize, val: u32, parity: Option<u32>) {
-        self.signal(a, b, val, parity);
-        self.wait(a, b, val, parity);
-    }
-
-    /// The first half of the barrier: header (with `parity`) and release of `val` to every
-    /// peer's slot of block `b`.
-    fn signal(&self, a: &LaunchArgs, b: usize, val: u32, parity: Option<u32>) {
         a.jitter();
         for t in (0..self.n).filter(|&t| t != self.rank) {
             if let Some(p) = parity {
@@ -98,12 +91,6 @@ impl Ctx {
             }
             u32_at(self.pads[t] + OFF_SIG + 4 * (b * 8 + self.rank)).store(val, Ordering::Release);
         }
-    }
-
-    /// The second half: wait (acquire, bounded by the timeout) until every peer's slot of block
-    /// `b` reached `val`; compare the call header of this `parity` when given.
-    fn wait(&self, a: &LaunchArgs, b: usize, val: u32, parity: Option<u32>) {
-        a.jitter();
         for t in (0..self.n).filter(|&t| t != self.rank) {
             let slot = u32_at(self.pad + OFF_SIG + 4 * (b * 8 + t));
             let start = Instant::now();
@@ -244,16 +231,14 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
             }
             Kernel::P2pOneShotLl => unreachable!("handled by run_ll"),
             Kernel::P2pTwoShotPush => {
-                // rounds through four half-slot sub-slots, parts pushed two rounds ahead (see
-                // the PTX); vector units only (the host checks the alignment); tail as in the
-                // two-shot
+                // rounds through this block's share of the slots (see the PTX); vector units
+                // only (the host checks the alignment); tail as in the two-shot
                 if !aligned {
                     return Err(KernelError::Failed(
                         "two-shot-push with misaligned operands".into(),
                     ));
                 }
                 let slot = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
-                let sub = slot / 2;
                 let stage =
                     |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
                 a.check(in_tab, 8 * n, false)?;
@@ -263,7 +248,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 let dout = out.wrapping_sub(tab(rank, out_tab));
                 let ins: Vec<usize> = (0..n).map(|t| tab(t, in_tab).wrapping_add(din)).collect();
                 let outs: Vec<usize> = (0..n).map(|t| tab(t, out_tab).wrapping_add(dout)).collect();
-                let bsz = ((sub as u64 / 16) / g) & !7;
+                let bsz = ((slot as u64 / 16) / g) & !7;
                 if bsz == 0 {
                     return Err(KernelError::Failed(format!(
                         "a {slot}-byte staging slot cannot be shared by {g} blocks"
@@ -272,26 +257,19 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 let boff = (b * bsz * 16) as usize;
                 let chunk = n as u64 * bsz;
                 let rounds = per.div_ceil(chunk).max(1);
-                // round j: chunk bounds, part size, sub-slot [q][s] address on rank t
-                let round = |j: u64| {
-                    let lo = (bs + j * chunk).min(be);
-                    let hi = (lo + chunk).min(be);
-                    let pp = (hi - lo).div_ceil(n as u64).next_multiple_of(8);
-                    let q = ((2 * parity as u64 + j) & 3) as usize;
-                    (lo, hi, pp, q)
-                };
-                let sub_slot = |t: usize, q: usize, s: usize| {
-                    stage(t) + ((q >> 1) * n + s) * slot + (q & 1) * sub + boff
-                };
-                let part = |lo: u64, hi: u64, pp: u64, k: usize| {
-                    let ps = (lo + k as u64 * pp).min(hi);
-                    (ps, (ps + pp).min(hi))
-                };
-                let push = |j: u64| -> Result<(), KernelError> {
-                    let (lo, hi, pp, q) = round(j);
+                let mut lo_r = bs;
+                for j in 0..rounds {
+                    let q = ((parity as u64 + j) & 1) as usize;
+                    let lo_c = lo_r.min(be);
+                    let hi_c = (lo_c + chunk).min(be);
+                    let pp = (hi_c - lo_c).div_ceil(n as u64).next_multiple_of(8);
+                    let part = |k: usize| {
+                        let ps = (lo_c + k as u64 * pp).min(hi_c);
+                        (ps, (ps + pp).min(hi_c))
+                    };
                     for k in (0..n).filter(|&k| k != rank) {
-                        let (ps, pe) = part(lo, hi, pp, k);
-                        let dst = sub_slot(k, q, rank);
+                        let (ps, pe) = part(k);
+                        let dst = stage(k) + (q * n + rank) * slot + boff;
                         let len = ((pe - ps) * 16) as usize;
                         a.check(inp + (ps * 16) as usize, len, false)?;
                         a.check(dst, len, true)?;
@@ -299,25 +277,15 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                             st(d, dst, i - ps * ub, ld(d, inp, i));
                         }
                     }
-                    Ok(())
-                };
-                push(0)?;
-                cx.signal(a, b as usize, c.wrapping_add(1), Some(parity));
-                if rounds > 1 {
-                    push(1)?;
-                    cx.signal(a, b as usize, c.wrapping_add(2), None);
-                }
-                for j in 0..rounds {
-                    cx.wait(a, b as usize, c.wrapping_add(1 + j as u32), Some(parity));
-                    let (lo, hi, pp, q) = round(j);
-                    let (ps, pe) = part(lo, hi, pp, rank);
-                    // rank k's copy of my part: my input, or my sub-slot [q][k] (from ps)
+                    cx.barrier(a, b as usize, c.wrapping_add(1 + j as u32), Some(parity));
+                    let (ps, pe) = part(rank);
+                    // rank k's copy of my part: my input, or my slot k (indexed from ps)
                     let srcs: Vec<(usize, u64)> = (0..n)
                         .map(|k| {
                             if k == rank {
                                 (inp, 0)
                             } else {
-                                (sub_slot(rank, q, k), ps * ub)
+                                (stage(rank) + (q * n + k) * slot + boff, ps * ub)
                             }
                         })
                         .collect();
@@ -337,10 +305,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                             st(d, *o, i, acc);
                         }
                     }
-                    if j + 2 < rounds {
-                        push(j + 2)?;
-                        cx.signal(a, b as usize, c.wrapping_add(3 + j as u32), None);
-                    }
+                    lo_r += chunk;
                 }
                 if last_block && rank == n - 1 {
                     let (lo, hi) = (tail_start, count);

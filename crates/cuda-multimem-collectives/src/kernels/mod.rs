@@ -907,22 +907,13 @@ $L_rkend:
 /// Write-only two-shot in rounds (see [`Kernel::P2pTwoShotPush`]). Vector units only (the host
 /// sends misaligned calls to the reading two-shot); the scalar tail goes as in the two-shot.
 ///
-/// The staging's two one-shot halves of each sender are cut into four sub-slots `q` of
-/// `slot / 2` bytes (`q >> 1` picks the half, `q & 1` its first or second part). Block b owns
-/// `bsz = (slot / 2 / 16) / G` vectors (rounded down to 8) of every sub-slot, at
-/// `b * bsz * 16`; a round of block b covers `C = n * bsz` vectors of its range, round j goes
-/// through sub-slot `q = (2 * header parity + j) & 3`. Parts are pushed two rounds ahead:
-///
-/// `A(0) sig(0) A(1) sig(1) | wait(j) B(j) A(j+2) sig(j+2) | ... | tail sig(R) wait(R)`
-///
-/// where A(j) stores part k of round j's chunk into k's sub-slot `[q][rank]`, sig(j) is the
-/// release of value c+1+j to every peer after a block barrier, wait(j) the acquire of every
-/// peer's c+1+j (with the call-header check), and B(j) reduces my part from my input and my
-/// sub-slots and pushes the result into every rank's output. The peer's signal c+1+j comes
-/// after its B(j-2), so the sub-slot A(j+2) overwrites is free (four sub-slots: the peer may
-/// still read rounds j-1, j and j+1). The first two rounds use the half the previous call's
-/// one-shot did not (the header parity flips every call); the final barrier (c+R+1) covers
-/// the next call. Counters become c + 2M (M odd, 2M >= R + 1).
+/// Block b's range is cut into rounds of `C = n * bsz` units, `bsz = (slot bytes / 16) / G`
+/// rounded down to 8:
+/// each block owns `bsz` units of every staging slot, at `b * bsz * 16`. Round j: push part k
+/// of the round's chunk into k's slot `[q][rank]` (q = (header parity + j) & 1) at the part's
+/// offset in the chunk → barrier(c+1+j) → reduce my part from my input and my slots, push the
+/// result into every rank's output. After R rounds (the same R on every block and rank) the
+/// tail, barrier(c+R+1) and counters c + 2M (M odd, 2M ≥ R+1: the header parity still flips).
 fn two_shot_push(f: &Flavor) -> String {
     let name = Kernel::P2pTwoShotPush.entry(f.dtype, f.op);
     let es = f.es_log2();
@@ -938,13 +929,11 @@ fn two_shot_push(f: &Flavor) -> String {
 	add.u64 %rd32, %rd6, %rd30;
 	ld.global.nc.u64 %rd32, [%rd32];
 	sub.u64 %rd32, %rd3, %rd32;
-	// slot bytes rd39, sub-slot bytes rd61 = slot / 2; this block's share of a sub-slot:
-	// bsz = (sub-slot / 16) / G rounded down to 8 (the host keeps G <= slot / 256) (rd50), at
-	// byte offset b * bsz * 16 (rd52); units per round C = n * bsz (rd51)
+	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units rounded down
+	// to 8 (the host keeps G <= slot / 128) (rd50), at byte offset b * bsz * 16 (rd52); units
+	// per round C = n * bsz (rd51)
 	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
-	shr.u64 %rd53, %rd39, 1;
-	mov.u64 %rd61, %rd53;
-	shr.u64 %rd50, %rd53, 4;
+	shr.u64 %rd50, %rd39, 4;
 	div.u64 %rd50, %rd50, %rd13;
 	and.b64 %rd50, %rd50, -8;
 	mul.lo.u64 %rd52, %rd15, %rd50;
@@ -972,23 +961,70 @@ fn two_shot_push(f: &Flavor) -> String {
 	setp.eq.u32 %p17, %r2, %r11;
 	sub.u32 %r13, %r6, 1;
 	setp.eq.and.u32 %p17, %r5, %r13, %p17;
+	// ---- rounds: j in r37, the round's first unit in rd55
+	mov.u32 %r37, 0;
+	mov.u64 %rd55, %rd11;
+$L_round:
+	setp.ge.u32 %p20, %r37, %r20;
+	@%p20 bra $L_rounds_done;
+	// chunk [lo, hi) = [min(rd55, end), min(lo + C, end)); part size pp = ceil((hi - lo) / n)
+	// rounded up to 8 units (at most bsz, a multiple of 8)
+	min.u64 %rd55, %rd55, %rd12;
+	add.u64 %rd56, %rd55, %rd51;
+	min.u64 %rd56, %rd56, %rd12;
+	sub.u64 %rd35, %rd56, %rd55;
+	add.u64 %rd35, %rd35, %rd36;
+	sub.u64 %rd35, %rd35, 1;
+	div.u64 %rd35, %rd35, %rd36;
+	add.u64 %rd35, %rd35, 7;
+	and.b64 %rd35, %rd35, -8;
+	// slot parity q = (parity + j) & 1: push delta (q*n + rank)*slot + block offset (rd57),
+	// my slots of parity q: mine + q*n*slot + block offset (rd58)
+	add.u32 %r22, %r8, %r37;
+	and.b32 %r22, %r22, 1;
+	mad.lo.u32 %r15, %r22, %r6, %r5;
+	cvt.u64.u32 %rd57, %r15;
+	mul.lo.u64 %rd57, %rd57, %rd39;
+	add.u64 %rd57, %rd57, %rd52;
+	mul.lo.u32 %r16, %r22, %r6;
+	cvt.u64.u32 %rd58, %r16;
+	mul.lo.u64 %rd58, %rd58, %rd39;
+	add.u64 %rd58, %rd58, %rd54;
+	add.u64 %rd58, %rd58, %rd52;
+	// phase A: for every other rank k, part k of the chunk into k's slot [q][rank], at
+	// (unit - part start) * 16
+	mov.u32 %r36, 0;
+$L_pk_loop:
+	setp.ge.u32 %p18, %r36, %r6;
+	@%p18 bra $L_pk_done;
+	setp.eq.u32 %p19, %r36, %r5;
+	@%p19 bra $L_pk_next;
+	cvt.u64.u32 %rd37, %r36;
+	mul.lo.u64 %rd37, %rd37, %rd35;
+	add.u64 %rd37, %rd37, %rd55;
+	min.u64 %rd37, %rd37, %rd56;
+	add.u64 %rd38, %rd37, %rd35;
+	min.u64 %rd38, %rd38, %rd56;
+	mul.wide.u32 %rd43, %r36, 8;
+	add.u64 %rd43, %rd34, %rd43;
+	ld.global.nc.u64 %rd59, [%rd43];
+	add.u64 %rd59, %rd59, %rd57;
+	shl.b64 %rd43, %rd37, 4;
+	sub.u64 %rd59, %rd59, %rd43;
 "#,
         tail = tail_range(f).trim_start()
     );
-    // A(0), sig(0); A(1), sig(1) when R > 1
-    s += "\tmov.u32 %r38, 0;\n";
-    s += &push_round("a0");
-    s += "\tadd.u32 %r12, %r7, 1;\n";
-    s += &signal("s0", "%r12", true);
-    s += "\tsetp.lt.u32 %p20, %r20, 2;\n\t@%p20 bra $L_a1_skip;\n\tmov.u32 %r38, 1;\n";
-    s += &push_round("a1");
-    s += "\tadd.u32 %r12, %r7, 2;\n";
-    s += &signal("s1", "%r12", false);
-    s += "$L_a1_skip:\n\tmov.u32 %r37, 0;\n$L_round:\n\tsetp.ge.u32 %p20, %r37, %r20;\n\t@%p20 bra $L_rounds_done;\n";
+    s += &strided(
+        "pa",
+        "%rd37",
+        "%rd38",
+        4,
+        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd59, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
+    );
+    s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
     s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n";
-    s += &wait("w", "%r12", true);
-    // B(j): my part of round j's chunk
-    s += &chunk("%r37");
+    s += &barrier("b1", "%r12", true);
+    // phase B: my part; rank k's copy is my input (k == rank) or my slot k (local memory)
     s += r#"	cvt.u64.u32 %rd37, %r5;
 	mul.lo.u64 %rd37, %rd37, %rd35;
 	add.u64 %rd37, %rd37, %rd55;
@@ -1006,12 +1042,7 @@ fn two_shot_push(f: &Flavor) -> String {
     );
     body += &store_to_ranks("sv", f, Addr::Table("%rd6", "%rd32"), true);
     s += &strided("pb", "%rd37", "%rd38", 4, &body);
-    // A(j+2), sig(j+2) when j + 2 < R
-    s += "\tadd.u32 %r38, %r37, 2;\n\tsetp.ge.u32 %p20, %r38, %r20;\n\t@%p20 bra $L_aj_skip;\n";
-    s += &push_round("aj");
-    s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r38;\n";
-    s += &signal("sj", "%r12", false);
-    s += "$L_aj_skip:\n\tadd.u32 %r37, %r37, 1;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
+    s += "\tadd.u32 %r37, %r37, 1;\n\tadd.u64 %rd55, %rd55, %rd51;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
     // tail as in the two-shot: remote reads of the inputs, stores to every output
     s += "\t@!%p17 bra $L_red_done;\n";
     let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
@@ -1022,169 +1053,6 @@ fn two_shot_push(f: &Flavor) -> String {
     s += &barrier("b2", "%r14", false);
     s += &epilogue_to("%r21");
     s
-}
-
-/// Round `j`'s chunk of this block (push kernel): [rd55, rd56), part size rd35 (rounded up to
-/// 8 units), sub-slot q = (2 * parity + j) & 3 (r22); push delta rd57 = offset of sub-slot
-/// [q][rank] + block offset; my sub-slots rd58 = mine + offset of [q][0] + block offset (sender
-/// k's is rd58 + k * slot).
-fn chunk(j: &str) -> String {
-    format!(
-        r#"	cvt.u64.u32 %rd55, {j};
-	mul.lo.u64 %rd55, %rd55, %rd51;
-	add.u64 %rd55, %rd55, %rd11;
-	min.u64 %rd55, %rd55, %rd12;
-	add.u64 %rd56, %rd55, %rd51;
-	min.u64 %rd56, %rd56, %rd12;
-	sub.u64 %rd35, %rd56, %rd55;
-	add.u64 %rd35, %rd35, %rd36;
-	sub.u64 %rd35, %rd35, 1;
-	div.u64 %rd35, %rd35, %rd36;
-	add.u64 %rd35, %rd35, 7;
-	and.b64 %rd35, %rd35, -8;
-	shl.b32 %r22, %r8, 1;
-	add.u32 %r22, %r22, {j};
-	and.b32 %r22, %r22, 3;
-	// [q][s] at ((q >> 1) * n + s) * slot + (q & 1) * slot / 2
-	shr.u32 %r23, %r22, 1;
-	and.b32 %r24, %r22, 1;
-	cvt.u64.u32 %rd62, %r24;
-	mul.lo.u64 %rd62, %rd62, %rd61;
-	add.u64 %rd62, %rd62, %rd52;
-	mad.lo.u32 %r15, %r23, %r6, %r5;
-	cvt.u64.u32 %rd57, %r15;
-	mul.lo.u64 %rd57, %rd57, %rd39;
-	add.u64 %rd57, %rd57, %rd62;
-	mul.lo.u32 %r16, %r23, %r6;
-	cvt.u64.u32 %rd58, %r16;
-	mul.lo.u64 %rd58, %rd58, %rd39;
-	add.u64 %rd58, %rd58, %rd54;
-	add.u64 %rd58, %rd58, %rd62;
-"#
-    )
-}
-
-/// A(j) of the push kernel for the round in r38: part k of its chunk into every other rank k's
-/// sub-slot [q][rank], at (unit - part start) * 16.
-fn push_round(tag: &str) -> String {
-    let mut s = chunk("%r38");
-    s += &format!(
-        r#"	mov.u32 %r36, 0;
-$L_{tag}_k:
-	setp.ge.u32 %p18, %r36, %r6;
-	@%p18 bra $L_{tag}_kend;
-	setp.eq.u32 %p19, %r36, %r5;
-	@%p19 bra $L_{tag}_next;
-	cvt.u64.u32 %rd37, %r36;
-	mul.lo.u64 %rd37, %rd37, %rd35;
-	add.u64 %rd37, %rd37, %rd55;
-	min.u64 %rd37, %rd37, %rd56;
-	add.u64 %rd38, %rd37, %rd35;
-	min.u64 %rd38, %rd38, %rd56;
-	mul.wide.u32 %rd43, %r36, 8;
-	add.u64 %rd43, %rd34, %rd43;
-	ld.global.nc.u64 %rd59, [%rd43];
-	add.u64 %rd59, %rd59, %rd57;
-	shl.b64 %rd43, %rd37, 4;
-	sub.u64 %rd59, %rd59, %rd43;
-"#
-    );
-    s += &strided(
-        &format!("{tag}_c"),
-        "%rd37",
-        "%rd38",
-        4,
-        "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n\tadd.u64 %rd25, %rd59, %rd21;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
-    );
-    s += &format!(
-        "$L_{tag}_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_{tag}_k;\n$L_{tag}_kend:\n"
-    );
-    s
-}
-
-/// The first half of [`barrier`]: after a block barrier, thread t (t < n, t != rank) stores the
-/// call header into peer t's slot (with `header`) and releases `val_reg` into peer t's signal
-/// slot. The block does not wait for anything else.
-fn signal(label: &str, val_reg: &str, header: bool) -> String {
-    let hdr_store = if header {
-        format!(
-            r#"	mad.lo.u32 %r41, %r8, {mb}, %r2;
-	mad.lo.u32 %r41, %r41, 8, %r5;
-	mul.wide.u32 %rd42, %r41, 8;
-	add.u64 %rd42, %rd41, %rd42;
-	st.relaxed.sys.global.u64 [%rd42+{OFF_HDR}], %rd7;
-"#,
-            mb = MAX_BLOCKS
-        )
-    } else {
-        String::new()
-    };
-    format!(
-        r#"	// ---- signal {label}: block b's stores so far, released to every peer at {val_reg}
-	bar.sync 0;
-	setp.ge.u32 %p10, %r1, %r6;
-	setp.eq.or.u32 %p10, %r1, %r5, %p10;
-	@%p10 bra $L_{label}_done;
-	mul.wide.u32 %rd40, %r1, 8;
-	add.u64 %rd40, %rd1, %rd40;
-	ld.global.u64 %rd41, [%rd40+{OFF_PADS}];
-{hdr_store}	mad.lo.u32 %r40, %r2, 8, %r5;
-	mul.wide.u32 %rd43, %r40, 4;
-	add.u64 %rd43, %rd41, %rd43;
-	st.release.sys.global.u32 [%rd43+{OFF_SIG}], {val_reg};
-$L_{label}_done:
-"#
-    )
-}
-
-/// The second half of [`barrier`]: thread t (t < n, t != rank) waits until peer t's signal
-/// reaches `val_reg` (acquire, bounded by the timeout), checking the call header with
-/// `check_header`; then a block barrier passes what it saw to the block.
-fn wait(label: &str, val_reg: &str, check_header: bool) -> String {
-    let hdr_check = if check_header {
-        format!(
-            r#"	mad.lo.u32 %r45, %r8, {mb}, %r2;
-	mad.lo.u32 %r45, %r45, 8, %r1;
-	mul.wide.u32 %rd48, %r45, 8;
-	add.u64 %rd48, %rd1, %rd48;
-	ld.relaxed.sys.global.u64 %rd47, [%rd48+{OFF_HDR}];
-	setp.eq.u64 %p14, %rd47, %rd7;
-	@%p14 bra $L_{label}_done;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_MISMATCH};
-"#,
-            mb = MAX_BLOCKS
-        )
-    } else {
-        String::new()
-    };
-    format!(
-        r#"	// ---- wait {label}: every peer's block b at {val_reg} or later (acquire)
-	setp.ge.u32 %p10, %r1, %r6;
-	setp.eq.or.u32 %p10, %r1, %r5, %p10;
-	@%p10 bra $L_{label}_done;
-	mad.lo.u32 %r42, %r2, 8, %r1;
-	mul.wide.u32 %rd44, %r42, 4;
-	add.u64 %rd44, %rd1, %rd44;
-	mov.u64 %rd45, %globaltimer;
-$L_{label}_spin:
-	ld.acquire.sys.global.u32 %r43, [%rd44+{OFF_SIG}];
-	sub.u32 %r43, %r43, {val_reg};
-	setp.ge.s32 %p11, %r43, 0;
-	@%p11 bra $L_{label}_arrived;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
-	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_done;
-	mov.u64 %rd46, %globaltimer;
-	sub.u64 %rd46, %rd46, %rd45;
-	setp.lt.u64 %p13, %rd46, %rd8;
-	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
-	bra.uni $L_{label}_done;
-$L_{label}_arrived:
-{hdr_check}$L_{label}_done:
-	bar.sync 0;
-"#
-    )
 }
 
 /// The PTX text of one kernel family, as the generator writes it.

@@ -357,98 +357,139 @@ mod managed {
                         t[$k] = timed(&stream, &a, &b, || $body)?;
                     }};
                 }
-                measure!(0, {
-                    for p in &ptrs {
-                        // SAFETY: each range lies in the live managed buffer.
-                        check("cuMemPrefetchAsync", unsafe {
-                            prefetch_raw(*p, rsize, dev_loc(0), 0, stream.raw())
-                        })?;
+                // Native and ours alternate which goes first from one repetition to the next,
+                // so an order effect the reset does not remove cannot favour one side.
+                let order: [usize; 9] = if i % 2 == 0 {
+                    [0, 1, 2, 3, 4, 5, 6, 7, 8]
+                } else {
+                    [1, 0, 3, 2, 4, 6, 5, 8, 7]
+                };
+                for k in order {
+                    match k {
+                        0 => measure!(0, {
+                            for p in &ptrs {
+                                // SAFETY: each range lies in the live managed buffer.
+                                check("cuMemPrefetchAsync", unsafe {
+                                    prefetch_raw(*p, rsize, dev_loc(0), 0, stream.raw())
+                                })?;
+                            }
+                            Ok(())
+                        }),
+                        1 => measure!(1, {
+                            let r: Vec<_> = (0..count)
+                                .map(|k| buf.subrange(k * rsize, rsize))
+                                .collect::<Result<Vec<_>>>()?;
+                            managed::prefetch_many_with(
+                                &r,
+                                &[ML::Device(0)],
+                                &stream,
+                                PrefetchPolicy::Loop,
+                            )
+                        }),
+                        2 => {
+                            if let Some(f) = batch_raw {
+                                // SAFETY: arrays of `count` ranges inside the live buffer, one
+                                // location.
+                                measure!(
+                                    2,
+                                    check("cuMemPrefetchBatchAsync", unsafe {
+                                        f(
+                                            ptrs.as_mut_ptr(),
+                                            sizes.as_mut_ptr(),
+                                            count,
+                                            locs.as_mut_ptr(),
+                                            idx.as_mut_ptr(),
+                                            1,
+                                            0,
+                                            stream.raw(),
+                                        )
+                                    })
+                                );
+                            }
+                        }
+                        3 => {
+                            if batch_raw.is_some() {
+                                measure!(3, {
+                                    let r: Vec<_> = (0..count)
+                                        .map(|k| buf.subrange(k * rsize, rsize))
+                                        .collect::<Result<Vec<_>>>()?;
+                                    managed::prefetch_many_with(
+                                        &r,
+                                        &[ML::Device(0)],
+                                        &stream,
+                                        PrefetchPolicy::Batch,
+                                    )
+                                });
+                            }
+                        }
+                        4 => measure!(4, {
+                            let r: Vec<_> = (0..count)
+                                .map(|k| buf.subrange(k * rsize, rsize))
+                                .collect::<Result<Vec<_>>>()?;
+                            managed::prefetch_many(&r, &[ML::Device(0)], &stream)
+                        }),
+                        5 => {
+                            if let Some(d) = discard_raw.filter(|_| dp_raw.is_some()) {
+                                // SAFETY: as above.
+                                measure!(
+                                    5,
+                                    check("cuMemDiscardBatchAsync", unsafe {
+                                        d(
+                                            ptrs.as_mut_ptr(),
+                                            sizes.as_mut_ptr(),
+                                            count,
+                                            0,
+                                            stream.raw(),
+                                        )
+                                    })
+                                );
+                            }
+                        }
+                        6 => {
+                            if discard_raw.is_some() && dp_raw.is_some() {
+                                measure!(6, {
+                                    let r: Vec<_> = (0..count)
+                                        .map(|k| buf.subrange(k * rsize, rsize))
+                                        .collect::<Result<Vec<_>>>()?;
+                                    managed::discard_many(&r, &stream)
+                                });
+                            }
+                        }
+                        7 => {
+                            if let Some(dp) = dp_raw.filter(|_| discard_raw.is_some()) {
+                                // SAFETY: as above.
+                                measure!(
+                                    7,
+                                    check("cuMemDiscardAndPrefetchBatchAsync", unsafe {
+                                        dp(
+                                            ptrs.as_mut_ptr(),
+                                            sizes.as_mut_ptr(),
+                                            count,
+                                            locs.as_mut_ptr(),
+                                            idx.as_mut_ptr(),
+                                            1,
+                                            0,
+                                            stream.raw(),
+                                        )
+                                    })
+                                );
+                            }
+                        }
+                        _ => {
+                            if discard_raw.is_some() && dp_raw.is_some() {
+                                measure!(8, {
+                                    let r: Vec<_> = (0..count)
+                                        .map(|k| buf.subrange(k * rsize, rsize))
+                                        .collect::<Result<Vec<_>>>()?;
+                                    managed::discard_and_prefetch_many(
+                                        &r,
+                                        &[ML::Device(0)],
+                                        &stream,
+                                    )
+                                });
+                            }
+                        }
                     }
-                    Ok(())
-                });
-                measure!(1, {
-                    let r: Vec<_> = (0..count)
-                        .map(|k| buf.subrange(k * rsize, rsize))
-                        .collect::<Result<Vec<_>>>()?;
-                    managed::prefetch_many_with(&r, &[ML::Device(0)], &stream, PrefetchPolicy::Loop)
-                });
-                if let Some(f) = batch_raw {
-                    // SAFETY: arrays of `count` ranges inside the live buffer, one location.
-                    measure!(
-                        2,
-                        check("cuMemPrefetchBatchAsync", unsafe {
-                            f(
-                                ptrs.as_mut_ptr(),
-                                sizes.as_mut_ptr(),
-                                count,
-                                locs.as_mut_ptr(),
-                                idx.as_mut_ptr(),
-                                1,
-                                0,
-                                stream.raw(),
-                            )
-                        })
-                    );
-                    measure!(3, {
-                        let r: Vec<_> = (0..count)
-                            .map(|k| buf.subrange(k * rsize, rsize))
-                            .collect::<Result<Vec<_>>>()?;
-                        managed::prefetch_many_with(
-                            &r,
-                            &[ML::Device(0)],
-                            &stream,
-                            PrefetchPolicy::Batch,
-                        )
-                    });
-                }
-                measure!(4, {
-                    let r: Vec<_> = (0..count)
-                        .map(|k| buf.subrange(k * rsize, rsize))
-                        .collect::<Result<Vec<_>>>()?;
-                    managed::prefetch_many(&r, &[ML::Device(0)], &stream)
-                });
-                if let (Some(d), Some(dp)) = (discard_raw, dp_raw) {
-                    // SAFETY: as above.
-                    measure!(
-                        5,
-                        check("cuMemDiscardBatchAsync", unsafe {
-                            d(
-                                ptrs.as_mut_ptr(),
-                                sizes.as_mut_ptr(),
-                                count,
-                                0,
-                                stream.raw(),
-                            )
-                        })
-                    );
-                    measure!(6, {
-                        let r: Vec<_> = (0..count)
-                            .map(|k| buf.subrange(k * rsize, rsize))
-                            .collect::<Result<Vec<_>>>()?;
-                        managed::discard_many(&r, &stream)
-                    });
-                    // SAFETY: as above.
-                    measure!(
-                        7,
-                        check("cuMemDiscardAndPrefetchBatchAsync", unsafe {
-                            dp(
-                                ptrs.as_mut_ptr(),
-                                sizes.as_mut_ptr(),
-                                count,
-                                locs.as_mut_ptr(),
-                                idx.as_mut_ptr(),
-                                1,
-                                0,
-                                stream.raw(),
-                            )
-                        })
-                    );
-                    measure!(8, {
-                        let r: Vec<_> = (0..count)
-                            .map(|k| buf.subrange(k * rsize, rsize))
-                            .collect::<Result<Vec<_>>>()?;
-                        managed::discard_and_prefetch_many(&r, &[ML::Device(0)], &stream)
-                    });
                 }
                 if i > 0 {
                     for (c, v) in cols.iter_mut().zip(t) {

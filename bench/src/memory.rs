@@ -218,6 +218,13 @@ mod managed {
         }
     }
 
+    /// The bytes of a location (it holds a union), to compare two of them.
+    fn loc_bytes(l: &cuda_multimem::sys::CUmemLocation) -> [u8; 8] {
+        const _: () = assert!(std::mem::size_of::<cuda_multimem::sys::CUmemLocation>() == 8);
+        // SAFETY: an 8-byte plain-data struct (checked above), read as bytes.
+        unsafe { std::mem::transmute_copy(l) }
+    }
+
     fn touch_on_host(buf: &mut ManagedBuffer, v: u8) -> Result<()> {
         buf.host_slice_mut()?.fill(v);
         Ok(())
@@ -354,7 +361,40 @@ mod managed {
                         buf.prefetch(ML::Device(0), &stream)?;
                         stream.synchronize()?;
                         touch_on_host(&mut buf, (i + $k) as u8)?;
+                        let host = std::time::Instant::now();
                         t[$k] = timed(&stream, &a, &b, || $body)?;
+                        if std::env::var_os("BENCH_DIAG").is_some() {
+                            println!(
+                                "diag: {count} x {rsize} B, repetition {i}, measurement {}: events {:.2} ms, host (call and wait) {:.2} ms",
+                                $k,
+                                t[$k],
+                                host.elapsed().as_secs_f64() * 1e3
+                            );
+                        }
+                        // The batch calls take their arrays as mutable pointers: if the driver
+                        // rewrote them, say so and restore them, so the next native call gets
+                        // the same input as ours (which builds fresh arrays every call).
+                        let changed = ptrs
+                            .iter()
+                            .zip(&sizes)
+                            .enumerate()
+                            .filter(|(j, (p, z))| **p != base + (j * rsize) as u64 || **z != rsize)
+                            .count();
+                        if changed > 0 {
+                            println!(
+                                "note: measurement {} ({count} x {rsize} B, repetition {i}): the driver rewrote {changed} of the {count} pointer/size entries; restored",
+                                $k
+                            );
+                            for (j, (p, z)) in ptrs.iter_mut().zip(sizes.iter_mut()).enumerate() {
+                                *p = base + (j * rsize) as u64;
+                                *z = rsize;
+                            }
+                        }
+                        if loc_bytes(&locs[0]) != loc_bytes(&dev_loc(0)) || idx[0] != 0 {
+                            println!("note: measurement {}: the driver rewrote the location arrays; restored", $k);
+                            locs[0] = dev_loc(0);
+                            idx[0] = 0;
+                        }
                     }};
                 }
                 // Native and ours alternate which goes first from one repetition to the next,

@@ -356,6 +356,14 @@ mod managed {
                 // Each measurement starts from the same page state: everything resident on
                 // device 0, then touched on the host (so whatever the previous measurement did —
                 // a discard, say — cannot favour the next one).
+                // our side's ranges, built inside the timed call as a caller would
+                macro_rules! subranges {
+                    () => {
+                        (0..count)
+                            .map(|k| buf.subrange(k * rsize, rsize))
+                            .collect::<Result<Vec<_>>>()?
+                    };
+                }
                 macro_rules! measure {
                     ($k:expr, $body:expr) => {{
                         buf.prefetch(ML::Device(0), &stream)?;
@@ -416,9 +424,7 @@ mod managed {
                             Ok(())
                         }),
                         1 => measure!(1, {
-                            let r: Vec<_> = (0..count)
-                                .map(|k| buf.subrange(k * rsize, rsize))
-                                .collect::<Result<Vec<_>>>()?;
+                            let r = subranges!();
                             managed::prefetch_many_with(
                                 &r,
                                 &[ML::Device(0)],
@@ -450,9 +456,7 @@ mod managed {
                         3 => {
                             if batch_raw.is_some() {
                                 measure!(3, {
-                                    let r: Vec<_> = (0..count)
-                                        .map(|k| buf.subrange(k * rsize, rsize))
-                                        .collect::<Result<Vec<_>>>()?;
+                                    let r = subranges!();
                                     managed::prefetch_many_with(
                                         &r,
                                         &[ML::Device(0)],
@@ -463,9 +467,7 @@ mod managed {
                             }
                         }
                         4 => measure!(4, {
-                            let r: Vec<_> = (0..count)
-                                .map(|k| buf.subrange(k * rsize, rsize))
-                                .collect::<Result<Vec<_>>>()?;
+                            let r = subranges!();
                             managed::prefetch_many(&r, &[ML::Device(0)], &stream)
                         }),
                         5 => {
@@ -488,9 +490,7 @@ mod managed {
                         6 => {
                             if discard_raw.is_some() && dp_raw.is_some() {
                                 measure!(6, {
-                                    let r: Vec<_> = (0..count)
-                                        .map(|k| buf.subrange(k * rsize, rsize))
-                                        .collect::<Result<Vec<_>>>()?;
+                                    let r = subranges!();
                                     managed::discard_many(&r, &stream)
                                 });
                             }
@@ -518,9 +518,7 @@ mod managed {
                         _ => {
                             if discard_raw.is_some() && dp_raw.is_some() {
                                 measure!(8, {
-                                    let r: Vec<_> = (0..count)
-                                        .map(|k| buf.subrange(k * rsize, rsize))
-                                        .collect::<Result<Vec<_>>>()?;
+                                    let r = subranges!();
                                     managed::discard_and_prefetch_many(
                                         &r,
                                         &[ML::Device(0)],

@@ -1117,8 +1117,7 @@ impl Communicator {
         };
         let f = r.functions[&(kernel, dtype, op)].0;
         // The call header every rank compares: what, how much, where.
-        let mut sig = 0xcbf2_9ce4_8422_2325u64;
-        for x in [
+        let sig = kernels::call_header(&[
             count as u64,
             dtype.code(),
             op.code(),
@@ -1126,10 +1125,7 @@ impl Communicator {
             in_off,
             out_off,
             choice.blocks as u64,
-        ] {
-            sig = (sig ^ x).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        sig |= 1 << 63;
+        ]);
         let mut a_ctx = self.inner.team.pads.addrs[rank];
         let mut a_in = input;
         let mut a_out = output;

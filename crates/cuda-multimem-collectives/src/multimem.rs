@@ -309,17 +309,13 @@ impl MultimemAllReduce {
         let mut p_count = count as u64;
         let mut p_timeout = self.config.timeout.as_nanos().min(u64::MAX as u128) as u64;
         // The call header every member compares at the first barrier: what and how much.
-        let mut p_sig = 0xcbf2_9ce4_8422_2325u64;
-        for x in [
+        let mut p_sig = crate::kernels::call_header(&[
             count as u64,
             dtype.code(),
             op.code(),
             k as u64,
             choice.blocks as u64,
-        ] {
-            p_sig = (p_sig ^ x).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        p_sig |= 1 << 63;
+        ]);
         let mut params: [*mut c_void; 5] = [
             &mut p_uc as *mut _ as *mut c_void,
             &mut p_mc as *mut _ as *mut c_void,

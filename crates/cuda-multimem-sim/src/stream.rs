@@ -274,15 +274,7 @@ pub(crate) fn synchronize_legacy(st: &State, dev: i32) -> SimResult {
         .cloned()
         .collect();
     all.extend(s.default.lock().get(&dev).cloned());
-    let mut first = Ok(());
-    for x in all {
-        if let Err(e) = x.synchronize() {
-            if first.is_ok() {
-                first = Err(e);
-            }
-        }
-    }
-    first
+    synchronize_all(all)
 }
 
 /// Wait for every stream of device `dev`.
@@ -296,8 +288,13 @@ pub(crate) fn synchronize_device(st: &State, dev: i32) -> SimResult {
         .filter(|x| x.device == dev)
         .cloned()
         .collect();
+    synchronize_all(all)
+}
+
+/// Synchronise every stream of `streams`; the first error, after waiting for all.
+fn synchronize_all(streams: Vec<Arc<Stream>>) -> SimResult {
     let mut first = Ok(());
-    for x in all {
+    for x in streams {
         if let Err(e) = x.synchronize() {
             if first.is_ok() {
                 first = Err(e);

@@ -104,6 +104,17 @@ pub const ERR_TIMEOUT: u32 = 1;
 /// A peer called with another size, type, operation or algorithm.
 pub const ERR_MISMATCH: u32 = 2;
 
+/// The call header the ranks compare at their first barrier: an FNV-1a-style fold of what
+/// describes the call (count, type, op, kernel, offsets, grid), top bit set so it is never 0
+/// (the value of a header slot nobody wrote).
+pub(crate) fn call_header(fields: &[u64]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for x in fields {
+        h = (h ^ x).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h | 1 << 63
+}
+
 /// The algorithm a kernel implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -999,20 +1010,15 @@ $L_pk_loop:
 	@%p18 bra $L_pk_done;
 	setp.eq.u32 %p19, %r36, %r5;
 	@%p19 bra $L_pk_next;
-	cvt.u64.u32 %rd37, %r36;
-	mul.lo.u64 %rd37, %rd37, %rd35;
-	add.u64 %rd37, %rd37, %rd55;
-	min.u64 %rd37, %rd37, %rd56;
-	add.u64 %rd38, %rd37, %rd35;
-	min.u64 %rd38, %rd38, %rd56;
-	mul.wide.u32 %rd43, %r36, 8;
+{part_k}	mul.wide.u32 %rd43, %r36, 8;
 	add.u64 %rd43, %rd34, %rd43;
 	ld.global.nc.u64 %rd59, [%rd43];
 	add.u64 %rd59, %rd59, %rd57;
 	shl.b64 %rd43, %rd37, 4;
 	sub.u64 %rd59, %rd59, %rd43;
 "#,
-        tail = tail_range(f).trim_start()
+        tail = tail_range(f).trim_start(),
+        part_k = part_of_chunk("%r36"),
     );
     s += &strided(
         "pa",
@@ -1025,15 +1031,8 @@ $L_pk_loop:
     s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n";
     s += &barrier("b1", "%r12", true);
     // phase B: my part; rank k's copy is my input (k == rank) or my slot k (local memory)
-    s += r#"	cvt.u64.u32 %rd37, %r5;
-	mul.lo.u64 %rd37, %rd37, %rd35;
-	add.u64 %rd37, %rd37, %rd55;
-	min.u64 %rd37, %rd37, %rd56;
-	add.u64 %rd38, %rd37, %rd35;
-	min.u64 %rd38, %rd38, %rd56;
-	shl.b64 %rd43, %rd37, 4;
-	sub.u64 %rd60, %rd58, %rd43;
-"#;
+    s += &part_of_chunk("%r5");
+    s += "\tshl.b64 %rd43, %rd37, 4;\n\tsub.u64 %rd60, %rd58, %rd43;\n";
     let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd60, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
     let mut body = format!(
         "\tmov.u32 %r34, 0;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tmov.u32 %r34, 1;\n$L_pb_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_pb_kend;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_pb_k;\n$L_pb_kend:\n",
@@ -1053,6 +1052,14 @@ $L_pk_loop:
     s += &barrier("b2", "%r14", false);
     s += &epilogue_to("%r21");
     s
+}
+
+/// Part k (u32 register `k`) of the push kernel's current chunk [rd55, rd56) with part size rd35:
+/// [rd37, rd38), both clamped to the chunk.
+fn part_of_chunk(k: &str) -> String {
+    format!(
+        "\tcvt.u64.u32 %rd37, {k};\n\tmul.lo.u64 %rd37, %rd37, %rd35;\n\tadd.u64 %rd37, %rd37, %rd55;\n\tmin.u64 %rd37, %rd37, %rd56;\n\tadd.u64 %rd38, %rd37, %rd35;\n\tmin.u64 %rd38, %rd38, %rd56;\n"
+    )
 }
 
 /// The PTX text of one kernel family, as the generator writes it.

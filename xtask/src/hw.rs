@@ -257,20 +257,29 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
         let bytes = o["bytes"].as_u64().unwrap_or(0);
         let n = theirs.iter().find(|t| t["bytes"].as_u64() == Some(bytes));
         let t_ours = o["time_us"].as_f64().unwrap_or(f64::NAN);
-        let t_nccl = n.and_then(|n| n["time_us"].as_f64()).unwrap_or(f64::NAN);
+        // a number, or "-" where NCCL did not run that size
+        let num = |v: Option<f64>, w: usize, p: usize| match v {
+            Some(x) if x.is_finite() => format!("{x:>w$.p$}"),
+            _ => format!("{:>w$}", "-"),
+        };
+        let t_nccl = n.and_then(|n| n["time_us"].as_f64());
         println!(
-            "{:>9} {:>10.2} {:>9.1} {:>9.1} {:>24} {:>7} | {:>10.2} {:>9.1} {:>9.1} {:>7} | {:>6.2}x",
+            "{:>9} {:>10.2} {:>9.1} {:>9.1} {:>24} {:>7} | {} {} {} {:>7} | {}",
             human_bytes(bytes),
             t_ours,
             o["algbw"].as_f64().unwrap_or(f64::NAN),
             o["busbw"].as_f64().unwrap_or(f64::NAN),
             o["path"].as_str().unwrap_or("?"),
             o["correct"],
-            t_nccl,
-            n.and_then(|n| n["algbw"].as_f64()).unwrap_or(f64::NAN),
-            n.and_then(|n| n["busbw"].as_f64()).unwrap_or(f64::NAN),
-            n.map(|n| n["correct"].to_string()).unwrap_or_else(|| "-".into()),
-            t_nccl / t_ours,
+            num(t_nccl, 10, 2),
+            num(n.and_then(|n| n["algbw"].as_f64()), 9, 1),
+            num(n.and_then(|n| n["busbw"].as_f64()), 9, 1),
+            n.map(|n| n["correct"].to_string())
+                .unwrap_or_else(|| "-".into()),
+            match t_nccl {
+                Some(t) => format!("{:>6.2}x", t / t_ours),
+                None => format!("{:>7}", "-"),
+            },
         );
     }
     if !nccl_ok {

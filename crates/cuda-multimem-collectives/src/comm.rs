@@ -330,7 +330,7 @@ impl AllReduceConfig {
     /// Bytes of one staging slot: as configured, else the larger of the one-shot limit and
     /// 64 MiB / N (a push round then covers 64 MiB of the message: 32 MiB slots moved 362 GB/s
     /// at 256 MiB on 2 x H200, 8 MiB slots 357); never smaller than the one-shot limit.
-    fn stage_bytes(&self, n: usize) -> usize {
+    fn stage_slot_bytes(&self, n: usize) -> usize {
         self.stage_bytes
             .unwrap_or((64 << 20) / n.max(1))
             .max(self.one_shot_max(n))
@@ -589,7 +589,7 @@ impl Communicator {
             .unwrap_or(1);
         Communicator::build(Team {
             n: devices.len(),
-            stage_half: config.stage_bytes(devices.len()),
+            stage_half: config.stage_slot_bytes(devices.len()),
             config,
             multiprocessors,
             locals,
@@ -639,7 +639,7 @@ impl Communicator {
         let locals = vec![Local::new(rank, device)?];
         Communicator::build(Team {
             n,
-            stage_half: config.stage_bytes(n),
+            stage_half: config.stage_slot_bytes(n),
             config,
             multiprocessors,
             locals,

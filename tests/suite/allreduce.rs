@@ -167,9 +167,11 @@ fn both_algorithms_give_the_same_bits_when_forced() {
         Algorithm::OneShot,
         Algorithm::TwoShot,
         Algorithm::TwoShotPush,
+        Algorithm::TwoShotCe,
     ] {
         let cfg = AllReduceConfig {
             algorithm: Some(algorithm),
+            ce_max_bytes: 1 << 20,
             ..Default::default()
         };
         let comm = Communicator::with_config(&devices[..2], cfg).unwrap();
@@ -205,6 +207,8 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
             ll_max_bytes: 4 << 10,
             // small slots: the write-only two-shot runs in several rounds per block
             stage_bytes: Some(8 << 10),
+            // and between 8 and 24 KiB the copy-engine two-shot
+            ce_max_bytes: 24 << 10,
             max_blocks: 4,
             threads: 64,
             ..Default::default()
@@ -307,9 +311,38 @@ fn back_to_back_calls_with_random_delays_are_exact_on_a_team_of_8() {
 fn a_captured_graph_replays_the_allreduce_without_host_resets() {
     let e = env();
     let Some(comm) = team(&e) else { return };
-    let s = streams(&comm);
+    graph_replay(&e, &comm, 5000);
+}
+
+/// The copy-engine two-shot's copies are memcpy nodes of the captured graph: replays copy the
+/// new inputs and reduce them, nothing reset from the host.
+#[test]
+fn a_captured_graph_replays_the_copy_engine_two_shot() {
+    let e = env();
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        return skip("graph_ce", "needs 2 devices");
+    }
+    let comm = Communicator::with_config(
+        &devices[..2],
+        AllReduceConfig {
+            one_shot_max_bytes: Some(16 << 10),
+            ce_max_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        comm.choice(100_000, DType::F32).algorithm,
+        Algorithm::TwoShotCe
+    );
+    graph_replay(&e, &comm, 100_000);
+}
+
+/// Capture one f32 sum of `count` elements per rank, replay it four times with new inputs.
+fn graph_replay(e: &Env, comm: &Communicator, count: usize) {
+    let s = streams(comm);
     let d: &Driver = &e.driver;
-    let count = 5000;
     let (dtype, op) = (DType::F32, Op::Sum);
     let inp = comm.alloc(count * 4).unwrap();
     let out = comm.alloc(count * 4).unwrap();
@@ -645,6 +678,8 @@ fn mp_driver() -> Env {
 fn mp_config() -> AllReduceConfig {
     AllReduceConfig {
         one_shot_max_bytes: Some(64 << 10),
+        // 80 KB and 300 KB calls by the copy-engine two-shot, 1.2 MB by the write-only one
+        ce_max_bytes: 512 << 10,
         timeout: Duration::from_millis(1500),
         ..Default::default()
     }
@@ -1157,4 +1192,71 @@ fn write_only_two_shot_and_one_shot_share_the_staging_back_to_back() {
             }
         }
     }
+}
+
+/// The copy-engine two-shot: chosen between the one-shot limit and `ce_max_bytes`, exact for
+/// every dtype and op in place and out of place with vector tails, misaligned operands fall back
+/// to the reading two-shot, a forced call larger than the landing slots is refused.
+#[test]
+fn the_copy_engine_two_shot_is_chosen_up_to_its_limit_and_exact() {
+    let e = env();
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        return skip("two_shot_ce", "needs 2 devices");
+    }
+    let comm = Communicator::with_config(
+        &devices[..2],
+        AllReduceConfig {
+            one_shot_max_bytes: Some(8 << 10),
+            ll_max_bytes: 1 << 10,
+            ce_max_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s = streams(&comm);
+    let buf = comm.alloc(4 << 20).unwrap();
+    let out = comm.alloc(4 << 20).unwrap();
+    let mut rng = Rng::new(4242);
+    assert_eq!(
+        comm.choice(100_000, DType::F32).algorithm,
+        Algorithm::TwoShotCe
+    );
+    assert_eq!(
+        comm.choice(300_000, DType::F32).algorithm,
+        Algorithm::TwoShotPush
+    );
+    for dtype in DType::ALL {
+        for op in Op::ALL {
+            for count in [5_000usize, 131_075] {
+                let count = count.min((1 << 20) / dtype.size());
+                check_once(&comm, &s, &mut rng, &buf, &buf, (0, 0), count, dtype, op);
+                check_once(&comm, &s, &mut rng, &buf, &out, (8, 24), count, dtype, op);
+            }
+        }
+    }
+    // misaligned: the reading two-shot
+    let c = comm
+        .all_reduce(0, &buf, 3, &out, 3, 60_000, DType::F32, Op::Sum, &s[0])
+        .unwrap();
+    assert_eq!(c.algorithm, Algorithm::TwoShot);
+    comm.all_reduce(1, &buf, 3, &out, 3, 60_000, DType::F32, Op::Sum, &s[1])
+        .unwrap();
+    sync(&s);
+    comm.check().unwrap();
+    // forced beyond the landing slots: refused before anything is queued
+    let forced = Communicator::with_config(
+        &devices[..2],
+        AllReduceConfig {
+            algorithm: Some(Algorithm::TwoShotCe),
+            ce_max_bytes: 64 << 10,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let big = forced.alloc(1 << 20).unwrap();
+    let err = forced
+        .all_reduce(0, &big, 0, &big, 0, 200_000, DType::F32, Op::Sum, &s[0])
+        .unwrap_err();
+    assert_eq!(invalid_arg(err), "bytes");
 }

@@ -4,7 +4,7 @@
 //! prints (busbw = algbw * 2(n-1)/n).
 //!
 //! `CUDA_MULTIMEM_DRIVER=cuda cargo run --release --example bench_allreduce -- [--ranks N]
-//! [--min-bytes B] [--max-bytes B] [--runs R] [--algorithm one-shot-ll|one-shot|two-shot] [--ll-max B] [--stage-bytes B] [--blocks B] [--threads T] [--push-threads T] [--check-max B]`
+//! [--min-bytes B] [--max-bytes B] [--runs R] [--algorithm one-shot-ll|one-shot|two-shot|two-shot-push|two-shot-ce] [--ll-max B] [--stage-bytes B] [--blocks B] [--threads T] [--push-threads T] [--ce-max B] [--check-max B]`
 //! (`cargo xtask bench-hw allreduce` runs it on the GPU machine). With
 //! `CUDA_MULTIMEM_DRIVER=sim` it runs on the simulator (times are meaningless there).
 
@@ -50,6 +50,7 @@ fn parse() -> Res<Args> {
             "--threads" => a.config.threads = v()?.parse()?,
             "--stage-bytes" => a.config.stage_bytes = Some(v()?.parse()?),
             "--push-threads" => a.config.push_threads = v()?.parse()?,
+            "--ce-max" => a.config.ce_max_bytes = v()?.parse()?,
             "--check-max" => a.check_max = v()?.parse()?,
             "--ll-max" => a.config.ll_max_bytes = v()?.parse()?,
             "--one-shot-max" => a.config.one_shot_max_bytes = Some(v()?.parse()?),
@@ -59,6 +60,7 @@ fn parse() -> Res<Args> {
                     "one-shot-ll" => Algorithm::OneShotLl,
                     "two-shot" => Algorithm::TwoShot,
                     "two-shot-push" => Algorithm::TwoShotPush,
+                    "two-shot-ce" => Algorithm::TwoShotCe,
                     o => return Err(format!("unknown algorithm {o}").into()),
                 })
             }

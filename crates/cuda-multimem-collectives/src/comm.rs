@@ -295,6 +295,10 @@ pub struct AllReduceConfig {
     /// otherwise): 1024 and 128 blocks on 2 x H200 moved 362 GB/s at 256 MiB where 512 x 256
     /// moved 357 (docs/perf.md).
     pub push_threads: u32,
+    /// Messages above the one-shot limit and up to this many bytes use the copy-engine
+    /// two-shot ([`Algorithm::TwoShotCe`]); it also sizes the landing area (about this many
+    /// bytes per rank). 0 (the default) turns it off.
+    pub ce_max_bytes: usize,
     /// Bytes of one staging slot (there are 2 x N per rank); `None`: the larger of the one-shot
     /// limit and 64 MiB / N. One-shot messages must fit a slot; the write-only two-shot
     /// ([`Algorithm::TwoShotPush`], the default above the one-shot limit) goes through the
@@ -309,6 +313,7 @@ impl Default for AllReduceConfig {
             ll_max_bytes: 64 << 10,
             stage_bytes: None,
             push_threads: 1024,
+            ce_max_bytes: 0,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -390,6 +395,7 @@ impl AllReduceConfig {
             self.ll_max_bytes as u64,
             self.stage_bytes.unwrap_or(0) as u64,
             self.push_threads as u64,
+            self.ce_max_bytes as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -435,6 +441,10 @@ struct TeamMemory {
     pads: Sym,
     _stages: Sym,
     _ll: Sym,
+    /// Landing areas of the copy-engine two-shot: rank r's holds n slots of `land_slot` bytes,
+    /// slot s receiving sender s's copy of r's part.
+    lands: Sym,
+    land_slot: usize,
 }
 
 struct Registered {
@@ -654,6 +664,13 @@ impl Communicator {
             .max(4096)
             .next_multiple_of(4096);
         let ll = Sym::new(&team, 2 * team.n * ll_slot, true)?;
+        let land_slot = team
+            .config
+            .ce_max_bytes
+            .div_ceil(team.n)
+            .max(4096)
+            .next_multiple_of(4096);
+        let lands = Sym::new(&team, team.n * land_slot, false)?;
         // Each local rank's pad: its rank, the team size, the staging half, every rank's pad
         // and staging area as mapped in this process.
         for l in &team.locals {
@@ -666,6 +683,10 @@ impl Communicator {
                 .copy_from_slice(&(team.stage_half as u64).to_le_bytes());
             hdr[kernels::OFF_LL_SLOT..kernels::OFF_LL_SLOT + 8]
                 .copy_from_slice(&(ll_slot as u64).to_le_bytes());
+            hdr[kernels::OFF_LAND_SLOT..kernels::OFF_LAND_SLOT + 8]
+                .copy_from_slice(&(land_slot as u64).to_le_bytes());
+            hdr[kernels::OFF_LAND..kernels::OFF_LAND + 8]
+                .copy_from_slice(&lands.addrs[l.rank].to_le_bytes());
             for j in 0..team.n {
                 let o = kernels::OFF_PADS + 8 * j;
                 hdr[o..o + 8].copy_from_slice(&pads.addrs[j].to_le_bytes());
@@ -687,6 +708,8 @@ impl Communicator {
                     pads,
                     _stages: stages,
                     _ll: ll,
+                    lands,
+                    land_slot,
                 },
                 buffers: Mutex::new(HashMap::new()),
                 next_buffer: AtomicU64::new(1),
@@ -793,10 +816,12 @@ impl Communicator {
             Algorithm::OneShotLl
         } else if bytes <= c.one_shot_max(team.n) {
             Algorithm::OneShot
+        } else if bytes <= c.ce_max_bytes {
+            Algorithm::TwoShotCe
         } else {
             Algorithm::TwoShotPush
         });
-        let push = algorithm == Algorithm::TwoShotPush;
+        let push = matches!(algorithm, Algorithm::TwoShotPush | Algorithm::TwoShotCe);
         let max_blocks = if c.max_blocks != 0 {
             c.max_blocks
         } else if push {
@@ -811,10 +836,12 @@ impl Communicator {
         let per_rank = match algorithm {
             Algorithm::OneShot => units,
             Algorithm::OneShotLl => bytes.div_ceil(4) as u64,
-            Algorithm::TwoShot | Algorithm::TwoShotPush => units.div_ceil(team.n as u64),
+            Algorithm::TwoShot | Algorithm::TwoShotPush | Algorithm::TwoShotCe => {
+                units.div_ceil(team.n as u64)
+            }
         };
         let mut blocks = per_rank.div_ceil(max_threads).clamp(1, max_blocks);
-        if push {
+        if algorithm == Algorithm::TwoShotPush {
             // every block owns at least 8 vectors (128 bytes) of each staging slot
             blocks = blocks.min(team.stage_half as u64 / 128).max(1);
         }
@@ -1059,9 +1086,25 @@ impl Communicator {
             };
             choice = self.choice_with(count, dtype, Some(fallback));
         }
-        if choice.algorithm == Algorithm::TwoShotPush && (input % 16 != 0 || output % 16 != 0) {
+        if matches!(
+            choice.algorithm,
+            Algorithm::TwoShotPush | Algorithm::TwoShotCe
+        ) && (input % 16 != 0 || output % 16 != 0)
+        {
             // The write-only two-shot moves 16-byte vectors only: run the reading two-shot.
             choice = self.choice_with(count, dtype, Some(Algorithm::TwoShot));
+        }
+        let ce_part =
+            kernels::ce_part_units((bytes / 16) as u64, self.inner.team.n as u64) as usize;
+        if choice.algorithm == Algorithm::TwoShotCe && ce_part * 16 > self.inner.team.land_slot {
+            return Err(Error::invalid(
+                "bytes",
+                format!(
+                    "{bytes} bytes with the copy-engine two-shot; its landing slots hold {} bytes of a {}-byte part (raise ce_max_bytes)",
+                    self.inner.team.land_slot,
+                    ce_part * 16
+                ),
+            ));
         }
         if choice.algorithm == Algorithm::OneShot && bytes > self.inner.team.stage_half {
             return Err(Error::invalid(
@@ -1114,8 +1157,38 @@ impl Communicator {
             Algorithm::OneShotLl => Kernel::P2pOneShotLl,
             Algorithm::TwoShot => Kernel::P2pTwoShot,
             Algorithm::TwoShotPush => Kernel::P2pTwoShotPush,
+            Algorithm::TwoShotCe => Kernel::P2pTwoShotCe,
         };
         let f = r.functions[&(kernel, dtype, op)].0;
+        if kernel == Kernel::P2pTwoShotCe {
+            // The first half of the two-shot, by the copy engines, on the caller's stream:
+            // part k of my input into rank k's landing slot for me. The kernel queued next
+            // starts only once they are complete, so its release covers them.
+            let team = &self.inner.team;
+            let units = bytes / 16;
+            r.device.bind()?;
+            for k in (0..team.n).filter(|&k| k != rank) {
+                let s = (k * ce_part).min(units);
+                let e = (s + ce_part).min(units);
+                if e > s {
+                    let dst = team.lands.addrs[k] + (rank * team.land_slot) as u64;
+                    // SAFETY: the source lies in the caller's registered input (checked above),
+                    // the destination in rank k's landing area as mapped for this device; the
+                    // caller promises the stream.
+                    unsafe {
+                        cu!(
+                            r.device.driver(),
+                            cuMemcpyDtoDAsync_v3020(
+                                dst,
+                                input + (s * 16) as u64,
+                                (e - s) * 16,
+                                stream
+                            )
+                        )
+                    }?;
+                }
+            }
+        }
         // The call header every rank compares: what, how much, where.
         let sig = kernels::call_header(&[
             count as u64,

@@ -167,6 +167,13 @@ pub enum Algorithm {
     /// above the one-shot limit. Needs 16-byte aligned operands; otherwise the call runs
     /// [`Algorithm::TwoShot`].
     TwoShotPush,
+    /// Two-shot whose first half goes through the copy engines: each rank's part k of its
+    /// input is copied (`cuMemcpyDtoDAsync`, on the caller's stream, before the kernel) into
+    /// rank k's landing area; the kernel meets its peers, reduces its part there and pushes the
+    /// result to every output. Chosen up to [`crate::AllReduceConfig::ce_max_bytes`] (off by
+    /// default). Needs 16-byte aligned operands; otherwise the call runs
+    /// [`Algorithm::TwoShot`].
+    TwoShotCe,
 }
 
 impl std::fmt::Display for Path {
@@ -185,6 +192,7 @@ impl std::fmt::Display for Algorithm {
             Algorithm::TwoShot => "two-shot",
             Algorithm::OneShotLl => "one-shot-ll",
             Algorithm::TwoShotPush => "two-shot-push",
+            Algorithm::TwoShotCe => "two-shot-ce",
         })
     }
 }

@@ -214,7 +214,7 @@ impl MultimemAllReduce {
         let algorithm = match c.algorithm {
             // the low-latency protocol is a peer-to-peer protocol; multimem runs one-shot
             Some(Algorithm::OneShotLl) => Some(Algorithm::OneShot),
-            Some(Algorithm::TwoShotPush) => Some(Algorithm::TwoShot),
+            Some(Algorithm::TwoShotPush | Algorithm::TwoShotCe) => Some(Algorithm::TwoShot),
             a => a,
         };
         let algorithm = algorithm.unwrap_or(if bytes <= one_shot_max {
@@ -230,7 +230,9 @@ impl MultimemAllReduce {
         let units = bytes.div_ceil(16) as u64;
         let per_rank = match algorithm {
             Algorithm::OneShot | Algorithm::OneShotLl => units,
-            Algorithm::TwoShot | Algorithm::TwoShotPush => units.div_ceil(n as u64),
+            Algorithm::TwoShot | Algorithm::TwoShotPush | Algorithm::TwoShotCe => {
+                units.div_ceil(n as u64)
+            }
         };
         let blocks = per_rank.div_ceil(c.threads as u64).clamp(1, max_blocks);
         let threads = per_rank
@@ -297,7 +299,7 @@ impl MultimemAllReduce {
         }
         let k = match choice.algorithm {
             Algorithm::OneShot | Algorithm::OneShotLl => MmKernel::OneShot,
-            Algorithm::TwoShot | Algorithm::TwoShotPush => MmKernel::TwoShot,
+            Algorithm::TwoShot | Algorithm::TwoShotPush | Algorithm::TwoShotCe => MmKernel::TwoShot,
         };
         let f = r.functions[&(k, dtype, op)].0;
         let mc = self

@@ -330,6 +330,76 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 // c + 2M, M = ceil((R + 1) / 2) made odd: the header parity still flips
                 final_ctr = c.wrapping_add(2 * (((rounds as u32 + 2) >> 1) | 1));
             }
+            Kernel::P2pTwoShotCe => {
+                // my part (rank-major) from my input and my landing slots, written there by
+                // the peers' copy engines before their kernels started; tail as in the two-shot
+                if !aligned {
+                    return Err(KernelError::Failed(
+                        "two-shot-ce with misaligned operands".into(),
+                    ));
+                }
+                let slot = u64_at(pad + OFF_LAND_SLOT).load(Ordering::Relaxed) as usize;
+                let land = u64_at(pad + OFF_LAND).load(Ordering::Relaxed) as usize;
+                a.check(in_tab, 8 * n, false)?;
+                a.check(out_tab, 8 * n, false)?;
+                let tab = |t: usize, at: usize| u64_at(at + 8 * t).load(Ordering::Relaxed) as usize;
+                let din = inp.wrapping_sub(tab(rank, in_tab));
+                let dout = out.wrapping_sub(tab(rank, out_tab));
+                let ins: Vec<usize> = (0..n).map(|t| tab(t, in_tab).wrapping_add(din)).collect();
+                let outs: Vec<usize> = (0..n).map(|t| tab(t, out_tab).wrapping_add(dout)).collect();
+                let p = crate::kernels::ce_part_units(units, n as u64);
+                let ms = (rank as u64 * p).min(units);
+                let me = (ms + p).min(units);
+                let bper = (me - ms).div_ceil(g).next_multiple_of(8);
+                let lo = (ms + b * bper).min(me);
+                let hi = (lo + bper).min(me);
+                cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
+                let srcs: Vec<(usize, u64)> = (0..n)
+                    .map(|k| {
+                        if k == rank {
+                            (inp, 0)
+                        } else {
+                            (land + k * slot, ms * ub)
+                        }
+                    })
+                    .collect();
+                let len = ((hi - lo) * 16) as usize;
+                for &(x, base) in &srcs {
+                    a.check(x + ((lo * ub - base) * es) as usize, len, false)?;
+                }
+                for o in &outs {
+                    a.check(o + (lo * 16) as usize, len, true)?;
+                }
+                for i in lo * ub..hi * ub {
+                    let mut acc = ld(d, srcs[0].0, i - srcs[0].1);
+                    for &(x, base) in &srcs[1..] {
+                        acc = op.apply(acc, ld(d, x, i - base));
+                    }
+                    for o in &outs {
+                        st(d, *o, i, acc);
+                    }
+                }
+                if last_block && rank == n - 1 && count > tail_start {
+                    let (tl, th) = (tail_start, count);
+                    let (off, tlen) = ((tl * es) as usize, ((th - tl) * es) as usize);
+                    for x in &ins {
+                        a.check(x + off, tlen, false)?;
+                    }
+                    for o in &outs {
+                        a.check(o + off, tlen, true)?;
+                    }
+                    for i in tl..th {
+                        let mut acc = ld(d, ins[0], i);
+                        for x in &ins[1..] {
+                            acc = op.apply(acc, ld(d, *x, i));
+                        }
+                        for o in &outs {
+                            st(d, *o, i, acc);
+                        }
+                    }
+                }
+                cx.barrier(a, b as usize, c.wrapping_add(2), None);
+            }
             Kernel::P2pTwoShot => {
                 a.check(in_tab, 8 * n, false)?;
                 a.check(out_tab, 8 * n, false)?;

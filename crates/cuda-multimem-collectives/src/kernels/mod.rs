@@ -16,6 +16,8 @@
 //! | 16 | `u64` bytes of one staging half |
 //! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
 //! | 24 | `u64` bytes of one low-latency slot |
+//! | 32 | `u64` bytes of one landing slot (the copy-engine two-shot) |
+//! | 40 | `u64` this rank's landing area, as mapped on this rank |
 //! | 128 | `u64[8]` every rank's staging area, as mapped on this rank |
 //! | 192 | `u64[8]` every rank's low-latency staging area, as mapped on this rank |
 //! | 256 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
@@ -93,6 +95,10 @@ pub const OFF_STAGES: usize = 128;
 pub const OFF_LL_SLOT: usize = 24;
 /// Peer low-latency staging areas.
 pub const OFF_LL_STAGES: usize = 192;
+/// Bytes of one landing slot (`u64`).
+pub const OFF_LAND_SLOT: usize = 32;
+/// This rank's landing area (`u64`).
+pub const OFF_LAND: usize = 40;
 /// Block counters.
 pub const OFF_CTR: usize = 256;
 /// Signal slots.
@@ -132,15 +138,22 @@ pub enum Kernel {
     /// result to every rank's output, barrier. Needs 16-byte aligned operands and a staging slot
     /// as large as the message (experimental; forced only).
     P2pTwoShotPush,
+    /// Two-shot whose first half is done by the copy engines before the kernel starts: each
+    /// rank's part k of the input (rank-major: part k is the k-th N-th of the message) is copied
+    /// by `cuMemcpyDtoDAsync` into rank k's landing slot of this rank, on the caller's stream;
+    /// the kernel then meets its peers, reduces its part from its input and its landing slots
+    /// and pushes the result into every output. 16-byte aligned operands only.
+    P2pTwoShotCe,
 }
 
 impl Kernel {
     /// Every kernel family.
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 5] = [
         Kernel::P2pOneShot,
         Kernel::P2pTwoShot,
         Kernel::P2pOneShotLl,
         Kernel::P2pTwoShotPush,
+        Kernel::P2pTwoShotCe,
     ];
 
     /// File name of the family's PTX.
@@ -150,6 +163,7 @@ impl Kernel {
             Kernel::P2pTwoShot => "p2p_twoshot.ptx",
             Kernel::P2pOneShotLl => "p2p_oneshot_ll.ptx",
             Kernel::P2pTwoShotPush => "p2p_twoshot_push.ptx",
+            Kernel::P2pTwoShotCe => "p2p_twoshot_ce.ptx",
         }
     }
 
@@ -159,6 +173,7 @@ impl Kernel {
             Kernel::P2pTwoShot => "p2p_twoshot",
             Kernel::P2pOneShotLl => "p2p_oneshot_ll",
             Kernel::P2pTwoShotPush => "p2p_twoshot_push",
+            Kernel::P2pTwoShotCe => "p2p_twoshot_ce",
         }
     }
 
@@ -169,6 +184,7 @@ impl Kernel {
             Kernel::P2pTwoShot => include_str!("p2p_twoshot.ptx"),
             Kernel::P2pOneShotLl => include_str!("p2p_oneshot_ll.ptx"),
             Kernel::P2pTwoShotPush => include_str!("p2p_twoshot_push.ptx"),
+            Kernel::P2pTwoShotCe => include_str!("p2p_twoshot_ce.ptx"),
         }
     }
 
@@ -1054,6 +1070,88 @@ $L_pk_loop:
     s
 }
 
+/// Vectors of one rank's part in the copy-engine two-shot: ceil(units / n) rounded up to 8 (the
+/// host copies part k = [k * P, min((k + 1) * P, units)) of every input to rank k).
+pub fn ce_part_units(units: u64, n: u64) -> u64 {
+    units.div_ceil(n).next_multiple_of(8)
+}
+
+/// The copy-engine two-shot (see [`Kernel::P2pTwoShotCe`]). Rank r's part is the r-th N-th of
+/// the message, [r * P, (r + 1) * P) vectors; the blocks split it (ranges rounded to 8 vectors).
+/// Sender k's copy of my part lies in my landing slot k, indexed from my part's start. The
+/// copies are complete before the kernel starts (stream order on the sender), so the sender's
+/// release at barrier(c+1) covers them. Scalar tail as in the two-shot; counters + 2.
+fn two_shot_ce(f: &Flavor) -> String {
+    let name = Kernel::P2pTwoShotCe.entry(f.dtype, f.op);
+    let es = f.es_log2();
+    let mut s = prologue(&name, f);
+    s += &format!(
+        r#"	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	// output delta for the result pushes, input delta for the tail
+	mul.wide.u32 %rd30, %r5, 8;
+	add.u64 %rd31, %rd5, %rd30;
+	ld.global.nc.u64 %rd31, [%rd31];
+	sub.u64 %rd31, %rd2, %rd31;
+	add.u64 %rd32, %rd6, %rd30;
+	ld.global.nc.u64 %rd32, [%rd32];
+	sub.u64 %rd32, %rd3, %rd32;
+	// part size P = ceil(units / n) rounded up to 8 (rd50); my part [rd51, rd52)
+	cvt.u64.u32 %rd36, %r6;
+	add.u64 %rd50, %rd10, %rd36;
+	sub.u64 %rd50, %rd50, 1;
+	div.u64 %rd50, %rd50, %rd36;
+	add.u64 %rd50, %rd50, 7;
+	and.b64 %rd50, %rd50, -8;
+	cvt.u64.u32 %rd37, %r5;
+	mul.lo.u64 %rd51, %rd37, %rd50;
+	min.u64 %rd51, %rd51, %rd10;
+	add.u64 %rd52, %rd51, %rd50;
+	min.u64 %rd52, %rd52, %rd10;
+	// this block's share of my part, rounded up to 8: [rd11, rd12)
+	sub.u64 %rd53, %rd52, %rd51;
+	add.u64 %rd53, %rd53, %rd13;
+	sub.u64 %rd53, %rd53, 1;
+	div.u64 %rd53, %rd53, %rd13;
+	add.u64 %rd53, %rd53, 7;
+	and.b64 %rd53, %rd53, -8;
+	mul.lo.u64 %rd11, %rd15, %rd53;
+	add.u64 %rd11, %rd11, %rd51;
+	min.u64 %rd11, %rd11, %rd52;
+	add.u64 %rd12, %rd11, %rd53;
+	min.u64 %rd12, %rd12, %rd52;
+	// landing slots: slot bytes rd39, sender k's copy of unit i at rd60 + k * slot + i * 16
+	ld.global.u64 %rd39, [%rd1+{OFF_LAND_SLOT}];
+	ld.global.u64 %rd54, [%rd1+{OFF_LAND}];
+	shl.b64 %rd43, %rd51, 4;
+	sub.u64 %rd60, %rd54, %rd43;
+	{tail}	sub.u32 %r11, %r4, 1;
+	setp.eq.u32 %p17, %r2, %r11;
+	sub.u32 %r13, %r6, 1;
+	setp.eq.and.u32 %p17, %r5, %r13, %p17;
+	add.u32 %r12, %r7, 1;
+"#,
+        tail = tail_range(f).trim_start()
+    );
+    s += &barrier("b1", "%r12", true);
+    let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd60, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
+    let mut body = format!(
+        "\tmov.u32 %r34, 0;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tmov.u32 %r34, 1;\n$L_cb_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_cb_kend;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_cb_k;\n$L_cb_kend:\n",
+        f.vec_in(true),
+        f.vec_in(false)
+    );
+    body += &store_to_ranks("sv", f, Addr::Table("%rd6", "%rd32"), true);
+    s += &strided("cb", "%rd11", "%rd12", 4, &body);
+    s += "\t@!%p17 bra $L_red_done;\n";
+    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
+    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
+    s += &strided("red_t", "%rd16", "%rd4", es, &body);
+    s += "$L_red_done:\n\tadd.u32 %r14, %r7, 2;\n";
+    s += &barrier("b2", "%r14", false);
+    s += &epilogue();
+    s
+}
+
 /// Part k (u32 register `k`) of the push kernel's current chunk [rd55, rd56) with part size rd35:
 /// [rd37, rd38), both clamped to the chunk.
 fn part_of_chunk(k: &str) -> String {
@@ -1073,6 +1171,7 @@ pub fn generate(kernel: Kernel) -> String {
                 Kernel::P2pTwoShot => two_shot(&f),
                 Kernel::P2pOneShotLl => one_shot_ll(&f),
                 Kernel::P2pTwoShotPush => two_shot_push(&f),
+                Kernel::P2pTwoShotCe => two_shot_ce(&f),
             };
         }
     }

@@ -209,6 +209,7 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
             stage_bytes: Some(8 << 10),
             // and between 8 and 24 KiB the copy-engine two-shot
             ce_max_bytes: 24 << 10,
+            ce_min_bytes: 0,
             max_blocks: 4,
             threads: 64,
             ..Default::default()
@@ -328,6 +329,7 @@ fn a_captured_graph_replays_the_copy_engine_two_shot() {
         AllReduceConfig {
             one_shot_max_bytes: Some(16 << 10),
             ce_max_bytes: 1 << 20,
+            ce_min_bytes: 0,
             ..Default::default()
         },
     )
@@ -680,6 +682,7 @@ fn mp_config() -> AllReduceConfig {
         one_shot_max_bytes: Some(64 << 10),
         // 80 KB and 300 KB calls by the copy-engine two-shot, 1.2 MB by the write-only one
         ce_max_bytes: 512 << 10,
+        ce_min_bytes: 0,
         timeout: Duration::from_millis(1500),
         ..Default::default()
     }
@@ -1210,6 +1213,7 @@ fn the_copy_engine_two_shot_is_chosen_up_to_its_limit_and_exact() {
             one_shot_max_bytes: Some(8 << 10),
             ll_max_bytes: 1 << 10,
             ce_max_bytes: 1 << 20,
+            ce_min_bytes: 16 << 10,
             ..Default::default()
         },
     )
@@ -1224,6 +1228,11 @@ fn the_copy_engine_two_shot_is_chosen_up_to_its_limit_and_exact() {
     );
     assert_eq!(
         comm.choice(300_000, DType::F32).algorithm,
+        Algorithm::TwoShotPush
+    );
+    // below ce_min_bytes (16 KiB) but above the one-shot limit: the write-only two-shot
+    assert_eq!(
+        comm.choice(3_000, DType::F32).algorithm,
         Algorithm::TwoShotPush
     );
     for dtype in DType::ALL {

@@ -295,10 +295,16 @@ pub struct AllReduceConfig {
     /// otherwise): 1024 and 128 blocks on 2 x H200 moved 362 GB/s at 256 MiB where 512 x 256
     /// moved 357 (docs/perf.md).
     pub push_threads: u32,
-    /// Messages above the one-shot limit and up to this many bytes use the copy-engine
-    /// two-shot ([`Algorithm::TwoShotCe`]); it also sizes the landing area (about this many
-    /// bytes per rank). 0 (the default) turns it off.
+    /// Messages from `ce_min_bytes` up to this many bytes use the copy-engine two-shot
+    /// ([`Algorithm::TwoShotCe`]); it also sizes the landing area, about this many bytes per
+    /// rank, which is why it is off (0) by default. On 2 x H200 it moved 362 GB/s at 256 MiB,
+    /// 369 at 512 MiB and 373 at 1 GiB where the write-only two-shot moved 360, 363 and 365
+    /// (docs/perf.md).
     pub ce_max_bytes: usize,
+    /// Smallest message for the copy-engine two-shot (when `ce_max_bytes` allows it): below
+    /// 256 MiB it was slower than the write-only two-shot on 2 x H200 (241 against 309 GB/s at
+    /// 16 MiB, 352 against 356 at 128 MiB).
+    pub ce_min_bytes: usize,
     /// Bytes of one staging slot (there are 2 x N per rank); `None`: the larger of the one-shot
     /// limit and 64 MiB / N. One-shot messages must fit a slot; the write-only two-shot
     /// ([`Algorithm::TwoShotPush`], the default above the one-shot limit) goes through the
@@ -314,6 +320,7 @@ impl Default for AllReduceConfig {
             stage_bytes: None,
             push_threads: 1024,
             ce_max_bytes: 0,
+            ce_min_bytes: 256 << 20,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -396,6 +403,7 @@ impl AllReduceConfig {
             self.stage_bytes.unwrap_or(0) as u64,
             self.push_threads as u64,
             self.ce_max_bytes as u64,
+            self.ce_min_bytes as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -816,7 +824,7 @@ impl Communicator {
             Algorithm::OneShotLl
         } else if bytes <= c.one_shot_max(team.n) {
             Algorithm::OneShot
-        } else if bytes <= c.ce_max_bytes {
+        } else if bytes <= c.ce_max_bytes && bytes >= c.ce_min_bytes {
             Algorithm::TwoShotCe
         } else {
             Algorithm::TwoShotPush

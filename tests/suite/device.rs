@@ -291,3 +291,101 @@ fn pageable_copies_land_in_the_legacy_streams_order_and_non_blocking_streams_do_
         sys.cuMemFree_v3020().unwrap()(b);
     }
 }
+
+/// Fork and join inside a stream capture, the usual multi-stream graph pattern: a second stream
+/// joins the capture by waiting on an event recorded in it, its work becomes part of the graph,
+/// and the capture must wait on it again before it ends (else CUDA_ERROR_STREAM_CAPTURE_UNJOINED).
+/// Runs on the simulator and on the real driver alike.
+#[test]
+fn a_capture_forks_into_a_second_stream_and_must_join_it_back() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    d.bind().unwrap();
+    let sys = e.driver.sys();
+    let n = 1 << 20; // 4-byte words
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: out-pointers valid, context current; the allocations are freed at the end.
+    unsafe {
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut a, 4 * n),
+            CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut b, 4 * n),
+            CUresult::CUDA_SUCCESS
+        );
+    }
+    let origin = Stream::new(&d).unwrap();
+    let fork = Stream::new(&d).unwrap();
+    let (fork_ev, join_ev) = (
+        Event::new(&d, false).unwrap(),
+        Event::new(&d, false).unwrap(),
+    );
+    let begin = sys.cuStreamBeginCapture_v10010().unwrap();
+    let end = sys.cuStreamEndCapture().unwrap();
+    let wait = sys.cuStreamWaitEvent().unwrap();
+    let is_capturing = |s: &Stream| {
+        let mut st = cuda_multimem::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream, a valid out-pointer.
+        unsafe { sys.cuStreamIsCapturing().unwrap()(s.raw(), &mut st) };
+        st == cuda_multimem::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+    };
+    let global = cuda_multimem::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    for round in 0..2u32 {
+        let joined = round == 0;
+        // SAFETY: live streams, events and allocations of device 0; every call checked.
+        unsafe {
+            assert_eq!(begin(origin.raw(), global), CUresult::CUDA_SUCCESS);
+            fork_ev.record(&origin).unwrap();
+            assert_eq!(wait(fork.raw(), fork_ev.raw(), 0), CUresult::CUDA_SUCCESS);
+            assert!(is_capturing(&fork), "the fork joined the capture");
+            // the fork fills a, the origin (after joining the fork back) copies a to b
+            assert_eq!(
+                sys.cuMemsetD32Async_v3020().unwrap()(a, 7 + round, n, fork.raw()),
+                CUresult::CUDA_SUCCESS
+            );
+            if joined {
+                join_ev.record(&fork).unwrap();
+                assert_eq!(wait(origin.raw(), join_ev.raw(), 0), CUresult::CUDA_SUCCESS);
+                assert_eq!(
+                    sys.cuMemcpyDtoDAsync_v3020().unwrap()(b, a, 4 * n, origin.raw()),
+                    CUresult::CUDA_SUCCESS
+                );
+            }
+            let mut graph = std::ptr::null_mut();
+            let rc = end(origin.raw(), &mut graph);
+            assert!(!is_capturing(&fork), "the capture's end releases the fork");
+            if !joined {
+                assert_eq!(rc, CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
+                continue;
+            }
+            assert_eq!(rc, CUresult::CUDA_SUCCESS);
+            let mut exec = std::ptr::null_mut();
+            assert_eq!(
+                sys.cuGraphInstantiateWithFlags().unwrap()(&mut exec, graph, 0),
+                CUresult::CUDA_SUCCESS
+            );
+            sys.cuGraphDestroy().unwrap()(graph);
+            assert_eq!(
+                sys.cuGraphLaunch().unwrap()(exec, origin.raw()),
+                CUresult::CUDA_SUCCESS
+            );
+            origin.synchronize().unwrap();
+            let mut back = vec![0u32; n];
+            assert_eq!(
+                sys.cuMemcpyDtoH_v3020().unwrap()(back.as_mut_ptr().cast(), b, 4 * n),
+                CUresult::CUDA_SUCCESS
+            );
+            assert!(
+                back.iter().all(|&x| x == 7),
+                "the graph ran the fork's memset before the copy"
+            );
+            sys.cuGraphExecDestroy().unwrap()(exec);
+        }
+    }
+    // SAFETY: our allocations, nothing pending on them.
+    unsafe {
+        sys.cuMemFree_v3020().unwrap()(a);
+        sys.cuMemFree_v3020().unwrap()(b);
+    }
+}

@@ -30,6 +30,9 @@ pub(crate) struct Stream {
     q: Mutex<Queue>,
     cv: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The stream whose capture this one joined by waiting on an event recorded in it (a fork
+    /// of that capture); its work goes into that capture until the capture ends.
+    joined: Mutex<Option<Arc<Stream>>>,
 }
 
 #[derive(Default)]
@@ -40,6 +43,17 @@ struct Queue {
     error: Option<CUresult>,
     shutdown: bool,
     capture: Option<Vec<Op>>,
+    /// Streams that joined this stream's capture (forks), with how many operations each has
+    /// put into it and up to which of them the capture has waited on it again (joined back).
+    forks: Vec<Fork>,
+}
+
+/// A stream forked into a capture: the graph is kept as one list in program order, so a fork's
+/// work is serialised with the rest (the simulator does not run graph branches concurrently).
+struct Fork {
+    stream: Arc<Stream>,
+    ops: u64,
+    joined_upto: u64,
 }
 
 impl Stream {
@@ -53,6 +67,7 @@ impl Stream {
             q: Mutex::new(Queue::default()),
             cv: Condvar::new(),
             thread: Mutex::new(None),
+            joined: Mutex::new(None),
         });
         let w = s.clone();
         let h = std::thread::Builder::new()
@@ -89,8 +104,20 @@ impl Stream {
         }
     }
 
-    /// Queue `op`, or record it if the stream is capturing.
-    pub fn enqueue(&self, op: Op) -> SimResult {
+    /// Queue `op`, or record it if the stream is capturing (or joined a capture).
+    pub fn enqueue(self: &Arc<Self>, op: Op) -> SimResult {
+        let origin = self.joined.lock().clone();
+        if let Some(o) = origin {
+            let mut oq = o.q.lock();
+            let Some(c) = oq.capture.as_mut() else {
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+            };
+            c.push(op);
+            if let Some(f) = oq.forks.iter_mut().find(|f| Arc::ptr_eq(&f.stream, self)) {
+                f.ops += 1;
+            }
+            return Ok(());
+        }
         let mut q = self.q.lock();
         if let Some(c) = q.capture.as_mut() {
             c.push(op);
@@ -102,9 +129,17 @@ impl Stream {
         Ok(())
     }
 
-    /// Whether the stream is capturing a graph.
+    /// Whether the stream is capturing a graph (its own, or one it joined).
     pub fn capturing(&self) -> bool {
-        self.q.lock().capture.is_some()
+        self.joined.lock().is_some() || self.q.lock().capture.is_some()
+    }
+
+    /// The stream whose capture this one takes part in: itself, or the one it joined.
+    fn capture_origin(self: &Arc<Self>) -> Option<Arc<Stream>> {
+        if let Some(o) = self.joined.lock().clone() {
+            return Some(o);
+        }
+        self.q.lock().capture.is_some().then(|| self.clone())
     }
 
     /// Somebody waits for this stream's work: staged work (a pageable copy's DMA) should land
@@ -135,6 +170,9 @@ impl Stream {
     pub fn synchronize(&self) -> SimResult {
         if self.legacy {
             self.request_flush();
+        }
+        if self.joined.lock().is_some() {
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         let mut q = self.q.lock();
         if q.capture.is_some() {
@@ -211,7 +249,7 @@ struct Marker {
 }
 
 /// Make `from` wait (in stream order) for everything queued on `on` so far.
-fn wait_for_tail(from: &Stream, on: &Stream) -> SimResult {
+fn wait_for_tail(from: &Arc<Stream>, on: &Arc<Stream>) -> SimResult {
     on.request_flush();
     let m = Arc::new(Marker {
         done: Mutex::new(false),
@@ -323,7 +361,13 @@ pub(crate) struct Event {
     timing: bool,
     m: Mutex<EventState>,
     cv: Condvar,
+    /// Recorded inside a capture: where (see [`CaptureMark`]).
+    captured: Mutex<Option<CaptureMark>>,
 }
+
+/// An event recorded inside a capture: the capture's origin stream, the stream it was recorded
+/// on and that stream's operation count then (for join-back accounting).
+type CaptureMark = (Arc<Stream>, Arc<Stream>, u64);
 
 #[derive(Default)]
 struct EventState {
@@ -403,8 +447,32 @@ sim_api! {
     }
     cuStreamWaitEvent @ 3020 as PFN_cuStreamWaitEvent_v3020 => fn stream_wait_event(st, h: CUstream, ev: CUevent, flags: c_uint) {
         let e = event(st, ev)?;
-        let generation = e.m.lock().recorded;
         let s = stream(st, h)?;
+        let mark = e.captured.lock().clone();
+        if let Some((origin, from, seq)) = mark {
+            // An event of a capture: the waiting stream joins that capture (a fork), or, already
+            // in it, has waited on `from`'s work up to `seq` (a join back). The graph is one
+            // list in program order, so nothing needs to wait at replay.
+            match s.capture_origin() {
+                Some(o) if Arc::ptr_eq(&o, &origin) => {
+                    let mut oq = origin.q.lock();
+                    if let Some(f) = oq.forks.iter_mut().find(|f| Arc::ptr_eq(&f.stream, &from)) {
+                        f.joined_upto = f.joined_upto.max(seq);
+                    }
+                }
+                Some(_) => return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE),
+                None => {
+                    let mut oq = origin.q.lock();
+                    if oq.capture.is_none() {
+                        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+                    }
+                    oq.forks.push(Fork { stream: s.clone(), ops: 0, joined_upto: 0 });
+                    *s.joined.lock() = Some(origin.clone());
+                }
+            }
+            return Ok(());
+        }
+        let generation = e.m.lock().recorded;
         implicit_order(st, &s)?;
         s.enqueue(Arc::new(move || {
             e.wait_for(generation);
@@ -416,11 +484,15 @@ sim_api! {
             return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         let s = stream(st, h)?;
+        if s.joined.lock().is_some() {
+            return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+        }
         let mut q = s.q.lock();
         if q.capture.is_some() {
             return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
         }
         q.capture = Some(Vec::new());
+        q.forks.clear();
         Ok(())
     }
     cuStreamEndCapture @ 10000 as PFN_cuStreamEndCapture_v10000 => fn stream_end_capture(st, h: CUstream, graph: *mut CUgraph) {
@@ -428,7 +500,25 @@ sim_api! {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let s = stream(st, h)?;
-        let ops = s.q.lock().capture.take().ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
+        if s.joined.lock().is_some() {
+            // only the stream that began the capture ends it
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+        }
+        let (ops, forks) = {
+            let mut q = s.q.lock();
+            let ops = q.capture.take().ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
+            (ops, std::mem::take(&mut q.forks))
+        };
+        // every fork leaves the capture; one with work the capture never waited on again is
+        // an unjoined fork, and the capture fails as the real driver's does
+        let mut unjoined = false;
+        for f in forks {
+            *f.stream.joined.lock() = None;
+            unjoined |= f.ops > f.joined_upto;
+        }
+        if unjoined {
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
+        }
         let g = new_handle(Kind::Graph);
         st.ext::<Streams>().graphs.lock().insert(g, Arc::new(ops));
         st.live_add("graphs", 1);
@@ -471,7 +561,7 @@ sim_api! {
         current_device(st)?;
         let timing = flags & CUevent_flags_enum::CU_EVENT_DISABLE_TIMING.0 == 0;
         let h = new_handle(Kind::Event);
-        st.ext::<Streams>().events.lock().insert(h, Arc::new(Event { timing, m: Mutex::new(EventState::default()), cv: Condvar::new() }));
+        st.ext::<Streams>().events.lock().insert(h, Arc::new(Event { timing, m: Mutex::new(EventState::default()), cv: Condvar::new(), captured: Mutex::new(None) }));
         st.live_add("events", 1);
         out(ph, h as CUevent)
     }
@@ -484,6 +574,17 @@ sim_api! {
     cuEventRecord @ 2000 as PFN_cuEventRecord_v2000 => fn event_record(st, ev: CUevent, h: CUstream) {
         let e = event(st, ev)?;
         let s = stream(st, h)?;
+        if let Some(origin) = s.capture_origin() {
+            // recorded inside a capture: a marker for other streams to fork from or join on
+            let seq = if Arc::ptr_eq(&origin, &s) {
+                0
+            } else {
+                origin.q.lock().forks.iter().find(|f| Arc::ptr_eq(&f.stream, &s)).map_or(0, |f| f.ops)
+            };
+            *e.captured.lock() = Some((origin, s.clone(), seq));
+            return Ok(());
+        }
+        *e.captured.lock() = None;
         implicit_order(st, &s)?;
         let generation = {
             let mut g = e.m.lock();

@@ -207,11 +207,9 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
             ll_max_bytes: 4 << 10,
             // small slots: the write-only two-shot runs in several rounds per block
             stage_bytes: Some(8 << 10),
-            // and between 8 and 24 KiB the copy-engine two-shot, in chunks of 4 KiB (copies on a
-            // second stream, overlapping the kernels)
+            // and between 8 and 24 KiB the copy-engine two-shot
             ce_max_bytes: 24 << 10,
             ce_min_bytes: 0,
-            ce_chunk_bytes: 4 << 10,
             max_blocks: 4,
             threads: 64,
             ..Default::default()
@@ -332,8 +330,6 @@ fn a_captured_graph_replays_the_copy_engine_two_shot() {
             one_shot_max_bytes: Some(16 << 10),
             ce_max_bytes: 1 << 20,
             ce_min_bytes: 0,
-            // four chunks: the capture forks onto the copy stream and joins it back
-            ce_chunk_bytes: 100 << 10,
             ..Default::default()
         },
     )
@@ -687,7 +683,6 @@ fn mp_config() -> AllReduceConfig {
         // 80 KB and 300 KB calls by the copy-engine two-shot, 1.2 MB by the write-only one
         ce_max_bytes: 512 << 10,
         ce_min_bytes: 0,
-        ce_chunk_bytes: 64 << 10,
         timeout: Duration::from_millis(1500),
         ..Default::default()
     }
@@ -1212,29 +1207,6 @@ fn the_copy_engine_two_shot_is_chosen_up_to_its_limit_and_exact() {
     if devices.len() < 2 {
         return skip("two_shot_ce", "needs 2 devices");
     }
-    for chunk in [0usize, 48 << 10] {
-        copy_engine_round(&devices, chunk);
-    }
-    // forced beyond the landing slots: refused before anything is queued
-    let forced = Communicator::with_config(
-        &devices[..2],
-        AllReduceConfig {
-            algorithm: Some(Algorithm::TwoShotCe),
-            ce_max_bytes: 64 << 10,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let s = streams(&forced);
-    let big = forced.alloc(1 << 20).unwrap();
-    let err = forced
-        .all_reduce(0, &big, 0, &big, 0, 200_000, DType::F32, Op::Sum, &s[0])
-        .unwrap_err();
-    assert_eq!(invalid_arg(err), "bytes");
-}
-
-/// One configuration of the copy-engine test above: `chunk` bytes per pipelined chunk (0: none).
-fn copy_engine_round(devices: &[cuda_multimem::Device], chunk: usize) {
     let comm = Communicator::with_config(
         &devices[..2],
         AllReduceConfig {
@@ -1242,7 +1214,6 @@ fn copy_engine_round(devices: &[cuda_multimem::Device], chunk: usize) {
             ll_max_bytes: 1 << 10,
             ce_max_bytes: 1 << 20,
             ce_min_bytes: 16 << 10,
-            ce_chunk_bytes: chunk,
             ..Default::default()
         },
     )
@@ -1282,4 +1253,19 @@ fn copy_engine_round(devices: &[cuda_multimem::Device], chunk: usize) {
         .unwrap();
     sync(&s);
     comm.check().unwrap();
+    // forced beyond the landing slots: refused before anything is queued
+    let forced = Communicator::with_config(
+        &devices[..2],
+        AllReduceConfig {
+            algorithm: Some(Algorithm::TwoShotCe),
+            ce_max_bytes: 64 << 10,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let big = forced.alloc(1 << 20).unwrap();
+    let err = forced
+        .all_reduce(0, &big, 0, &big, 0, 200_000, DType::F32, Op::Sum, &s[0])
+        .unwrap_err();
+    assert_eq!(invalid_arg(err), "bytes");
 }

@@ -4,7 +4,7 @@
 //! prints (busbw = algbw * 2(n-1)/n).
 //!
 //! `CUDA_MULTIMEM_DRIVER=cuda cargo run --release --example bench_allreduce -- [--ranks N]
-//! [--min-bytes B] [--max-bytes B] [--runs R] [--algorithm one-shot-ll|one-shot|two-shot|two-shot-push|two-shot-ce] [--ll-max B] [--stage-bytes B] [--blocks B] [--threads T] [--push-threads T] [--ce-max B] [--ce-chunk B] [--check-max B]`
+//! [--min-bytes B] [--max-bytes B] [--runs R] [--algorithm one-shot-ll|one-shot|two-shot|two-shot-push|two-shot-ce] [--ll-max B] [--stage-bytes B] [--blocks B] [--threads T] [--push-threads T] [--ce-max B] [--check-max B]`
 //! (`cargo xtask bench-hw allreduce` runs it on the GPU machine). With
 //! `CUDA_MULTIMEM_DRIVER=sim` it runs on the simulator (times are meaningless there).
 
@@ -51,8 +51,6 @@ fn parse() -> Res<Args> {
             "--stage-bytes" => a.config.stage_bytes = Some(v()?.parse()?),
             "--push-threads" => a.config.push_threads = v()?.parse()?,
             "--ce-max" => a.config.ce_max_bytes = v()?.parse()?,
-            "--ce-chunk" => a.config.ce_chunk_bytes = v()?.parse()?,
-            "--ce-min" => a.config.ce_min_bytes = v()?.parse()?,
             "--check-max" => a.check_max = v()?.parse()?,
             "--ll-max" => a.config.ll_max_bytes = v()?.parse()?,
             "--one-shot-max" => a.config.one_shot_max_bytes = Some(v()?.parse()?),

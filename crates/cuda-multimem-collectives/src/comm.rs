@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_multimem::vmm::{Access, HandleTypes, Location, Mapping, PhysicalAllocation};
-use cuda_multimem::{Device, Error, Event, Result, Stream};
+use cuda_multimem::{Device, Error, Result, Stream};
 use cuda_multimem_sys::{
     CUdevice_attribute, CUdeviceptr, CUfunction, CUmodule, CUresult, CUstream,
 };
@@ -305,11 +305,6 @@ pub struct AllReduceConfig {
     /// 256 MiB it was slower than the write-only two-shot on 2 x H200 (241 against 309 GB/s at
     /// 16 MiB, 352 against 356 at 128 MiB).
     pub ce_min_bytes: usize,
-    /// The copy-engine two-shot cuts messages larger than this into chunks of this many bytes
-    /// (at most 16): the copies of the next chunk run on a second stream of the rank while the
-    /// kernel of this one reduces, so the copy engines and the kernels share the link. 0 turns
-    /// the pipelining off.
-    pub ce_chunk_bytes: usize,
     /// Bytes of one staging slot (there are 2 x N per rank); `None`: the larger of the one-shot
     /// limit and 64 MiB / N. One-shot messages must fit a slot; the write-only two-shot
     /// ([`Algorithm::TwoShotPush`], the default above the one-shot limit) goes through the
@@ -326,7 +321,6 @@ impl Default for AllReduceConfig {
             push_threads: 1024,
             ce_max_bytes: 0,
             ce_min_bytes: 256 << 20,
-            ce_chunk_bytes: 64 << 20,
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
@@ -410,7 +404,6 @@ impl AllReduceConfig {
             self.push_threads as u64,
             self.ce_max_bytes as u64,
             self.ce_min_bytes as u64,
-            self.ce_chunk_bytes as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -439,21 +432,7 @@ struct Local {
     functions: Functions,
     _modules: Vec<Module>,
     last_stream: Mutex<Option<Raw<CUstream>>>,
-    /// The copy-engine two-shot's second stream and events (only when it is enabled).
-    ce: Option<CePipe>,
 }
-
-/// What a pipelined copy-engine two-shot forks onto: the copies go on `stream`, after `fork`
-/// (recorded on the caller's stream); the caller's stream waits on `chunks[c]` before chunk c's
-/// kernel, the last of which joins the copy stream back.
-struct CePipe {
-    stream: Stream,
-    fork: Event,
-    chunks: Vec<Event>,
-}
-
-/// Most chunks of a pipelined copy-engine two-shot.
-const CE_MAX_CHUNKS: usize = 16;
 
 /// The team: its size, the ranks this process drives, how it reaches the others.
 struct Team {
@@ -617,7 +596,7 @@ impl Communicator {
         check_devices(devices)?;
         let mut locals = Vec::new();
         for (rank, d) in devices.iter().enumerate() {
-            locals.push(Local::new(rank, d, &config)?);
+            locals.push(Local::new(rank, d)?);
         }
         let multiprocessors = devices
             .iter()
@@ -675,7 +654,7 @@ impl Communicator {
                 format!("rank {r} uses another allreduce configuration than rank {rank}; every rank must pass the same"),
             ));
         }
-        let locals = vec![Local::new(rank, device, &config)?];
+        let locals = vec![Local::new(rank, device)?];
         Communicator::build(Team {
             n,
             stage_half: config.stage_slot_bytes(n),
@@ -1123,36 +1102,18 @@ impl Communicator {
             // The write-only two-shot moves 16-byte vectors only: run the reading two-shot.
             choice = self.choice_with(count, dtype, Some(Algorithm::TwoShot));
         }
-        // The copy-engine two-shot's chunks: (first element, elements, landing offset).
-        let chunks = if choice.algorithm == Algorithm::TwoShotCe {
-            let c = ce_chunks(
-                count,
-                dtype,
-                self.inner.team.n,
-                if r.ce.is_some() {
-                    self.inner.team.config.ce_chunk_bytes
-                } else {
-                    0
-                },
-            );
-            let (_, last_count, last_off) = c[c.len() - 1];
-            let need = last_off as usize
-                + kernels::ce_part_units((last_count * es / 16) as u64, self.inner.team.n as u64)
-                    as usize
-                    * 16;
-            if need > self.inner.team.land_slot {
-                return Err(Error::invalid(
-                    "bytes",
-                    format!(
-                        "{bytes} bytes with the copy-engine two-shot; its landing slots hold {} bytes, {need} needed (raise ce_max_bytes)",
-                        self.inner.team.land_slot
-                    ),
-                ));
-            }
-            c
-        } else {
-            vec![(0, count, 0)]
-        };
+        let ce_part =
+            kernels::ce_part_units((bytes / 16) as u64, self.inner.team.n as u64) as usize;
+        if choice.algorithm == Algorithm::TwoShotCe && ce_part * 16 > self.inner.team.land_slot {
+            return Err(Error::invalid(
+                "bytes",
+                format!(
+                    "{bytes} bytes with the copy-engine two-shot; its landing slots hold {} bytes of a {}-byte part (raise ce_max_bytes)",
+                    self.inner.team.land_slot,
+                    ce_part * 16
+                ),
+            ));
+        }
         if choice.algorithm == Algorithm::OneShot && bytes > self.inner.team.stage_half {
             return Err(Error::invalid(
                 "bytes",
@@ -1207,105 +1168,81 @@ impl Communicator {
             Algorithm::TwoShotCe => Kernel::P2pTwoShotCe,
         };
         let f = r.functions[&(kernel, dtype, op)].0;
-        let team = &self.inner.team;
-        let driver = r.device.driver();
-        r.device.bind()?;
-        // A pipelined copy-engine call forks onto the rank's copy stream after everything the
-        // caller queued so far; each chunk's kernel waits for its copies there; the last wait
-        // joins the copy stream back (graph capture needs that).
-        let pipe = r.ce.as_ref().filter(|_| chunks.len() > 1);
-        if let Some(p) = pipe {
-            // SAFETY: live event and streams of this device.
-            unsafe {
-                cu!(driver, cuEventRecord(p.fork.raw(), stream))?;
-                cu!(driver, cuStreamWaitEvent(p.stream.raw(), p.fork.raw(), 0))?;
-            }
-        }
         if kernel == Kernel::P2pTwoShotCe {
-            // The first half of the two-shot, by the copy engines: part k of (each chunk of) my
-            // input into rank k's landing slot for me. A kernel waits for its chunk's copies
-            // (stream order, or the chunk's event), so its release covers them.
-            let copy_stream = pipe.map_or(stream, |p| p.stream.raw());
-            for (c, &(first, n_el, land_off)) in chunks.iter().enumerate() {
-                let units = n_el * es / 16;
-                let part = kernels::ce_part_units(units as u64, team.n as u64) as usize;
-                for k in (0..team.n).filter(|&k| k != rank) {
-                    let s = (k * part).min(units);
-                    let e = (s + part).min(units);
-                    if e > s {
-                        let dst = team.lands.addrs[k] + (rank * team.land_slot) as u64 + land_off;
-                        // SAFETY: the source lies in the caller's registered input (checked
-                        // above), the destination in rank k's landing area as mapped for this
-                        // device (the capacity checked above); live streams.
-                        unsafe {
-                            cu!(
-                                driver,
-                                cuMemcpyDtoDAsync_v3020(
-                                    dst,
-                                    input + (first * es + s * 16) as u64,
-                                    (e - s) * 16,
-                                    copy_stream
-                                )
+            // The first half of the two-shot, by the copy engines, on the caller's stream:
+            // part k of my input into rank k's landing slot for me. The kernel queued next
+            // starts only once they are complete, so its release covers them.
+            let team = &self.inner.team;
+            let units = bytes / 16;
+            r.device.bind()?;
+            for k in (0..team.n).filter(|&k| k != rank) {
+                let s = (k * ce_part).min(units);
+                let e = (s + ce_part).min(units);
+                if e > s {
+                    let dst = team.lands.addrs[k] + (rank * team.land_slot) as u64;
+                    // SAFETY: the source lies in the caller's registered input (checked above),
+                    // the destination in rank k's landing area as mapped for this device; the
+                    // caller promises the stream.
+                    unsafe {
+                        cu!(
+                            r.device.driver(),
+                            cuMemcpyDtoDAsync_v3020(
+                                dst,
+                                input + (s * 16) as u64,
+                                (e - s) * 16,
+                                stream
                             )
-                        }?;
-                    }
-                }
-                if let Some(p) = pipe {
-                    // SAFETY: a live event and stream of this device.
-                    unsafe { cu!(driver, cuEventRecord(p.chunks[c].raw(), copy_stream)) }?;
+                        )
+                    }?;
                 }
             }
         }
-        let mut a_timeout = team.config.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        for (c, &(first, n_el, land_off)) in chunks.iter().enumerate() {
-            if let Some(p) = pipe {
-                // SAFETY: a live event and stream of this device.
-                unsafe { cu!(driver, cuStreamWaitEvent(stream, p.chunks[c].raw(), 0)) }?;
-            }
-            let off = (first * es) as u64;
-            // The call header every rank compares: what, how much, where.
-            let mut a_sig = kernels::call_header(&[
-                n_el as u64,
-                dtype.code(),
-                op.code(),
-                kernel as u64,
-                in_off + off,
-                out_off + off,
-                choice.blocks as u64,
-            ]);
-            let mut a_ctx = team.pads.addrs[rank];
-            let mut a_in = input + off;
-            let mut a_out = output + off;
-            let mut a_count = n_el as u64;
-            let mut a_in_tab = in_tab;
-            let mut a_out_tab = out_tab;
-            let mut a_land = land_off;
-            let mut params: [*mut c_void; 9] = [
-                &mut a_ctx as *mut _ as *mut c_void,
-                &mut a_in as *mut _ as *mut c_void,
-                &mut a_out as *mut _ as *mut c_void,
-                &mut a_count as *mut _ as *mut c_void,
-                &mut a_in_tab as *mut _ as *mut c_void,
-                &mut a_out_tab as *mut _ as *mut c_void,
-                &mut a_sig as *mut _ as *mut c_void,
-                &mut a_timeout as *mut _ as *mut c_void,
-                &mut a_land as *mut _ as *mut c_void,
-            ];
-            let nparams = if kernel == Kernel::P2pTwoShotCe { 9 } else { 8 };
-            // SAFETY: a function of this device's module; eight parameters as the PTX declares
-            // (all .u64; nine for the copy-engine two-shot), each pointing at a live local; the
-            // caller promises the stream.
-            unsafe {
-                kernels::launch(
-                    &r.device,
-                    f,
-                    choice.blocks,
-                    choice.threads,
-                    stream,
-                    &mut params[..nparams],
-                )
-            }?;
-        }
+        // The call header every rank compares: what, how much, where.
+        let sig = kernels::call_header(&[
+            count as u64,
+            dtype.code(),
+            op.code(),
+            kernel as u64,
+            in_off,
+            out_off,
+            choice.blocks as u64,
+        ]);
+        let mut a_ctx = self.inner.team.pads.addrs[rank];
+        let mut a_in = input;
+        let mut a_out = output;
+        let mut a_count = count as u64;
+        let mut a_in_tab = in_tab;
+        let mut a_out_tab = out_tab;
+        let mut a_sig = sig;
+        let mut a_timeout = self
+            .inner
+            .team
+            .config
+            .timeout
+            .as_nanos()
+            .min(u64::MAX as u128) as u64;
+        let mut params: [*mut c_void; 8] = [
+            &mut a_ctx as *mut _ as *mut c_void,
+            &mut a_in as *mut _ as *mut c_void,
+            &mut a_out as *mut _ as *mut c_void,
+            &mut a_count as *mut _ as *mut c_void,
+            &mut a_in_tab as *mut _ as *mut c_void,
+            &mut a_out_tab as *mut _ as *mut c_void,
+            &mut a_sig as *mut _ as *mut c_void,
+            &mut a_timeout as *mut _ as *mut c_void,
+        ];
+        // SAFETY: a function of this device's module; eight parameters as the PTX declares
+        // (all .u64), each pointing at a live local; the caller promises the stream.
+        unsafe {
+            kernels::launch(
+                &r.device,
+                f,
+                choice.blocks,
+                choice.threads,
+                stream,
+                &mut params,
+            )
+        }?;
         Ok(choice)
     }
 
@@ -1334,58 +1271,16 @@ impl Communicator {
 }
 
 impl Local {
-    fn new(rank: usize, device: &Device, config: &AllReduceConfig) -> Result<Local> {
+    fn new(rank: usize, device: &Device) -> Result<Local> {
         let (modules, functions) = load_kernels(device)?;
-        let ce = if config.ce_max_bytes > 0 && config.ce_chunk_bytes > 0 {
-            Some(CePipe {
-                stream: Stream::new(device)?,
-                fork: Event::new(device, false)?,
-                chunks: (0..CE_MAX_CHUNKS)
-                    .map(|_| Event::new(device, false))
-                    .collect::<Result<_>>()?,
-            })
-        } else {
-            None
-        };
         Ok(Local {
             rank,
             device: device.clone(),
             functions,
             _modules: modules,
             last_stream: Mutex::new(None),
-            ce,
         })
     }
-}
-
-/// The chunks of a copy-engine two-shot of `count` elements: (first element, elements, landing
-/// offset in bytes). One chunk when `chunk_bytes` is 0 or the message fits; else chunks of
-/// whole 128-byte lines (at most [`CE_MAX_CHUNKS`]), the leftover elements in the last. Every
-/// rank computes the same from the same call.
-fn ce_chunks(count: usize, dtype: DType, n: usize, chunk_bytes: usize) -> Vec<(usize, usize, u64)> {
-    let es = dtype.size();
-    let units = count * es / 16;
-    if chunk_bytes == 0 || count * es <= chunk_bytes {
-        return vec![(0, count, 0)];
-    }
-    let per = (chunk_bytes / 16)
-        .max(units.div_ceil(CE_MAX_CHUNKS))
-        .next_multiple_of(8);
-    let part = kernels::ce_part_units(per as u64, n as u64) * 16;
-    let v = 16 / es;
-    let mut out = Vec::new();
-    let mut u = 0;
-    while u < units {
-        let e = (u + per).min(units);
-        let n_el = if e == units {
-            count - u * v
-        } else {
-            (e - u) * v
-        };
-        out.push((u * v, n_el, out.len() as u64 * part));
-        u = e;
-    }
-    out
 }
 
 fn poison_error(code: u32) -> Error {

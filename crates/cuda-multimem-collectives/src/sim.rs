@@ -339,8 +339,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                     ));
                 }
                 let slot = u64_at(pad + OFF_LAND_SLOT).load(Ordering::Relaxed) as usize;
-                let land =
-                    u64_at(pad + OFF_LAND).load(Ordering::Relaxed) as usize + a.u64(8)? as usize;
+                let land = u64_at(pad + OFF_LAND).load(Ordering::Relaxed) as usize;
                 a.check(in_tab, 8 * n, false)?;
                 a.check(out_tab, 8 * n, false)?;
                 let tab = |t: usize, at: usize| u64_at(at + 8 * t).load(Ordering::Relaxed) as usize;

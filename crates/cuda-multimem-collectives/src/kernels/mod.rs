@@ -1084,13 +1084,7 @@ pub fn ce_part_units(units: u64, n: u64) -> u64 {
 fn two_shot_ce(f: &Flavor) -> String {
     let name = Kernel::P2pTwoShotCe.entry(f.dtype, f.op);
     let es = f.es_log2();
-    // one more parameter: where this call's parts start in the landing slots (a chunk of a
-    // pipelined call lands after the chunks before it)
-    let mut s = prologue(&name, f).replacen(
-        "\t.param .u64 p_timeout\n)",
-        "\t.param .u64 p_timeout,\n\t.param .u64 p_land_off\n)",
-        1,
-    );
+    let mut s = prologue(&name, f);
     s += &format!(
         r#"	shr.u32 %r8, %r7, 1;
 	and.b32 %r8, %r8, 1;
@@ -1129,8 +1123,6 @@ fn two_shot_ce(f: &Flavor) -> String {
 	// landing slots: slot bytes rd39, sender k's copy of unit i at rd60 + k * slot + i * 16
 	ld.global.u64 %rd39, [%rd1+{OFF_LAND_SLOT}];
 	ld.global.u64 %rd54, [%rd1+{OFF_LAND}];
-	ld.param.u64 %rd61, [p_land_off];
-	add.u64 %rd54, %rd54, %rd61;
 	shl.b64 %rd43, %rd51, 4;
 	sub.u64 %rd60, %rd54, %rd43;
 	{tail}	sub.u32 %r11, %r4, 1;

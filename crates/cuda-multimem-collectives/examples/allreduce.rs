@@ -72,13 +72,15 @@ fn run() -> Res<bool> {
     );
     let comm = Communicator::new(devices)?;
     let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
-    let buf = comm.alloc(8 << 20)?;
+    let buf = comm.alloc(24 << 20)?;
     let mut seed = 0x1234_5678_9abc_def1u64;
     let mut all_ok = true;
     for (count, dtype, op) in [
         (1000usize, DType::F32, Op::Sum),
         (100_003, DType::Bf16, Op::Sum),
         (2_000_000, DType::F16, Op::Max),
+        // above the one-shot limit: the write-only two-shot in rounds
+        (12_000_000, DType::Bf16, Op::Sum),
     ] {
         let inputs: Vec<Vec<u8>> = (0..2)
             .map(|_| {

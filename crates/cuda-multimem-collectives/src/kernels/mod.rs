@@ -344,12 +344,7 @@ fn prologue(name: &str, f: &Flavor) -> String {
 	.param .u64 p_timeout
 )
 {{
-	.reg .pred %p<24>;
-	.reg .b16 %h<4>;
-	.reg .b32 %r<64>;
-	.reg .b64 %rd<80>;
-	.reg .f32 %f<24>;
-
+{REGS}
 	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd2, [p_in];
 	ld.param.u64 %rd3, [p_out];
@@ -375,24 +370,38 @@ fn prologue(name: &str, f: &Flavor) -> String {
 	// units: vectors of {v} elements (aligned) or elements
 	shr.u64 %rd10, %rd4, {vl};
 	selp.b64 %rd10, %rd10, %rd4, %p9;
-	// this block's units [rd11, rd12): per = ceil(units / nblocks)
-	cvt.u64.u32 %rd13, %r4;
-	add.u64 %rd14, %rd10, %rd13;
-	sub.u64 %rd14, %rd14, 1;
-	div.u64 %rd14, %rd14, %rd13;
-	// rounded up to 8 units: with 16-byte vectors every block starts on a 128-byte line
-	add.u64 %rd14, %rd14, 7;
-	and.b64 %rd14, %rd14, -8;
-	cvt.u64.u32 %rd15, %r2;
-	mul.lo.u64 %rd11, %rd15, %rd14;
-	min.u64 %rd11, %rd11, %rd10;
-	add.u64 %rd12, %rd11, %rd14;
-	min.u64 %rd12, %rd12, %rd10;
-"#,
+{BLOCK_RANGE}"#,
         v = 1u32 << f.v_log2(),
         vl = f.v_log2(),
     )
 }
+
+/// Register declarations of every kernel here (and the multimem ones).
+pub(crate) const REGS: &str = "\t.reg .pred %p<24>;
+\t.reg .b16 %h<4>;
+\t.reg .b32 %r<64>;
+\t.reg .b64 %rd<80>;
+\t.reg .f32 %f<24>;
+";
+
+/// This block's units [rd11, rd12) of rd10 units: per = ceil(units / nblocks) rounded up to 8
+/// (rd14; with 16-byte vectors every block starts on a 128-byte line); rd13 = nblocks, rd15 =
+/// this block.
+pub(crate) const BLOCK_RANGE: &str =
+    "\t// this block's units [rd11, rd12): per = ceil(units / nblocks)
+\tcvt.u64.u32 %rd13, %r4;
+\tadd.u64 %rd14, %rd10, %rd13;
+\tsub.u64 %rd14, %rd14, 1;
+\tdiv.u64 %rd14, %rd14, %rd13;
+\t// rounded up to 8 units: with 16-byte vectors every block starts on a 128-byte line
+\tadd.u64 %rd14, %rd14, 7;
+\tand.b64 %rd14, %rd14, -8;
+\tcvt.u64.u32 %rd15, %r2;
+\tmul.lo.u64 %rd11, %rd15, %rd14;
+\tmin.u64 %rd11, %rd11, %rd10;
+\tadd.u64 %rd12, %rd11, %rd14;
+\tmin.u64 %rd12, %rd12, %rd10;
+";
 
 /// The barrier of block b with every peer, at value `val_reg` (a u32 register), checking the
 /// call header when `check_header` (header parity from register %r8).
@@ -611,6 +620,67 @@ $L_{label}_send:
     )
 }
 
+/// The one-shot kernels' staging of this call: parity %r8 = (c >> 1) & 1, slot bytes %rd30 (the
+/// `u64` at pad offset `slot_off`), push delta %rd31 = (parity * n + rank) * slot into every
+/// rank's area (the table at pad offset `areas_off`, in %rd34), and my slots of this parity
+/// %rd33 = my area + parity * n * slot.
+fn parity_slots(slot_off: usize, areas_off: usize) -> String {
+    format!(
+        r#"	// staging: [parity][sender][slot]; parity = (c >> 1) & 1
+	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	ld.global.u64 %rd30, [%rd1+{slot_off}];
+	// push delta: (parity * nranks + rank) * slot, into every rank's staging
+	mad.lo.u32 %r15, %r8, %r6, %r5;
+	cvt.u64.u32 %rd31, %r15;
+	mul.lo.u64 %rd31, %rd31, %rd30;
+	add.u64 %rd34, %rd1, {areas_off};
+	// my slots of this parity: my staging + parity * nranks * slot
+	mul.wide.u32 %rd32, %r5, 8;
+	add.u64 %rd32, %rd1, %rd32;
+	ld.global.u64 %rd33, [%rd32+{areas_off}];
+	mul.lo.u32 %r16, %r8, %r6;
+	cvt.u64.u32 %rd35, %r16;
+	mul.lo.u64 %rd35, %rd35, %rd30;
+	add.u64 %rd33, %rd33, %rd35;
+"#
+    )
+}
+
+/// The two-shot family's setup after the prologue: header parity %r8 = (c >> 1) & 1, and the
+/// deltas of this call's operands from the start of this rank's registered buffers, %rd31 (in)
+/// and %rd32 (out) — the same offsets on every rank.
+const PARITY_AND_DELTAS: &str = "\t// header parity = (c >> 1) & 1
+\tshr.u32 %r8, %r7, 1;
+\tand.b32 %r8, %r8, 1;
+\t// deltas: in - in_tab[rank], out - out_tab[rank] (the same offsets on every rank)
+\tmul.wide.u32 %rd30, %r5, 8;
+\tadd.u64 %rd31, %rd5, %rd30;
+\tld.global.nc.u64 %rd31, [%rd31];
+\tsub.u64 %rd31, %rd2, %rd31;
+\tadd.u64 %rd32, %rd6, %rd30;
+\tld.global.nc.u64 %rd32, [%rd32];
+\tsub.u64 %rd32, %rd3, %rd32;
+";
+
+/// [`tail_range`], and %p17: this block is the last block of the last rank (which reduces the
+/// scalar tail in the two-shot family).
+fn last_rank_tail(f: &Flavor) -> String {
+    tail_range(f)
+        + "\tsub.u32 %r11, %r4, 1;\n\tsetp.eq.u32 %p17, %r2, %r11;\n\tsub.u32 %r13, %r6, 1;\n\tsetp.eq.and.u32 %p17, %r5, %r13, %p17;\n"
+}
+
+/// The two-shot family's scalar tail, on the block chosen by %p17: elements [rd16, count) read
+/// from every rank's input, reduced in rank order, stored to every rank's output.
+fn scalar_tail_to_all(f: &Flavor) -> String {
+    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
+    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
+    format!(
+        "\t@!%p17 bra $L_red_done;\n{}$L_red_done:\n",
+        strided("red_t", "%rd16", "%rd4", f.es_log2(), &body)
+    )
+}
+
 /// The leftover elements (count not a multiple of the vector width, aligned case): elements
 /// [units*V, count) as scalars, with %rd20 the element index and %rd21 its byte offset.
 fn tail_range(f: &Flavor) -> String {
@@ -625,29 +695,13 @@ fn one_shot(f: &Flavor) -> String {
     let es = f.es_log2();
     let mut s = prologue(&name, f);
     s += &format!(
-        r#"	// staging: [parity][sender][half]; parity = (c >> 1) & 1
-	shr.u32 %r8, %r7, 1;
-	and.b32 %r8, %r8, 1;
-	ld.global.u64 %rd30, [%rd1+{OFF_STAGE_HALF}];
-	// push delta: (parity * nranks + rank) * half, into every rank's staging
-	mad.lo.u32 %r15, %r8, %r6, %r5;
-	cvt.u64.u32 %rd31, %r15;
-	mul.lo.u64 %rd31, %rd31, %rd30;
-	add.u64 %rd34, %rd1, {OFF_STAGES};
-	// my slots of this parity: my staging + parity * nranks * half
-	mul.wide.u32 %rd32, %r5, 8;
-	add.u64 %rd32, %rd1, %rd32;
-	ld.global.u64 %rd33, [%rd32+{OFF_STAGES}];
-	mul.lo.u32 %r16, %r8, %r6;
-	cvt.u64.u32 %rd35, %r16;
-	mul.lo.u64 %rd35, %rd35, %rd30;
-	add.u64 %rd33, %rd33, %rd35;
-	// tail: elements [rd16, count) by the last block
+        r#"{slots}	// tail: elements [rd16, count) by the last block
 	{tail}	sub.u32 %r11, %r4, 1;
 	setp.eq.u32 %p17, %r2, %r11;
 	@!%p9 bra $L_cin_sc;
 "#,
-        tail = tail_range(f).trim_start()
+        tail = tail_range(f).trim_start(),
+        slots = parity_slots(OFF_STAGE_HALF, OFF_STAGES),
     );
     // push my input into my slot of every rank's staging
     let push = Addr::Table("%rd34", "%rd31");
@@ -718,18 +772,7 @@ fn two_shot(f: &Flavor) -> String {
     let es = f.es_log2();
     let mut s = prologue(&name, f);
     s += &format!(
-        r#"	// header parity = (c >> 1) & 1
-	shr.u32 %r8, %r7, 1;
-	and.b32 %r8, %r8, 1;
-	// deltas: in - in_tab[rank], out - out_tab[rank] (the same offsets on every rank)
-	mul.wide.u32 %rd30, %r5, 8;
-	add.u64 %rd31, %rd5, %rd30;
-	ld.global.nc.u64 %rd31, [%rd31];
-	sub.u64 %rd31, %rd2, %rd31;
-	add.u64 %rd32, %rd6, %rd30;
-	ld.global.nc.u64 %rd32, [%rd32];
-	sub.u64 %rd32, %rd3, %rd32;
-	// my part of the block's units: pp = ceil((end - start) / nranks), rounded up to 8 units
+        r#"{PARITY_AND_DELTAS}	// my part of the block's units: pp = ceil((end - start) / nranks), rounded up to 8 units
 	sub.u64 %rd35, %rd12, %rd11;
 	cvt.u64.u32 %rd36, %r6;
 	add.u64 %rd35, %rd35, %rd36;
@@ -744,13 +787,9 @@ fn two_shot(f: &Flavor) -> String {
 	add.u64 %rd38, %rd37, %rd35;
 	min.u64 %rd38, %rd38, %rd12;
 	// tail: elements [rd16, count) by the last block of the last rank
-	{tail}	sub.u32 %r11, %r4, 1;
-	setp.eq.u32 %p17, %r2, %r11;
-	sub.u32 %r13, %r6, 1;
-	setp.eq.and.u32 %p17, %r5, %r13, %p17;
-	add.u32 %r12, %r7, 1;
+	{tail}	add.u32 %r12, %r7, 1;
 "#,
-        tail = tail_range(f).trim_start()
+        tail = last_rank_tail(f).trim_start()
     );
     s += &barrier("b1", "%r12", true);
     s += "\t@!%p9 bra $L_red_sc;\n";
@@ -761,11 +800,8 @@ fn two_shot(f: &Flavor) -> String {
     let mut body = reduce_over_ranks("rs", f, Addr::Table("%rd5", "%rd31"), false);
     body += &store_to_ranks("ss", f, Addr::Table("%rd6", "%rd32"), false);
     s += &strided("red_s", "%rd37", "%rd38", es, &body);
-    s += "$L_red_tail:\n\t@!%p17 bra $L_red_done;\n";
-    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
-    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
-    s += &strided("red_t", "%rd16", "%rd4", es, &body);
-    s += "$L_red_done:\n";
+    s += "$L_red_tail:\n";
+    s += &scalar_tail_to_all(f);
     s += "\tadd.u32 %r14, %r7, 2;\n";
     s += &barrier("b2", "%r14", false);
     s += &epilogue();
@@ -801,25 +837,9 @@ fn one_shot_ll(f: &Flavor) -> String {
 	xor.b32 %r12, %r12, %r17;
 	cvt.u64.u32 %rd17, %r12;
 	shl.b64 %rd17, %rd17, 32;
-	shr.u32 %r8, %r7, 1;
-	and.b32 %r8, %r8, 1;
-	ld.global.u64 %rd30, [%rd1+{slot}];
-	// push delta (parity * nranks + rank) * slot; my slots: my area + parity * nranks * slot
-	mad.lo.u32 %r15, %r8, %r6, %r5;
-	cvt.u64.u32 %rd31, %r15;
-	mul.lo.u64 %rd31, %rd31, %rd30;
-	add.u64 %rd34, %rd1, {stages};
-	mul.wide.u32 %rd32, %r5, 8;
-	add.u64 %rd32, %rd1, %rd32;
-	ld.global.u64 %rd33, [%rd32+{stages}];
-	mul.lo.u32 %r16, %r8, %r6;
-	cvt.u64.u32 %rd35, %r16;
-	mul.lo.u64 %rd35, %rd35, %rd30;
-	add.u64 %rd33, %rd33, %rd35;
-"#,
+{slots}"#,
         es = f.es_log2(),
-        slot = OFF_LL_SLOT,
-        stages = OFF_LL_STAGES,
+        slots = parity_slots(OFF_LL_SLOT, OFF_LL_STAGES),
     );
     // send: word w -> 8-byte (flag, word) at offset 8w of my slot on every rank
     let mut body = "	shl.b64 %rd24, %rd20, 2;
@@ -943,20 +963,9 @@ $L_rkend:
 /// tail, barrier(c+R+1) and counters c + 2M (M odd, 2M ≥ R+1: the header parity still flips).
 fn two_shot_push(f: &Flavor) -> String {
     let name = Kernel::P2pTwoShotPush.entry(f.dtype, f.op);
-    let es = f.es_log2();
     let mut s = prologue(&name, f);
     s += &format!(
-        r#"	shr.u32 %r8, %r7, 1;
-	and.b32 %r8, %r8, 1;
-	// output delta for the result pushes, input delta for the tail
-	mul.wide.u32 %rd30, %r5, 8;
-	add.u64 %rd31, %rd5, %rd30;
-	ld.global.nc.u64 %rd31, [%rd31];
-	sub.u64 %rd31, %rd2, %rd31;
-	add.u64 %rd32, %rd6, %rd30;
-	ld.global.nc.u64 %rd32, [%rd32];
-	sub.u64 %rd32, %rd3, %rd32;
-	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units rounded down
+        r#"{PARITY_AND_DELTAS}	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units rounded down
 	// to 8 (the host keeps G <= slot / 128) (rd50), at byte offset b * bsz * 16 (rd52); units
 	// per round C = n * bsz (rd51)
 	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
@@ -984,11 +993,7 @@ fn two_shot_push(f: &Flavor) -> String {
 	mul.wide.u32 %rd41, %r5, 8;
 	add.u64 %rd41, %rd1, %rd41;
 	ld.global.u64 %rd54, [%rd41+{OFF_STAGES}];
-	{tail}	sub.u32 %r11, %r4, 1;
-	setp.eq.u32 %p17, %r2, %r11;
-	sub.u32 %r13, %r6, 1;
-	setp.eq.and.u32 %p17, %r5, %r13, %p17;
-	// ---- rounds: j in r37, the round's first unit in rd55
+	{tail}	// ---- rounds: j in r37, the round's first unit in rd55
 	mov.u32 %r37, 0;
 	mov.u64 %rd55, %rd11;
 $L_round:
@@ -1033,7 +1038,7 @@ $L_pk_loop:
 	shl.b64 %rd43, %rd37, 4;
 	sub.u64 %rd59, %rd59, %rd43;
 "#,
-        tail = tail_range(f).trim_start(),
+        tail = last_rank_tail(f).trim_start(),
         part_k = part_of_chunk("%r36"),
     );
     s += &strided(
@@ -1059,11 +1064,7 @@ $L_pk_loop:
     s += &strided("pb", "%rd37", "%rd38", 4, &body);
     s += "\tadd.u32 %r37, %r37, 1;\n\tadd.u64 %rd55, %rd55, %rd51;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
     // tail as in the two-shot: remote reads of the inputs, stores to every output
-    s += "\t@!%p17 bra $L_red_done;\n";
-    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
-    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
-    s += &strided("red_t", "%rd16", "%rd4", es, &body);
-    s += "$L_red_done:\n";
+    s += &scalar_tail_to_all(f);
     s += "\tadd.u32 %r14, %r7, %r20;\n\tadd.u32 %r14, %r14, 1;\n";
     s += &barrier("b2", "%r14", false);
     s += &epilogue_to("%r21");
@@ -1083,20 +1084,9 @@ pub fn ce_part_units(units: u64, n: u64) -> u64 {
 /// release at barrier(c+1) covers them. Scalar tail as in the two-shot; counters + 2.
 fn two_shot_ce(f: &Flavor) -> String {
     let name = Kernel::P2pTwoShotCe.entry(f.dtype, f.op);
-    let es = f.es_log2();
     let mut s = prologue(&name, f);
     s += &format!(
-        r#"	shr.u32 %r8, %r7, 1;
-	and.b32 %r8, %r8, 1;
-	// output delta for the result pushes, input delta for the tail
-	mul.wide.u32 %rd30, %r5, 8;
-	add.u64 %rd31, %rd5, %rd30;
-	ld.global.nc.u64 %rd31, [%rd31];
-	sub.u64 %rd31, %rd2, %rd31;
-	add.u64 %rd32, %rd6, %rd30;
-	ld.global.nc.u64 %rd32, [%rd32];
-	sub.u64 %rd32, %rd3, %rd32;
-	// part size P = ceil(units / n) rounded up to 8 (rd50); my part [rd51, rd52)
+        r#"{PARITY_AND_DELTAS}	// part size P = ceil(units / n) rounded up to 8 (rd50); my part [rd51, rd52)
 	cvt.u64.u32 %rd36, %r6;
 	add.u64 %rd50, %rd10, %rd36;
 	sub.u64 %rd50, %rd50, 1;
@@ -1125,13 +1115,9 @@ fn two_shot_ce(f: &Flavor) -> String {
 	ld.global.u64 %rd54, [%rd1+{OFF_LAND}];
 	shl.b64 %rd43, %rd51, 4;
 	sub.u64 %rd60, %rd54, %rd43;
-	{tail}	sub.u32 %r11, %r4, 1;
-	setp.eq.u32 %p17, %r2, %r11;
-	sub.u32 %r13, %r6, 1;
-	setp.eq.and.u32 %p17, %r5, %r13, %p17;
-	add.u32 %r12, %r7, 1;
+	{tail}	add.u32 %r12, %r7, 1;
 "#,
-        tail = tail_range(f).trim_start()
+        tail = last_rank_tail(f).trim_start()
     );
     s += &barrier("b1", "%r12", true);
     let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd60, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
@@ -1142,11 +1128,8 @@ fn two_shot_ce(f: &Flavor) -> String {
     );
     body += &store_to_ranks("sv", f, Addr::Table("%rd6", "%rd32"), true);
     s += &strided("cb", "%rd11", "%rd12", 4, &body);
-    s += "\t@!%p17 bra $L_red_done;\n";
-    let mut body = reduce_over_ranks("rt", f, Addr::Table("%rd5", "%rd31"), false);
-    body += &store_to_ranks("st", f, Addr::Table("%rd6", "%rd32"), false);
-    s += &strided("red_t", "%rd16", "%rd4", es, &body);
-    s += "$L_red_done:\n\tadd.u32 %r14, %r7, 2;\n";
+    s += &scalar_tail_to_all(f);
+    s += "\tadd.u32 %r14, %r7, 2;\n";
     s += &barrier("b2", "%r14", false);
     s += &epilogue();
     s

@@ -234,12 +234,7 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	.param .u64 p_sig
 )
 {{
-	.reg .pred %p<24>;
-	.reg .b16 %h<4>;
-	.reg .b32 %r<64>;
-	.reg .b64 %rd<80>;
-	.reg .f32 %f<24>;
-
+{regs}
 	ld.param.u64 %rd1, [p_uc];
 	ld.param.u64 %rd2, [p_mc];
 	ld.param.u64 %rd4, [p_count];
@@ -260,20 +255,9 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 	// header parity (c >> 1) & 1
 	shr.u32 %r8, %r7, 1;
 	and.b32 %r8, %r8, 1;
-	// units: 16-byte vectors; block b's units [rd11, rd12)
+	// units: 16-byte vectors
 	shr.u64 %rd10, %rd4, {vl};
-	cvt.u64.u32 %rd13, %r4;
-	add.u64 %rd14, %rd10, %rd13;
-	sub.u64 %rd14, %rd14, 1;
-	div.u64 %rd14, %rd14, %rd13;
-	add.u64 %rd14, %rd14, 7;
-	and.b64 %rd14, %rd14, -8;
-	cvt.u64.u32 %rd15, %r2;
-	mul.lo.u64 %rd11, %rd15, %rd14;
-	min.u64 %rd11, %rd11, %rd10;
-	add.u64 %rd12, %rd11, %rd14;
-	min.u64 %rd12, %rd12, %rd10;
-	shl.b64 %rd16, %rd10, {vl};
+{block_range}	shl.b64 %rd16, %rd10, {vl};
 	sub.u32 %r11, %r4, 1;
 	setp.eq.u32 %p17, %r2, %r11;
 	add.u32 %r12, %r7, 1;
@@ -283,6 +267,8 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
         cap = MM_OFF_CAP,
         data = MM_DATA,
         ctr = MM_OFF_CTR,
+        regs = super::REGS,
+        block_range = super::BLOCK_RANGE,
     );
     s += &barrier("b1", "%r12", true);
     match k {

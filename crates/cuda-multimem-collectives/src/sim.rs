@@ -66,6 +66,42 @@ fn st(d: DType, base: usize, i: u64, v: f32) {
     }
 }
 
+/// Elements [lo, hi): reduce every source in rank order — source (x, base) holds element i at
+/// index i - base — and store the result to every output (at index i). Ranges checked first.
+fn reduce_into(
+    a: &LaunchArgs,
+    d: DType,
+    op: Op,
+    srcs: &[(usize, u64)],
+    outs: &[usize],
+    lo: u64,
+    hi: u64,
+) -> Result<(), KernelError> {
+    let es = d.size() as u64;
+    let len = ((hi - lo) * es) as usize;
+    for &(x, base) in srcs {
+        a.check(x + ((lo - base) * es) as usize, len, false)?;
+    }
+    for o in outs {
+        a.check(o + (lo * es) as usize, len, true)?;
+    }
+    for i in lo..hi {
+        let mut acc = ld(d, srcs[0].0, i - srcs[0].1);
+        for &(x, base) in &srcs[1..] {
+            acc = op.apply(acc, ld(d, x, i - base));
+        }
+        for o in outs {
+            st(d, *o, i, acc);
+        }
+    }
+    Ok(())
+}
+
+/// Sources indexed like the message itself (base 0), for [`reduce_into`].
+fn unbased(xs: &[usize]) -> Vec<(usize, u64)> {
+    xs.iter().map(|&x| (x, 0)).collect()
+}
+
 struct Ctx {
     pad: usize,
     rank: usize,
@@ -214,19 +250,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
                 for &(lo, hi) in &ranges {
-                    let len = ((hi - lo) * es) as usize;
-                    let off = (lo * es) as usize;
-                    for m in &mine {
-                        a.check(m + off, len, false)?;
-                    }
-                    a.check(out + off, len, true)?;
-                    for i in lo..hi {
-                        let mut acc = ld(d, mine[0], i);
-                        for m in &mine[1..] {
-                            acc = op.apply(acc, ld(d, *m, i));
-                        }
-                        st(d, out, i, acc);
-                    }
+                    reduce_into(a, d, op, &unbased(&mine), &[out], lo, hi)?;
                 }
             }
             Kernel::P2pOneShotLl => unreachable!("handled by run_ll"),
@@ -289,42 +313,11 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                             }
                         })
                         .collect();
-                    let len = ((pe - ps) * 16) as usize;
-                    for &(x, base) in &srcs {
-                        a.check(x + ((ps * ub - base) * es) as usize, len, false)?;
-                    }
-                    for o in &outs {
-                        a.check(o + (ps * 16) as usize, len, true)?;
-                    }
-                    for i in ps * ub..pe * ub {
-                        let mut acc = ld(d, srcs[0].0, i - srcs[0].1);
-                        for &(x, base) in &srcs[1..] {
-                            acc = op.apply(acc, ld(d, x, i - base));
-                        }
-                        for o in &outs {
-                            st(d, *o, i, acc);
-                        }
-                    }
+                    reduce_into(a, d, op, &srcs, &outs, ps * ub, pe * ub)?;
                     lo_r += chunk;
                 }
                 if last_block && rank == n - 1 {
-                    let (lo, hi) = (tail_start, count);
-                    let (off, len) = ((lo * es) as usize, ((hi - lo) * es) as usize);
-                    for x in &ins {
-                        a.check(x + off, len, false)?;
-                    }
-                    for o in &outs {
-                        a.check(o + off, len, true)?;
-                    }
-                    for i in lo..hi {
-                        let mut acc = ld(d, ins[0], i);
-                        for x in &ins[1..] {
-                            acc = op.apply(acc, ld(d, *x, i));
-                        }
-                        for o in &outs {
-                            st(d, *o, i, acc);
-                        }
-                    }
+                    reduce_into(a, d, op, &unbased(&ins), &outs, tail_start, count)?;
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(rounds as u32 + 1), None);
                 // c + 2M, M = ceil((R + 1) / 2) made odd: the header parity still flips
@@ -363,40 +356,9 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                         }
                     })
                     .collect();
-                let len = ((hi - lo) * 16) as usize;
-                for &(x, base) in &srcs {
-                    a.check(x + ((lo * ub - base) * es) as usize, len, false)?;
-                }
-                for o in &outs {
-                    a.check(o + (lo * 16) as usize, len, true)?;
-                }
-                for i in lo * ub..hi * ub {
-                    let mut acc = ld(d, srcs[0].0, i - srcs[0].1);
-                    for &(x, base) in &srcs[1..] {
-                        acc = op.apply(acc, ld(d, x, i - base));
-                    }
-                    for o in &outs {
-                        st(d, *o, i, acc);
-                    }
-                }
+                reduce_into(a, d, op, &srcs, &outs, lo * ub, hi * ub)?;
                 if last_block && rank == n - 1 && count > tail_start {
-                    let (tl, th) = (tail_start, count);
-                    let (off, tlen) = ((tl * es) as usize, ((th - tl) * es) as usize);
-                    for x in &ins {
-                        a.check(x + off, tlen, false)?;
-                    }
-                    for o in &outs {
-                        a.check(o + off, tlen, true)?;
-                    }
-                    for i in tl..th {
-                        let mut acc = ld(d, ins[0], i);
-                        for x in &ins[1..] {
-                            acc = op.apply(acc, ld(d, *x, i));
-                        }
-                        for o in &outs {
-                            st(d, *o, i, acc);
-                        }
-                    }
+                    reduce_into(a, d, op, &unbased(&ins), &outs, tail_start, count)?;
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(2), None);
             }
@@ -422,21 +384,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(1), Some(parity));
                 for &(lo, hi) in &ranges {
-                    let len = ((hi - lo) * es) as usize;
-                    let off = (lo * es) as usize;
-                    for t in 0..n {
-                        a.check(ins[t] + off, len, false)?;
-                        a.check(outs[t] + off, len, true)?;
-                    }
-                    for i in lo..hi {
-                        let mut acc = ld(d, ins[0], i);
-                        for x in &ins[1..] {
-                            acc = op.apply(acc, ld(d, *x, i));
-                        }
-                        for o in &outs {
-                            st(d, *o, i, acc);
-                        }
-                    }
+                    reduce_into(a, d, op, &unbased(&ins), &outs, lo, hi)?;
                 }
                 cx.barrier(a, b as usize, c.wrapping_add(2), None);
             }

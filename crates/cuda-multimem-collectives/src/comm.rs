@@ -391,6 +391,11 @@ impl AllReduceConfig {
         Ok(())
     }
 
+    /// The barrier deadline in nanoseconds, as the kernels take it.
+    pub(crate) fn timeout_ns(&self) -> u64 {
+        self.timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+
     /// What every rank must agree on, as bytes.
     fn fingerprint(&self, n: usize, multiprocessors: u32) -> Vec<u8> {
         let mut v = Vec::new();
@@ -1207,32 +1212,9 @@ impl Communicator {
             out_off,
             choice.blocks as u64,
         ]);
-        let mut a_ctx = self.inner.team.pads.addrs[rank];
-        let mut a_in = input;
-        let mut a_out = output;
-        let mut a_count = count as u64;
-        let mut a_in_tab = in_tab;
-        let mut a_out_tab = out_tab;
-        let mut a_sig = sig;
-        let mut a_timeout = self
-            .inner
-            .team
-            .config
-            .timeout
-            .as_nanos()
-            .min(u64::MAX as u128) as u64;
-        let mut params: [*mut c_void; 8] = [
-            &mut a_ctx as *mut _ as *mut c_void,
-            &mut a_in as *mut _ as *mut c_void,
-            &mut a_out as *mut _ as *mut c_void,
-            &mut a_count as *mut _ as *mut c_void,
-            &mut a_in_tab as *mut _ as *mut c_void,
-            &mut a_out_tab as *mut _ as *mut c_void,
-            &mut a_sig as *mut _ as *mut c_void,
-            &mut a_timeout as *mut _ as *mut c_void,
-        ];
-        // SAFETY: a function of this device's module; eight parameters as the PTX declares
-        // (all .u64), each pointing at a live local; the caller promises the stream.
+        // SAFETY: a function of this device's module whose entry takes these eight .u64
+        // parameters (ctx, in, out, count, in_tab, out_tab, header, timeout); the caller
+        // promises the stream.
         unsafe {
             kernels::launch(
                 &r.device,
@@ -1240,7 +1222,16 @@ impl Communicator {
                 choice.blocks,
                 choice.threads,
                 stream,
-                &mut params,
+                &[
+                    self.inner.team.pads.addrs[rank],
+                    input,
+                    output,
+                    count as u64,
+                    in_tab,
+                    out_tab,
+                    sig,
+                    self.inner.team.config.timeout_ns(),
+                ],
             )
         }?;
         Ok(choice)

@@ -306,27 +306,17 @@ impl MultimemAllReduce {
             .team
             .multicast_address()
             .ok_or_else(|| Error::invalid("team", "the team has no multicast address"))?;
-        let mut p_uc = self.team.member_ptr(rank)?;
-        let mut p_mc = mc;
-        let mut p_count = count as u64;
-        let mut p_timeout = self.config.timeout.as_nanos().min(u64::MAX as u128) as u64;
         // The call header every member compares at the first barrier: what and how much.
-        let mut p_sig = crate::kernels::call_header(&[
+        let sig = crate::kernels::call_header(&[
             count as u64,
             dtype.code(),
             op.code(),
             k as u64,
             choice.blocks as u64,
         ]);
-        let mut params: [*mut c_void; 5] = [
-            &mut p_uc as *mut _ as *mut c_void,
-            &mut p_mc as *mut _ as *mut c_void,
-            &mut p_count as *mut _ as *mut c_void,
-            &mut p_timeout as *mut _ as *mut c_void,
-            &mut p_sig as *mut _ as *mut c_void,
-        ];
-        // SAFETY: a function of this device's module with five .u64 parameters, each pointing
-        // at a live local; a live stream of the device.
+        // SAFETY: a function of this device's module whose entry takes these five .u64
+        // parameters (unicast base, multicast base, count, timeout, header); a live stream of
+        // the device.
         unsafe {
             crate::kernels::launch(
                 &r.device,
@@ -334,7 +324,13 @@ impl MultimemAllReduce {
                 choice.blocks,
                 choice.threads,
                 stream.raw(),
-                &mut params,
+                &[
+                    self.team.member_ptr(rank)?,
+                    mc,
+                    count as u64,
+                    self.config.timeout_ns(),
+                    sig,
+                ],
             )
         }?;
         Ok(choice)

@@ -26,21 +26,27 @@
 
 use crate::{DType, Op};
 
-/// Launch `f` on `stream` of `device` with a one-dimensional grid of `blocks` × `threads` and no
-/// dynamic shared memory (the shape every kernel here takes).
+/// Launch `f` on `stream` of `device` with a one-dimensional grid of `blocks` × `threads`, no
+/// dynamic shared memory and `args` as its parameters (the shape every kernel here takes: all
+/// parameters `.u64`).
 ///
 /// # Safety
-/// `f` is a function of a module loaded on `device`; `params` holds one pointer per parameter the
-/// PTX entry declares, each to a live value of that parameter's type; `stream` is a live stream of
-/// `device` (or null).
+/// `f` is a function of a module loaded on `device` whose PTX entry declares exactly
+/// `args.len()` parameters, all `.u64`; `stream` is a live stream of `device` (or null).
 pub(crate) unsafe fn launch(
     device: &cuda_multimem::Device,
     f: cuda_multimem::sys::CUfunction,
     blocks: u32,
     threads: u32,
     stream: cuda_multimem::sys::CUstream,
-    params: &mut [*mut std::ffi::c_void],
+    args: &[u64],
 ) -> cuda_multimem::Result<()> {
+    // cuLaunchKernel takes a pointer to each parameter's value; they live until it returns.
+    let mut values = args.to_vec();
+    let mut params: Vec<*mut std::ffi::c_void> = values
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut std::ffi::c_void)
+        .collect();
     device.bind()?;
     let launch = device.driver().sys().cuLaunchKernel()?;
     // SAFETY: as the caller promises; extra is null.

@@ -124,6 +124,32 @@ impl Error {
     }
 }
 
+/// `size` bytes at `offset` must end within the `total` bytes of `what`: otherwise (overflow
+/// included) an [`Error::InvalidArgument`] on `size`, before any driver call.
+pub(crate) fn check_within(size: u64, offset: u64, total: u64, what: &str) -> Result<()> {
+    if offset.checked_add(size).is_none_or(|e| e > total) {
+        return Err(Error::invalid(
+            "size",
+            format!("{size} bytes at offset {offset} pass the end of the {total}-byte {what}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `v` must be a multiple of `unit` (the `unit_name`, e.g. "allocation granularity"):
+/// otherwise an [`Error::InvalidArgument`] on `arg`, before any driver call.
+// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+#[allow(clippy::manual_is_multiple_of)]
+pub(crate) fn check_multiple(arg: &'static str, v: u64, unit: u64, unit_name: &str) -> Result<()> {
+    if v % unit != 0 {
+        return Err(Error::invalid(
+            arg,
+            format!("{v} is not a multiple of the {unit_name} {unit}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Turn a status into a result naming the call.
 #[inline]
 pub(crate) fn check(call: &'static str, code: CUresult) -> Result<()> {

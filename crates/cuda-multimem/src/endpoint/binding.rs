@@ -1,6 +1,5 @@
 //! Memory bound to a logical endpoint on one device at an offset; unbound on drop.
 // `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
-#![allow(clippy::manual_is_multiple_of)]
 
 use std::sync::Arc;
 
@@ -74,13 +73,7 @@ impl Drop for EndpointBinding {
 }
 
 fn multiple(arg: &'static str, v: u64, align: u64) -> Result<()> {
-    if v % align != 0 {
-        return Err(Error::invalid(
-            arg,
-            format!("{v} is not a multiple of the endpoint's bind alignment {align}"),
-        ));
-    }
-    Ok(())
+    crate::error::check_multiple(arg, v, align, "endpoint's bind alignment")
 }
 
 impl LogicalEndpoint {
@@ -136,29 +129,8 @@ impl LogicalEndpoint {
         multiple("offset", offset, a)?;
         multiple("size", size, a)?;
         multiple("memory offset", memory_offset, a)?;
-        if offset
-            .checked_add(size)
-            .is_none_or(|e| e > self.inner.spec.size)
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {offset} pass the end of the {}-byte endpoint",
-                    self.inner.spec.size
-                ),
-            ));
-        }
-        if memory_offset
-            .checked_add(size)
-            .is_none_or(|e| e > memory_size)
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {memory_offset} pass the end of the {memory_size}-byte memory"
-                ),
-            ));
-        }
+        crate::error::check_within(size, offset, self.inner.spec.size, "endpoint")?;
+        crate::error::check_within(size, memory_offset, memory_size, "memory")?;
         if memory != Location::Device(d) {
             return Err(Error::invalid(
                 "memory",

@@ -235,13 +235,7 @@ impl std::fmt::Debug for MulticastObject {
 }
 
 fn multiple(arg: &'static str, v: usize, g: usize) -> Result<()> {
-    if v % g != 0 {
-        return Err(Error::invalid(
-            arg,
-            format!("{v} is not a multiple of the multicast granularity {g}"),
-        ));
-    }
-    Ok(())
+    crate::error::check_multiple(arg, v as u64, g as u64, "multicast granularity")
 }
 
 impl MulticastObject {
@@ -404,19 +398,12 @@ impl MulticastObject {
         let g = self.inner.granularity;
         multiple("offset", offset, g)?;
         multiple("size", size, g)?;
-        if offset
-            .checked_add(size)
-            .is_none_or(|e| e > self.inner.spec.size)
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {offset} pass the end of the {}-byte multicast object",
-                    self.inner.spec.size
-                ),
-            ));
-        }
-        Ok(())
+        crate::error::check_within(
+            size as u64,
+            offset as u64,
+            self.inner.spec.size as u64,
+            "multicast object",
+        )
     }
 
     fn check_bind(
@@ -451,18 +438,12 @@ impl MulticastObject {
         }
         drop(st);
         multiple("memory offset", memory_offset, self.inner.granularity)?;
-        if memory_offset
-            .checked_add(size)
-            .is_none_or(|e| e > memory.size())
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {memory_offset} pass the end of the {}-byte memory",
-                    memory.size()
-                ),
-            ));
-        }
+        crate::error::check_within(
+            size as u64,
+            memory_offset as u64,
+            memory.size() as u64,
+            "memory",
+        )?;
         match memory.spec().location {
             Location::Device(m) if m == d => {}
             Location::HostNuma(n)
@@ -609,18 +590,12 @@ impl MulticastObject {
         )?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         multiple("reservation address", ptr as usize, self.inner.granularity)?;
-        if reservation_offset
-            .checked_add(size)
-            .is_none_or(|e| e > reservation.size())
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {reservation_offset} pass the end of the {}-byte reservation",
-                    reservation.size()
-                ),
-            ));
-        }
+        crate::error::check_within(
+            size as u64,
+            reservation_offset as u64,
+            reservation.size() as u64,
+            "reservation",
+        )?;
         if access.is_empty() {
             return Err(Error::invalid(
                 "access",

@@ -76,37 +76,20 @@ impl Mapping {
             ("reservation_offset", reservation_offset),
             ("allocation_offset", allocation_offset),
         ] {
-            if v % g != 0 {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{v} is not a multiple of the allocation granularity {g}"),
-                ));
-            }
+            crate::error::check_multiple(arg, v as u64, g as u64, "allocation granularity")?;
         }
-        if reservation_offset
-            .checked_add(size)
-            .is_none_or(|e| e > reservation.size())
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {reservation_offset} pass the end of the {}-byte reservation",
-                    reservation.size()
-                ),
-            ));
-        }
-        if allocation_offset
-            .checked_add(size)
-            .is_none_or(|e| e > allocation.size())
-        {
-            return Err(Error::invalid(
-                "size",
-                format!(
-                    "{size} bytes at offset {allocation_offset} pass the end of the {}-byte allocation",
-                    allocation.size()
-                ),
-            ));
-        }
+        crate::error::check_within(
+            size as u64,
+            reservation_offset as u64,
+            reservation.size() as u64,
+            "reservation",
+        )?;
+        crate::error::check_within(
+            size as u64,
+            allocation_offset as u64,
+            allocation.size() as u64,
+            "allocation",
+        )?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         // SAFETY: the range lies in a live reservation and the allocation handle is live; both
         // are kept alive by the Arcs stored below. Flags must be 0.

@@ -1,5 +1,4 @@
 //! Memory bound to a logical endpoint on one device at an offset; unbound on drop.
-// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 
 use std::sync::Arc;
 

@@ -85,8 +85,8 @@ struct Object {
     refs: u32,
     /// The cross-process table, once exported or imported from another process.
     table: Option<EpTable>,
-    /// Views of other processes' bound memory: (table slot, generation) -> (address, length).
-    remote: HashMap<(usize, u32), (usize, usize)>,
+    /// Views of other processes' bound memory.
+    remote: crate::shared::RemoteViews,
 }
 
 impl Object {
@@ -137,9 +137,7 @@ impl Object {
         if let Some(t) = &self.table {
             t.with(|d| crate::shared::unregister(&mut d.binds, |_| true));
         }
-        for (_, (a, l)) in self.remote.drain() {
-            crate::memory::unmap(a, l);
-        }
+        self.remote.unmap_all();
     }
 }
 
@@ -469,12 +467,8 @@ pub fn endpoint_targets(id: u32, offset: u64, len: u64) -> Result<Vec<usize>, CU
                     Some(l) => l.view.0,
                     None => continue,
                 }
-            } else if let Some(&(a, _)) = o.remote.get(&(slot, b.gen)) {
-                a
             } else {
-                let a = crate::shared::remote_view(&b)?;
-                o.remote.insert((slot, b.gen), (a, b.len as usize));
-                a
+                o.remote.view(slot, &b)?
             };
             targets.push(base + (offset - b.offset) as usize);
         }
@@ -630,7 +624,7 @@ sim_api! {
         g.objects.insert(oid, Object {
             id: oid, ty: p.ty, size: p.size, ipc: p.ipc, align,
             devices: match p.ty { Type::Unicast(d) => vec![d], Type::Multicast(_) => Vec::new() },
-            polls: 0, bindings: BTreeMap::new(), refs: 1, table: None, remote: HashMap::new(),
+            polls: 0, bindings: BTreeMap::new(), refs: 1, table: None, remote: Default::default(),
         });
         g.endpoints.insert(id, Endpoint { object: oid, seen_ready: false, imported: false });
         st.live_add("logical endpoints", 1);
@@ -839,7 +833,7 @@ sim_api! {
                 let local = NEXT_OBJECT.fetch_add(1, Ordering::Relaxed);
                 g.objects.insert(local, Object {
                     id: local, ty, size, ipc, align, devices: Vec::new(), polls: 0,
-                    bindings: BTreeMap::new(), refs: 1, table: Some(t), remote: HashMap::new(),
+                    bindings: BTreeMap::new(), refs: 1, table: Some(t), remote: Default::default(),
                 });
                 local
             }

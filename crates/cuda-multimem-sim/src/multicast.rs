@@ -90,8 +90,8 @@ struct Object {
     devices: Vec<i32>,
     /// The cross-process table, once exported or imported.
     table: Option<Table>,
-    /// Views of other processes' bound memory: (table slot, generation) -> (address, length).
-    remote: HashMap<(usize, u32), (usize, usize)>,
+    /// Views of other processes' bound memory.
+    remote: crate::shared::RemoteViews,
     /// Exported or imported: binds only shareable memory.
     shared: bool,
     /// (device, offset) -> binding
@@ -117,9 +117,7 @@ impl Object {
         if let Some(t) = &self.table {
             t.with(|d| crate::shared::unregister(&mut d.binds, |_| true));
         }
-        for (_, (a, l)) in self.remote.drain() {
-            crate::memory::unmap(a, l);
-        }
+        self.remote.unmap_all();
     }
 }
 
@@ -251,6 +249,16 @@ impl Tables {
             .copied()
             .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
     }
+
+    /// The object behind `handle`, with its id.
+    fn object_mut(&mut self, handle: u64) -> SimResult<(u64, &mut Object)> {
+        let oid = self.object_of(handle)?;
+        let o = self
+            .objects
+            .get_mut(&oid)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        Ok((oid, o))
+    }
 }
 
 /// Wait (up to [`BLOCK_LIMIT`]) until the object of `handle` has every device; returns the
@@ -262,11 +270,7 @@ fn wait_complete<'a>(
     let start = Instant::now();
     let mut g = mc.t.lock();
     loop {
-        let oid = g.object_of(handle)?;
-        let o = g
-            .objects
-            .get(&oid)
-            .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        let (oid, o) = g.object_mut(handle)?;
         if o.complete() {
             return Ok((g, oid));
         }
@@ -399,11 +403,7 @@ fn unbind(st: &State, handle: u64, dev: i32, mc_offset: usize, size: usize) -> S
         .map_err(|_| CUresult::CUDA_ERROR_INVALID_DEVICE)?;
     let mc = st.ext::<Multicasts>();
     let mut g = mc.t.lock();
-    let oid = g.object_of(handle)?;
-    let o = g
-        .objects
-        .get_mut(&oid)
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let (_, o) = g.object_mut(handle)?;
     if mc_offset % o.gran != 0
         || size % o.gran != 0
         || mc_offset.checked_add(size).is_none_or(|e| e > o.size)
@@ -513,14 +513,7 @@ fn shared_targets(o: &mut Object, at: usize, end: usize) -> SimResult<Vec<usize>
                 None => continue,
             }
         } else {
-            match o.remote.get(&(slot, e.gen)) {
-                Some(&(a, _)) => a,
-                None => {
-                    let a = crate::shared::remote_view(&e)?;
-                    o.remote.insert((slot, e.gen), (a, e.len as usize));
-                    a
-                }
-            }
+            o.remote.view(slot, &e)?
         };
         t.push(base + (at - e.offset as usize));
     }
@@ -700,11 +693,7 @@ pub(crate) fn mem_set_access(
 pub(crate) fn release(st: &State, handle: u64) -> SimResult {
     let mc = st.ext::<Multicasts>();
     let mut g = mc.t.lock();
-    let oid = g.object_of(handle)?;
-    let o = g
-        .objects
-        .get_mut(&oid)
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let (oid, o) = g.object_mut(handle)?;
     if o.handles == 1 && !o.bindings.is_empty() {
         return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
     }
@@ -730,11 +719,7 @@ pub(crate) fn export(
 ) -> SimResult {
     let mc = st.ext::<Multicasts>();
     let mut g = mc.t.lock();
-    let oid = g.object_of(handle)?;
-    let o = g
-        .objects
-        .get_mut(&oid)
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let (oid, o) = g.object_mut(handle)?;
     let t = ty.0 as u64;
     if t != HT_POSIX && t != HT_FABRIC {
         return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
@@ -808,7 +793,7 @@ fn import_table(st: &State, fd: OwnedFd) -> SimResult<u64> {
                     gran,
                     devices: Vec::new(),
                     table: Some(table),
-                    remote: HashMap::new(),
+                    remote: Default::default(),
                     shared: true,
                     bindings: BTreeMap::new(),
                     refs: 1,
@@ -898,7 +883,7 @@ sim_api! {
         let mut g = mc.t.lock();
         g.objects.insert(oid, Object {
             num_devices: p.numDevices, size: p.size, handle_types: p.handleTypes, gran: min, devices: Vec::new(),
-            table: None, remote: HashMap::new(), shared: false, bindings: BTreeMap::new(), refs: 1, handles: 1, mappings: 0,
+            table: None, remote: Default::default(), shared: false, bindings: BTreeMap::new(), refs: 1, handles: 1, mappings: 0,
         });
         g.handles.insert(handle, oid);
         st.live_add("multicast objects", 1);

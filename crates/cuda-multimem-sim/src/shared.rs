@@ -4,6 +4,7 @@
 //! the bound allocation's memfd, which that process keeps open, so another process maps the same
 //! memory through `/proc/<pid>/fd/<n>`.
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -110,6 +111,30 @@ pub(crate) fn remote_view(b: &Bind) -> SimResult<usize> {
     view_of(fd.as_raw_fd(), b.file_offset as usize, b.len as usize)
 }
 
+/// Views of other processes' bound memory, mapped on first use: (table slot, generation) ->
+/// (address, length).
+#[derive(Default)]
+pub(crate) struct RemoteViews(HashMap<(usize, u32), (usize, usize)>);
+
+impl RemoteViews {
+    /// The address where `b` (in table slot `slot`) is mapped here, mapping it the first time.
+    pub fn view(&mut self, slot: usize, b: &Bind) -> SimResult<usize> {
+        if let Some(&(a, _)) = self.0.get(&(slot, b.gen)) {
+            return Ok(a);
+        }
+        let a = remote_view(b)?;
+        self.0.insert((slot, b.gen), (a, b.len as usize));
+        Ok(a)
+    }
+
+    /// Unmap every view.
+    pub fn unmap_all(&mut self) {
+        for (_, (a, l)) in self.0.drain() {
+            crate::memory::unmap(a, l);
+        }
+    }
+}
+
 /// The inode of `fd`.
 pub(crate) fn inode(fd: RawFd) -> SimResult<u64> {
     // SAFETY: an all-zero stat is a valid value to be overwritten.
@@ -149,6 +174,17 @@ unsafe impl<T> Sync for Table<T> {}
 impl<T> Table<T> {
     const LEN: usize = 8 + std::mem::size_of::<T>();
 
+    /// The table in `fd` (of the right size), mapped here.
+    fn mapped(fd: OwnedFd) -> SimResult<Table<T>> {
+        let base = view_of(fd.as_raw_fd(), 0, Self::LEN)?;
+        Ok(Table {
+            base,
+            len: Self::LEN,
+            fd,
+            _t: PhantomData,
+        })
+    }
+
     /// A new table named `name` (a memfd name), initialised by `init`.
     pub fn create(name: &str, init: impl FnOnce(&mut T) -> SimResult) -> SimResult<Table<T>> {
         let name = std::ffi::CString::new(name).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
@@ -163,13 +199,7 @@ impl<T> Table<T> {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), Self::LEN as libc::off_t) } != 0 {
             return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let base = view_of(fd.as_raw_fd(), 0, Self::LEN)?;
-        let t = Table {
-            base,
-            len: Self::LEN,
-            fd,
-            _t: PhantomData,
-        };
+        let t = Self::mapped(fd)?;
         t.with(init)?;
         Ok(t)
     }
@@ -184,13 +214,7 @@ impl<T> Table<T> {
         {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        let base = view_of(fd.as_raw_fd(), 0, Self::LEN)?;
-        let t = Table {
-            base,
-            len: Self::LEN,
-            fd,
-            _t: PhantomData,
-        };
+        let t = Self::mapped(fd)?;
         // SAFETY: the data starts 8 bytes in and begins with 8 magic bytes (T's first field).
         let m = t.with(|d| unsafe { *(d as *const T as *const [u8; 8]) });
         if &m != magic {

@@ -2,7 +2,7 @@
 
 use cuda_multimem_sys::{CUdevice, CUmemLocation, CUmemLocationType};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::{Device, Driver};
 
 /// `CU_DEVICE_CPU`: the host, in the older `CUdevice` ABIs.
@@ -57,42 +57,32 @@ impl Location {
         matches!(self, Location::HostNuma(_) | Location::HostNumaCurrent)
     }
 
-    /// Reject device ordinals the driver lacks and negative NUMA ids, before any driver call.
-    pub(crate) fn validate(self, driver: &Driver, arg: &'static str) -> Result<()> {
+    /// The same place as a VMM location (`None` for [`Location::HostNumaCurrent`], which only
+    /// managed memory has).
+    fn as_vmm(self) -> Option<crate::vmm::Location> {
         match self {
-            Location::Device(d) if d < 0 || d as usize >= driver.device_count() => {
-                Err(Error::invalid(
-                    arg,
-                    format!(
-                        "{self} does not exist; this machine has {} device(s)",
-                        driver.device_count()
-                    ),
-                ))
-            }
-            Location::HostNuma(n) if n < 0 => Err(Error::invalid(
-                arg,
-                format!("host NUMA id {n} is negative; expected a node id >= 0"),
-            )),
-            _ => Ok(()),
+            Location::Device(d) => Some(crate::vmm::Location::Device(d)),
+            Location::Host => Some(crate::vmm::Location::Host),
+            Location::HostNuma(n) => Some(crate::vmm::Location::HostNuma(n)),
+            Location::HostNumaCurrent => None,
         }
+    }
+
+    /// Reject device ordinals the driver lacks and negative NUMA ids, before any driver call
+    /// (the VMM location's check).
+    pub(crate) fn validate(self, driver: &Driver, arg: &'static str) -> Result<()> {
+        self.as_vmm().map_or(Ok(()), |l| l.validate(driver, arg))
     }
 
     /// The `CUmemLocation` of this location.
     pub(crate) fn to_raw(self) -> CUmemLocation {
-        let (t, id) = match self {
-            Location::Device(d) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
-            Location::Host => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
-            Location::HostNuma(n) => (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, n),
-            Location::HostNumaCurrent => {
-                (CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT, 0)
-            }
-        };
-        let mut l = CUmemLocation {
-            type_: t,
-            ..Default::default()
-        };
-        l.__bindgen_anon_1.id = id;
-        l
+        self.as_vmm().map_or_else(
+            || CUmemLocation {
+                type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT,
+                ..Default::default()
+            },
+            crate::vmm::Location::raw,
+        )
     }
 
     /// The `CUdevice` of the older ABIs (`CU_DEVICE_CPU` for the host); `None` for host NUMA

@@ -534,18 +534,31 @@ fn short_timeout_team(n: usize) -> (Env, Communicator) {
     (e, comm)
 }
 
+/// On a team of two with a short timeout: rank 0 calls `mine` (count, dtype), rank 1 `theirs`,
+/// both sum in place in one buffer; what rank 0's call chose, and what `check` reports.
+fn disagree(
+    comm: &Communicator,
+    s: &[Stream],
+    buf: &SymmetricBuffer,
+    mine: (usize, DType),
+    theirs: (usize, DType),
+) -> (Algorithm, Error) {
+    let a = comm
+        .all_reduce(0, buf, 0, buf, 0, mine.0, mine.1, Op::Sum, &s[0])
+        .unwrap();
+    comm.all_reduce(1, buf, 0, buf, 0, theirs.0, theirs.1, Op::Sum, &s[1])
+        .unwrap();
+    sync(s);
+    (a.algorithm, comm.check().unwrap_err())
+}
+
 #[test]
 fn ranks_that_disagree_on_the_size_are_reported_not_waited_for() {
     let (_e, comm) = short_timeout_team(2);
     let s = streams(&comm);
     let buf = comm.alloc(1 << 20).unwrap();
     // above the low-latency limit, the call header names the disagreement
-    comm.all_reduce(0, &buf, 0, &buf, 0, 20_000, DType::F32, Op::Sum, &s[0])
-        .unwrap();
-    comm.all_reduce(1, &buf, 0, &buf, 0, 20_001, DType::F32, Op::Sum, &s[1])
-        .unwrap();
-    sync(&s);
-    let err = comm.check().unwrap_err();
+    let (_, err) = disagree(&comm, &s, &buf, (20_000, DType::F32), (20_001, DType::F32));
     assert!(err.to_string().contains("different sizes"), "{err}");
     // the team refuses further work
     assert!(comm
@@ -560,14 +573,8 @@ fn small_calls_that_disagree_are_reported_as_a_peer_that_did_not_arrive() {
     let (_e, comm) = short_timeout_team(2);
     let s = streams(&comm);
     let buf = comm.alloc(1 << 16).unwrap();
-    let a = comm
-        .all_reduce(0, &buf, 0, &buf, 0, 100, DType::F16, Op::Sum, &s[0])
-        .unwrap();
-    comm.all_reduce(1, &buf, 0, &buf, 0, 100, DType::Bf16, Op::Sum, &s[1])
-        .unwrap();
-    assert_eq!(a.algorithm, Algorithm::OneShotLl);
-    sync(&s);
-    let err = comm.check().unwrap_err();
+    let (a, err) = disagree(&comm, &s, &buf, (100, DType::F16), (100, DType::Bf16));
+    assert_eq!(a, Algorithm::OneShotLl);
     assert!(err.to_string().contains("called something else"), "{err}");
 }
 
@@ -576,12 +583,7 @@ fn ranks_that_disagree_on_the_dtype_are_reported() {
     let (_e, comm) = short_timeout_team(2);
     let s = streams(&comm);
     let buf = comm.alloc(1 << 20).unwrap();
-    comm.all_reduce(0, &buf, 0, &buf, 0, 40_000, DType::F16, Op::Sum, &s[0])
-        .unwrap();
-    comm.all_reduce(1, &buf, 0, &buf, 0, 40_000, DType::Bf16, Op::Sum, &s[1])
-        .unwrap();
-    sync(&s);
-    let err = comm.check().unwrap_err();
+    let (_, err) = disagree(&comm, &s, &buf, (40_000, DType::F16), (40_000, DType::Bf16));
     assert!(err.to_string().contains("different sizes, types"), "{err}");
 }
 

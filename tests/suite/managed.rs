@@ -1054,99 +1054,83 @@ fn simulated_batch_calls_check_their_arrays_as_documented() {
     let st = s.raw();
     let inv = CUresult::CUDA_ERROR_INVALID_VALUE;
     d.bind().unwrap();
-    assert_eq!(
-        call(
-            &mut [dev, host],
-            &mut [0, 1],
+    let numa9 = raw_location(CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, 9);
+    let null = std::ptr::null_mut();
+    // (locations, their first-range indices, count, flags, stream, answer, what it checks)
+    let cases = [
+        (
+            vec![dev, host],
+            vec![0, 1],
             2,
             0,
             st,
-            &mut ptrs,
-            &mut sizes
+            CUresult::CUDA_SUCCESS,
+            "a valid call",
         ),
-        CUresult::CUDA_SUCCESS
-    );
-    assert_eq!(
-        call(
-            &mut [dev, host],
-            &mut [1, 1],
+        (
+            vec![dev, host],
+            vec![1, 1],
             2,
             0,
             st,
-            &mut ptrs,
-            &mut sizes
+            inv,
+            "first index must be 0",
         ),
-        inv,
-        "first index must be 0"
-    );
-    assert_eq!(
-        call(
-            &mut [dev, host],
-            &mut [0, 0],
+        (
+            vec![dev, host],
+            vec![0, 0],
             2,
             0,
             st,
-            &mut ptrs,
-            &mut sizes
+            inv,
+            "indices must increase",
         ),
-        inv,
-        "indices must increase"
-    );
-    assert_eq!(
-        call(
-            &mut [dev, host],
-            &mut [0, 2],
+        (
+            vec![dev, host],
+            vec![0, 2],
             2,
             0,
             st,
-            &mut ptrs,
-            &mut sizes
+            inv,
+            "indices below count",
         ),
-        inv,
-        "indices below count"
-    );
-    assert_eq!(
-        call(
-            &mut [dev, host, dev],
-            &mut [0, 1, 2],
+        (
+            vec![dev, host, dev],
+            vec![0, 1, 2],
             3,
             0,
             st,
-            &mut ptrs,
-            &mut sizes
+            inv,
+            "no more locations than ranges",
         ),
-        inv,
-        "no more locations than ranges"
-    );
-    assert_eq!(
-        call(&mut [dev], &mut [0], 0, 0, st, &mut ptrs, &mut sizes),
-        inv,
-        "at least one location"
-    );
-    assert_eq!(
-        call(&mut [dev], &mut [0], 1, 1, st, &mut ptrs, &mut sizes),
-        inv,
-        "flags must be 0"
-    );
-    assert_eq!(
-        call(
-            &mut [dev],
-            &mut [0],
+        (vec![dev], vec![0], 0, 0, st, inv, "at least one location"),
+        (vec![dev], vec![0], 1, 1, st, inv, "flags must be 0"),
+        (
+            vec![dev],
+            vec![0],
             1,
             0,
-            std::ptr::null_mut(),
-            &mut ptrs,
-            &mut sizes
+            null,
+            inv,
+            "not the legacy NULL stream",
         ),
-        inv,
-        "not the legacy NULL stream"
-    );
-    let numa9 = raw_location(CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, 9);
-    assert_eq!(
-        call(&mut [numa9], &mut [0], 1, 0, st, &mut ptrs, &mut sizes),
-        inv,
-        "a NUMA node the host lacks"
-    );
+        (
+            vec![numa9],
+            vec![0],
+            1,
+            0,
+            st,
+            inv,
+            "a NUMA node the host lacks",
+        ),
+    ];
+    for (mut locs, mut idxs, n, flags, stream, want, what) in cases {
+        assert_eq!(
+            call(&mut locs, &mut idxs, n, flags, stream, &mut ptrs, &mut sizes),
+            want,
+            "{what}"
+        );
+    }
     let mut outside = [buf.as_ptr(), buf.as_ptr() + 3 * MIB as u64];
     assert_eq!(
         call(&mut [dev], &mut [0], 1, 0, st, &mut outside, &mut sizes),

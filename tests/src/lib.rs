@@ -95,3 +95,53 @@ impl Rng {
         }
     }
 }
+
+/// Fail each driver call `attempt` makes, one per round (`CUDA_ERROR_OUT_OF_MEMORY`, the n-th
+/// call in round n), until a round makes no call that fails. A round with an injected failure
+/// must return an error and leave the simulator's live resources as they were before it; a round
+/// without one must succeed, pass `on_success`, and once its value is dropped leave them as they
+/// were too. Returns how many failures were injected (callers assert a floor, so a construction
+/// that stops reaching the driver shows). Run `attempt` once beforehand, so that the loader has
+/// resolved every entry point (a failed `cuGetProcAddress` would be cached, which is not what
+/// these rounds are about).
+pub fn fail_each_call<T, E: std::fmt::Display>(
+    sim: &Simulator,
+    mut attempt: impl FnMut() -> Result<T, E>,
+    on_success: impl FnOnce(&T),
+) -> usize {
+    use cuda_multimem_sys::CUresult;
+    let initial = sim.live_resources();
+    let mut injected = 0;
+    for skip in 0.. {
+        sim.inject_failure(cuda_multimem_sim::FailurePlan {
+            call: None,
+            skip,
+            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        });
+        let r = attempt();
+        let fired = sim.clear_failure();
+        match (r, fired) {
+            (Ok(v), None) => {
+                on_success(&v);
+                drop(v);
+                assert_eq!(
+                    sim.live_resources(),
+                    initial,
+                    "left over after the clean round"
+                );
+                return injected;
+            }
+            (Err(_), Some(f)) => {
+                injected += 1;
+                assert_eq!(
+                    sim.live_resources(),
+                    initial,
+                    "after failing {f} (call #{skip})"
+                );
+            }
+            (Ok(_), Some(f)) => panic!("succeeded although {f} failed"),
+            (Err(err), None) => panic!("failed without an injected failure: {err}"),
+        }
+    }
+    unreachable!("the rounds end with a clean one")
+}

@@ -11,8 +11,8 @@ use cuda_multimem::multicast::disable_multicast_on_this_thread;
 use cuda_multimem::sys::{CUlogicalEndpointProp, CUlogicalEndpointType, CUresult};
 use cuda_multimem::vmm::{Access, HandleTypes, Location, Mapping, PhysicalAllocation};
 use cuda_multimem::{Driver, Error};
-use cuda_multimem_sim::{FailurePlan, SimConfig};
-use cuda_multimem_tests::{env, sim, skip};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::{env, fail_each_call, sim, skip};
 
 use crate::multicast::{dtoh, leftovers, random};
 
@@ -495,34 +495,7 @@ fn a_failure_at_any_step_leaks_nothing() {
         Ok((b0, b1, eps, a))
     };
     drop(attempt().unwrap()); // resolve every entry point first
-    let initial = s.live_resources();
-    let mut injected = 0;
-    for skip in 0.. {
-        s.inject_failure(FailurePlan {
-            call: None,
-            skip,
-            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-        });
-        let r = attempt();
-        let fired = s.clear_failure();
-        match (r, fired) {
-            (Ok(v), None) => {
-                drop(v);
-                assert_eq!(s.live_resources(), initial);
-                break;
-            }
-            (Err(_), Some(f)) => {
-                injected += 1;
-                assert_eq!(
-                    s.live_resources(),
-                    initial,
-                    "after failing {f} (call #{skip})"
-                );
-            }
-            (Ok(_), Some(f)) => panic!("succeeded although {f} failed"),
-            (Err(err), None) => panic!("failed without an injected failure: {err}"),
-        }
-    }
+    let injected = fail_each_call(s, attempt, |_| {});
     assert!(injected >= 8, "{injected}");
 }
 

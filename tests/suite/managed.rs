@@ -11,7 +11,7 @@ use cuda_multimem::managed::{
 use cuda_multimem::sys::{CUmemLocationType, CUresult};
 use cuda_multimem::{Device, Error, Stream};
 use cuda_multimem_sim::{SimConfig, DISCARD_POISON};
-use cuda_multimem_tests::{env, sim, skip, Env, Rng};
+use cuda_multimem_tests::{env, fail_each_call, sim, skip, Env, Rng};
 
 const MIB: usize = 1 << 20;
 
@@ -476,31 +476,8 @@ fn a_failed_allocation_leaks_nothing() {
     // Resolve every entry point first: the loader caches a failed resolution, so a failure
     // injected into cuGetProcAddress would stick (a loader property, not this test's subject).
     drop(ManagedBuffer::new(&d, 2 * MIB).unwrap());
-    let before = s.live_resources();
-    for skip_n in 0.. {
-        s.inject_failure(cuda_multimem_sim::FailurePlan {
-            call: None,
-            skip: skip_n,
-            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-        });
-        let r = ManagedBuffer::new(&d, 2 * MIB);
-        let fired = s.clear_failure();
-        match r {
-            Err(err) => {
-                assert!(
-                    fired.is_some(),
-                    "an error without an injected failure: {err:?}"
-                );
-                assert_eq!(s.live_resources(), before, "after failing {fired:?}");
-            }
-            Ok(b) => {
-                assert!(fired.is_none());
-                drop(b);
-                assert_eq!(s.live_resources(), before);
-                break;
-            }
-        }
-    }
+    let injected = fail_each_call(s, || ManagedBuffer::new(&d, 2 * MIB), |_| {});
+    assert!(injected >= 1, "{injected}");
 }
 
 /// `n` ranges of `size` bytes cut from one buffer.

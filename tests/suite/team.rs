@@ -3,11 +3,10 @@
 //! objects, which the GPU machines forbid.
 
 use cuda_multimem::multicast::disable_multicast_on_this_thread;
-use cuda_multimem::sys::CUresult;
 use cuda_multimem::team::{choose_backend, Backend, Team};
 use cuda_multimem::Error;
-use cuda_multimem_sim::{FailurePlan, SimConfig};
-use cuda_multimem_tests::{env, sim, Rng};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::{env, fail_each_call, sim, Rng};
 
 use crate::multicast::{leftovers, random};
 
@@ -177,34 +176,7 @@ fn a_failure_at_any_step_of_building_a_team_leaks_nothing() {
         let devices = e.driver.devices();
         let build = || Team::new(&devices, 2 * MIB).and_then(|t| t.store(0, &[1]).map(|()| t));
         drop(build().unwrap()); // resolve every entry point first
-        let initial = s.live_resources();
-        let mut injected = 0;
-        for skip in 0.. {
-            s.inject_failure(FailurePlan {
-                call: None,
-                skip,
-                code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-            });
-            let r = build();
-            let fired = s.clear_failure();
-            match (r, fired) {
-                (Ok(t), None) => {
-                    drop(t);
-                    assert_eq!(s.live_resources(), initial);
-                    break;
-                }
-                (Err(_), Some(f)) => {
-                    injected += 1;
-                    assert_eq!(
-                        s.live_resources(),
-                        initial,
-                        "driver {v}, after failing {f} (#{skip})"
-                    );
-                }
-                (Ok(_), Some(f)) => panic!("succeeded although {f} failed"),
-                (Err(err), None) => panic!("failed without an injected failure: {err}"),
-            }
-        }
+        let injected = fail_each_call(s, build, |_| {});
         assert!(injected >= 10, "driver {v}: {injected}");
     }
 }
@@ -217,31 +189,11 @@ fn a_failure_at_any_step_of_building_an_endpoint_team_at_13_3_leaks_nothing() {
     let s = e.sim.as_ref().unwrap();
     let devices = e.driver.devices();
     drop(Team::new(&devices, 2 * MIB).unwrap()); // resolve every entry point first
-    let initial = s.live_resources();
-    let mut injected = 0;
-    for skip in 0.. {
-        s.inject_failure(FailurePlan {
-            call: None,
-            skip,
-            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-        });
-        let r = Team::new(&devices, 2 * MIB);
-        let fired = s.clear_failure();
-        match (r, fired) {
-            (Ok(t), None) => {
-                assert_eq!(t.backend(), Backend::LogicalEndpoint);
-                drop(t);
-                assert_eq!(s.live_resources(), initial);
-                break;
-            }
-            (Err(_), Some(f)) => {
-                injected += 1;
-                assert_eq!(s.live_resources(), initial, "after failing {f} (#{skip})");
-            }
-            (Ok(_), Some(f)) => panic!("succeeded although {f} failed"),
-            (Err(err), None) => panic!("failed without an injected failure: {err}"),
-        }
-    }
+    let injected = fail_each_call(
+        s,
+        || Team::new(&devices, 2 * MIB),
+        |t| assert_eq!(t.backend(), Backend::LogicalEndpoint),
+    );
     assert!(injected >= 12, "{injected}");
 }
 

@@ -96,6 +96,13 @@ impl Rng {
     }
 }
 
+/// `len` random bytes from a generator seeded with `seed`.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    Rng::new(seed).fill(&mut v);
+    v
+}
+
 /// Fail each driver call `attempt` makes, one per round (`CUDA_ERROR_OUT_OF_MEMORY`, the n-th
 /// call in round n), until a round makes no call that fails. A round with an injected failure
 /// must return an error and leave the simulator's live resources as they were before it; a round

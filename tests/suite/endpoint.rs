@@ -14,7 +14,8 @@ use cuda_multimem::{Driver, Error};
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{env, fail_each_call, sim, skip};
 
-use crate::multicast::{dtoh, leftovers, random};
+use crate::multicast::{dtoh, leftovers};
+use cuda_multimem_tests::random_bytes as random;
 
 const MIB: u64 = 1 << 20;
 

@@ -18,7 +18,7 @@ use cuda_multimem::sys::{CUdeviceptr, CUmulticastObjectProp, CUresult};
 use cuda_multimem::vmm::{Access, Granularity, HandleTypes, Location, Mapping, PhysicalAllocation};
 use cuda_multimem::{Driver, Error};
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{env, fail_each_call, sim, skip, Rng};
+use cuda_multimem_tests::{env, fail_each_call, random_bytes as random, sim, skip};
 
 const MIB: usize = 1 << 20;
 
@@ -50,12 +50,6 @@ pub(crate) fn leftovers(
     let mut l = s.live_resources();
     l.remove("primary contexts");
     l
-}
-
-pub(crate) fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    Rng::new(seed).fill(&mut v);
-    v
 }
 
 /// Each device's memory, mapped read-write for all `n` devices.

@@ -12,7 +12,7 @@ use cuda_multimem::vmm::{
 };
 use cuda_multimem::{Driver, Error};
 use cuda_multimem_sim::{FailurePlan, SimConfig};
-use cuda_multimem_tests::{env, sim, skip, Rng};
+use cuda_multimem_tests::{env, random_bytes as random, sim, skip};
 
 const MIB: usize = 1 << 20;
 
@@ -65,12 +65,6 @@ fn warm_up(d: &Driver) {
 
 fn rw0() -> [(Location, Access); 1] {
     [(Location::Device(0), Access::ReadWrite)]
-}
-
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    Rng::new(seed).fill(&mut v);
-    v
 }
 
 fn gran(d: &Driver) -> usize {

@@ -9,7 +9,7 @@
 use std::process::ExitCode;
 
 use cuda_multimem::{Driver, Stream};
-use cuda_multimem_collectives::{half, reference, Communicator, DType, Op};
+use cuda_multimem_collectives::{random_input, reference, Communicator, DType, Op};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -83,20 +83,7 @@ fn run() -> Res<bool> {
         (12_000_000, DType::Bf16, Op::Sum),
     ] {
         let inputs: Vec<Vec<u8>> = (0..2)
-            .map(|_| {
-                let mut v = Vec::new();
-                for _ in 0..count {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    half::store(
-                        dtype,
-                        &mut v,
-                        (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0,
-                    );
-                }
-                v
-            })
+            .map(|_| random_input(dtype, count, &mut seed))
             .collect();
         for (r, d) in inputs.iter().enumerate() {
             buf.copy_from_host(r, d)?;

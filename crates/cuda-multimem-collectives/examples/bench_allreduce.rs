@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use cuda_multimem::{Driver, Event, Stream};
 use cuda_multimem_collectives::{
-    half, reference, Algorithm, AllReduceConfig, Communicator, DType, Op,
+    random_input, reference, Algorithm, AllReduceConfig, Communicator, DType, Op,
 };
 use cuda_multimem_sys::{CUgraphExec, CUresult, CUstreamCaptureMode};
 
@@ -80,22 +80,7 @@ fn check(
     let n = comm.size();
     let dtype = DType::Bf16;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let inputs: Vec<Vec<u8>> = (0..n)
-        .map(|_| {
-            let mut v = Vec::with_capacity(count * 2);
-            for _ in 0..count {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                half::store(
-                    dtype,
-                    &mut v,
-                    ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0,
-                );
-            }
-            v
-        })
-        .collect();
+    let inputs: Vec<Vec<u8>> = (0..n).map(|_| random_input(dtype, count, &mut x)).collect();
     for (r, d) in inputs.iter().enumerate() {
         buf.copy_from_host(r, d)?;
     }

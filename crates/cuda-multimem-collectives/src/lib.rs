@@ -197,6 +197,24 @@ impl std::fmt::Display for Algorithm {
     }
 }
 
+/// `count` random elements of `dtype` in [-1, 1) (raw little-endian), drawn from the xorshift
+/// generator whose state is `state` (non-zero; it advances): test data for the examples and
+/// benchmarks, to check against [`reference`].
+pub fn random_input(dtype: DType, count: usize, state: &mut u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        half::store(
+            dtype,
+            &mut v,
+            ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0,
+        );
+    }
+    v
+}
+
 /// Reduce `inputs` (one slice of raw little-endian elements per rank) in rank order, as the
 /// kernels do: the host reference for tests and examples.
 pub fn reference(dtype: DType, op: Op, inputs: &[&[u8]]) -> Vec<u8> {

@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use cuda_multimem::vmm::{Access, HandleTypes, Location, Mapping, PhysicalAllocation};
 use cuda_multimem::{Device, Error, Result, Stream};
-use cuda_multimem_sys::{
-    CUdevice_attribute, CUdeviceptr, CUfunction, CUmodule, CUresult, CUstream,
-};
+use cuda_multimem_sys::{CUdeviceptr, CUfunction, CUmodule, CUresult, CUstream};
 use parking_lot::Mutex;
 
 use crate::bootstrap::Bootstrap;
@@ -515,20 +513,20 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
+/// A device's multiprocessors (at least 1).
 pub(crate) fn multiprocessors(d: &Device) -> Result<u32> {
-    let mut v = 0;
-    // SAFETY: out-pointer valid; a device of this driver.
-    unsafe {
-        cu!(
-            d.driver(),
-            cuDeviceGetAttribute(
-                &mut v,
-                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                d.ordinal()
-            )
-        )
-    }?;
-    Ok(v.max(1) as u32)
+    Ok(d.multiprocessor_count()?.max(1) as u32)
+}
+
+/// The fewest multiprocessors of `devices` (launch shapes must be the same on every rank).
+pub(crate) fn fewest_multiprocessors(devices: &[Device]) -> Result<u32> {
+    Ok(devices
+        .iter()
+        .map(multiprocessors)
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .min()
+        .unwrap_or(1))
 }
 
 /// The kernels of one device, by algorithm, type and operator.
@@ -603,13 +601,7 @@ impl Communicator {
         for (rank, d) in devices.iter().enumerate() {
             locals.push(Local::new(rank, d)?);
         }
-        let multiprocessors = devices
-            .iter()
-            .map(multiprocessors)
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .min()
-            .unwrap_or(1);
+        let multiprocessors = fewest_multiprocessors(devices)?;
         Communicator::build(Team {
             n: devices.len(),
             stage_half: config.stage_slot_bytes(devices.len()),

@@ -13,7 +13,7 @@ use cuda_multimem::team::{Backend, Team};
 use cuda_multimem::{Device, Error, Result, Stream};
 use cuda_multimem_sys::{CUdeviceptr, CUfunction};
 
-use crate::comm::{cu, multiprocessors, Module, Raw};
+use crate::comm::{cu, fewest_multiprocessors, Module, Raw};
 use crate::kernels::multimem::{self as mm, MmKernel};
 use crate::kernels::{ERR_MISMATCH, ERR_TIMEOUT, MAX_BLOCKS, MAX_RANKS};
 use crate::{Algorithm, AllReduceConfig, Choice, DType, Op, Path};
@@ -117,13 +117,7 @@ impl MultimemAllReduce {
             // SAFETY: the header region of member i's memory (mapped read-write for it).
             unsafe { r.device.copy_from_host_blocking(peers[i], &hdr) }?;
         }
-        let multiprocessors = devices
-            .iter()
-            .map(multiprocessors)
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .min()
-            .unwrap_or(1);
+        let multiprocessors = fewest_multiprocessors(devices)?;
         Ok(MultimemAllReduce {
             ranks,
             team,

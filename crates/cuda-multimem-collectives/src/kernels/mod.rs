@@ -141,8 +141,8 @@ pub enum Kernel {
     P2pOneShotLl,
     /// Peer-to-peer two-shot whose remote traffic is only posted writes: each rank pushes part k
     /// of its input into owner k's staging, barrier, the owner reduces locally and pushes the
-    /// result to every rank's output, barrier. Needs 16-byte aligned operands and a staging slot
-    /// as large as the message (experimental; forced only).
+    /// result to every rank's output, barrier — in rounds through fixed-size staging slots.
+    /// Needs 16-byte aligned operands; the default above the one-shot limit.
     P2pTwoShotPush,
     /// Two-shot whose first half is done by the copy engines before the kernel starts: each
     /// rank's part k of the input (rank-major: part k is the k-th N-th of the message) is copied

@@ -199,7 +199,7 @@ impl std::fmt::Display for Algorithm {
 
 /// `count` random elements of `dtype` in [-1, 1) (raw little-endian), drawn from the xorshift
 /// generator whose state is `state` (non-zero; it advances): test data for the examples and
-/// benchmarks, to check against [`reference`].
+/// benchmarks, to check against [`reference()`].
 pub fn random_input(dtype: DType, count: usize, state: &mut u64) -> Vec<u8> {
     let mut v = Vec::with_capacity(count * dtype.size());
     for _ in 0..count {

@@ -153,6 +153,12 @@ impl Driver {
         })
     }
 
+    /// Whether `other` is this same driver value (a clone of it), not merely a driver over the
+    /// same library: handles made through one are refused by the other's checks.
+    pub fn same_as(&self, other: &Driver) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// The raw loader, for calls this crate does not wrap.
     pub fn sys(&self) -> &sys::Driver {
         &self.inner.sys

@@ -16,7 +16,10 @@ mod device;
 mod driver;
 pub mod endpoint;
 pub mod error;
+mod graph;
 pub mod managed;
+mod memory;
+mod module;
 pub mod multicast;
 mod stream;
 pub mod team;
@@ -25,7 +28,10 @@ pub mod vmm;
 pub use device::Device;
 pub use driver::{Driver, DRIVER_ENV};
 pub use error::{Error, Result};
-pub use stream::{Event, Stream};
+pub use graph::{CaptureMode, Graph, GraphExec};
+pub use memory::{DeviceBuffer, DeviceRepr};
+pub use module::{Function, LaunchConfig, Module, MAX_THREADS_PER_BLOCK};
+pub use stream::{Event, Stream, StreamRef};
 
 /// The raw bindings and loader, for calls this crate does not wrap.
 pub use cuda_multimem_sys as sys;

@@ -71,10 +71,7 @@ fn io(call: &'static str, e: std::io::Error, timeout: Duration) -> Error {
             after: timeout,
         }
     } else {
-        Error::Os {
-            call,
-            message: e.to_string(),
-        }
+        Error::os(call, e)
     }
 }
 
@@ -359,11 +356,17 @@ impl Bootstrap for UnixBootstrap {
             let mut p = &packed[..];
             for _ in 0..self.size {
                 if p.len() < 8 {
-                    return Err(Error::invalid("peer", "a truncated exchange from rank 0"));
+                    return Err(Error::Peer {
+                        rank: 0,
+                        reason: "sent a truncated exchange".into(),
+                    });
                 }
                 let n = u64::from_le_bytes(p[..8].try_into().unwrap_or_default()) as usize;
                 if p.len() < 8 + n {
-                    return Err(Error::invalid("peer", "a truncated exchange from rank 0"));
+                    return Err(Error::Peer {
+                        rank: 0,
+                        reason: "sent a truncated exchange".into(),
+                    });
                 }
                 all.push(p[8..8 + n].to_vec());
                 p = &p[8 + n..];

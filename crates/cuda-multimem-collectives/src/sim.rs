@@ -11,9 +11,22 @@ use std::time::{Duration, Instant};
 
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
-use crate::half::{decode, encode};
+fn decode(d: DType, bits: u32) -> f32 {
+    d.decode(bits)
+}
+
+fn encode(d: DType, v: f32) -> u32 {
+    d.encode(v)
+}
 use crate::kernels::*;
-use crate::{DType, Op};
+use crate::{DType, ReduceOp as Op};
+
+/// Register the host equivalents of every kernel (peer-to-peer and multimem) with the
+/// simulated driver, once per process: call it before building a communicator on a simulator.
+pub fn install() {
+    register();
+    register_multimem();
+}
 
 /// Register every kernel's equivalent (once per process).
 pub(crate) fn register() {

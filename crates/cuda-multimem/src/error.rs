@@ -74,13 +74,36 @@ pub enum Error {
         /// How long.
         after: Duration,
     },
-    /// An operating-system call failed (file descriptors, sockets).
-    #[error("{call}: {message}")]
+    /// An operating-system call failed (file descriptors, sockets); the `io::Error` is the source.
+    #[error("{call}: {source}")]
     Os {
         /// The call.
         call: &'static str,
-        /// The system's message.
-        message: String,
+        /// What the system said.
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
+    },
+    /// The ranks of a team made different calls (size, type, operation, operands, or an
+    /// argument one of them refused): the collective did not run as asked on any of them.
+    #[error("the ranks disagree: {what}")]
+    RanksDisagree {
+        /// What differed, naming the ranks where known.
+        what: String,
+    },
+    /// A peer of a team sent something malformed or nothing at all through the bootstrap.
+    #[error("rank {rank}: {reason}")]
+    Peer {
+        /// The peer's rank.
+        rank: usize,
+        /// What was wrong with what it sent.
+        reason: String,
+    },
+    /// An earlier failure (a timeout, a disagreement, a broken exchange) left the team
+    /// unusable; this says what it was. Drop the team and build a new one.
+    #[error("the team is unusable since an earlier failure: {cause}")]
+    Unusable {
+        /// The failure that broke the team.
+        cause: String,
     },
 }
 
@@ -123,6 +146,14 @@ impl Error {
         match self {
             Error::Driver { code, .. } | Error::ModuleLoad { code, .. } => Some(*code),
             _ => None,
+        }
+    }
+
+    /// An [`Error::Os`] from an `io::Error` of `call`.
+    pub fn os(call: &'static str, source: std::io::Error) -> Self {
+        Error::Os {
+            call,
+            source: std::sync::Arc::new(source),
         }
     }
 

@@ -24,56 +24,7 @@
 //! | 2048 | `u32[MAX_BLOCKS][8]` signal slots: block b, sender s |
 //! | 16384 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender |
 
-use crate::{DType, Op};
-
-/// Launch `f` on `stream` of `device` with a one-dimensional grid of `blocks` × `threads`, no
-/// dynamic shared memory and `args` as its parameters (the shape every kernel here takes: all
-/// parameters `.u64`).
-///
-/// # Safety
-/// `f` is a function of a module loaded on `device` whose PTX entry declares exactly
-/// `args.len()` parameters, all `.u64`; `stream` is a live stream of `device` (or null).
-pub(crate) unsafe fn launch(
-    device: &cuda_multimem::Device,
-    f: cuda_multimem::sys::CUfunction,
-    blocks: u32,
-    threads: u32,
-    stream: cuda_multimem::sys::CUstream,
-    args: &[u64],
-) -> cuda_multimem::Result<()> {
-    // cuLaunchKernel takes a pointer to each parameter's value; they live until it returns.
-    let mut values = args.to_vec();
-    let mut params: Vec<*mut std::ffi::c_void> = values
-        .iter_mut()
-        .map(|v| v as *mut u64 as *mut std::ffi::c_void)
-        .collect();
-    device.bind()?;
-    let launch = device.driver().sys().cuLaunchKernel()?;
-    // SAFETY: as the caller promises; extra is null.
-    let rc = unsafe {
-        launch(
-            f,
-            blocks,
-            1,
-            1,
-            threads,
-            1,
-            1,
-            0,
-            stream,
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    };
-    if rc == cuda_multimem::sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(cuda_multimem::Error::Driver {
-            call: "cuLaunchKernel",
-            code: rc,
-        })
-    }
-}
+use crate::{DType, ReduceOp as Op};
 
 pub mod multimem;
 

@@ -17,7 +17,7 @@
 //! | 65536 | input region, then output region |
 
 use super::{Flavor, HEADER, MAX_BLOCKS};
-use crate::{DType, Op};
+use crate::{DType, ReduceOp as Op};
 
 /// Counters.
 pub const MM_OFF_CTR: usize = super::OFF_CTR;

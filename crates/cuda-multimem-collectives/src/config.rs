@@ -1,0 +1,294 @@
+//! How a communicator chooses and runs its kernels, and how much memory it sets aside.
+
+use std::time::Duration;
+
+use cuda_multimem::{Error, Result};
+
+use crate::kernels::MAX_BLOCKS;
+use crate::types::Algorithm;
+
+/// The largest byte size any size field accepts (1 TiB): every product and sum the communicator
+/// forms from these fields stays far from `usize::MAX`.
+const MAX_FIELD_BYTES: usize = 1 << 40;
+
+/// How the communicator chooses and runs a collective. Every field can be changed; the
+/// defaults follow measurements on 2 x H200 (docs/perf.md). Every rank of a team must pass the
+/// same configuration (checked when the team is built).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommConfig {
+    /// Messages up to this many bytes use one-shot (when not forced); `None`: by team size
+    /// (8 MiB for 2 ranks, 2 MiB for 3, 512 KiB for more: one-shot moves (N-1) times the
+    /// message per rank, two-shot 2(N-1)/N times). A staging slot is at least this large
+    /// (see `stage_bytes`). At most 1 GiB.
+    pub one_shot_max_bytes: Option<usize>,
+    /// Force an algorithm (`None`: choose by size and operands).
+    pub algorithm: Option<Algorithm>,
+    /// A barrier that waits longer than this sets the rank's error word and gives up.
+    pub timeout: Duration,
+    /// Most threads per block (small messages use fewer).
+    pub threads: u32,
+    /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
+    pub max_blocks: u32,
+    /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
+    /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off. At most 16 MiB.
+    pub ll_max_bytes: usize,
+    /// Threads per block of the write-only two-shot ([`Algorithm::TwoShotPush`]), which runs
+    /// one block per multiprocessor (a power of two of them, unless `max_blocks` says
+    /// otherwise): 1024 and 128 blocks on 2 x H200 moved 362 GB/s at 256 MiB where 512 x 256
+    /// moved 357 (docs/perf.md).
+    pub push_threads: u32,
+    /// Messages from `ce_min_bytes` up to this many bytes use the copy-engine two-shot
+    /// ([`Algorithm::TwoShotCe`]); it also sizes the landing area, about this many bytes per
+    /// rank, which is why it is off (0) by default. At most 64 GiB.
+    pub ce_max_bytes: usize,
+    /// Smallest message for the copy-engine two-shot (when `ce_max_bytes` allows it): below
+    /// 256 MiB it was slower than the write-only two-shot on 2 x H200.
+    pub ce_min_bytes: usize,
+    /// Bytes of one staging slot (there are 2 x N per rank); `None`: the larger of the one-shot
+    /// limit and 64 MiB / N. Rounded up to 4 KiB; at least 4 KiB, at most 1 GiB.
+    pub stage_bytes: Option<usize>,
+    /// Bytes of the scratch (per rank, symmetric) through which calls on the caller's own
+    /// memory larger than the one-shot limit are staged, in chunks of half of it (docs/design/
+    /// allreduce.md). 0: no scratch; such calls are refused. Rounded up to 4 KiB; at most 16 GiB.
+    pub scratch_bytes: usize,
+    /// Smallest message the multimem path takes under [`crate::MulticastPolicy::WhenItPaysOff`].
+    pub multimem_min_bytes: usize,
+    /// Bytes of the multimem path's input and output regions (each), per rank: larger messages
+    /// go through them in chunks. Rounded up to 2 MiB; at least 2 MiB, at most 16 GiB.
+    pub multimem_capacity: usize,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            ll_max_bytes: 64 << 10,
+            stage_bytes: None,
+            push_threads: 1024,
+            ce_max_bytes: 0,
+            ce_min_bytes: 256 << 20,
+            one_shot_max_bytes: None,
+            algorithm: None,
+            timeout: Duration::from_secs(5),
+            threads: 512,
+            max_blocks: 0,
+            scratch_bytes: 64 << 20,
+            multimem_min_bytes: 1 << 20,
+            multimem_capacity: 64 << 20,
+        }
+    }
+}
+
+fn at_most(arg: &'static str, v: usize, max: usize, unit: &str) -> Result<()> {
+    if v > max {
+        return Err(Error::invalid(arg, format!("{v}; at most {unit}")));
+    }
+    Ok(())
+}
+
+impl CommConfig {
+    pub(crate) fn one_shot_max(&self, n: usize) -> usize {
+        self.one_shot_max_bytes.unwrap_or(match n {
+            2 => 8 << 20,
+            3 => 2 << 20,
+            _ => 512 << 10,
+        })
+    }
+
+    /// Bytes of one staging slot: as configured, else the larger of the one-shot limit and
+    /// 64 MiB / N (a push round then covers 64 MiB of the message); never smaller than the
+    /// one-shot limit. Valid configurations keep every term below 1 GiB + 4 KiB.
+    pub(crate) fn stage_slot_bytes(&self, n: usize) -> usize {
+        self.stage_bytes
+            .unwrap_or((64 << 20) / n.max(1))
+            .max(self.one_shot_max(n))
+            .max(4096)
+            .next_multiple_of(4096)
+    }
+
+    /// Bytes of one low-latency staging slot.
+    pub(crate) fn ll_slot_bytes(&self) -> usize {
+        (2 * self.ll_max_bytes).max(4096).next_multiple_of(4096)
+    }
+
+    /// Bytes of the scratch: both halves, 4 KiB aligned (0: none).
+    pub(crate) fn scratch_total(&self) -> usize {
+        self.scratch_bytes.next_multiple_of(8192)
+    }
+
+    /// Bytes of each multimem region.
+    pub(crate) fn multimem_region(&self) -> usize {
+        self.multimem_capacity
+            .max(2 << 20)
+            .next_multiple_of(2 << 20)
+    }
+
+    /// Check every field; the error names the field and the value.
+    pub fn validate(&self) -> Result<()> {
+        for (t, name) in [
+            (self.threads, "config.threads"),
+            (self.push_threads, "config.push_threads"),
+        ] {
+            if !(64..=1024).contains(&t) || t % 32 != 0 {
+                return Err(Error::invalid(
+                    name,
+                    format!("{t}; expected a multiple of 32 from 64 to 1024"),
+                ));
+            }
+        }
+        if self.max_blocks as usize > MAX_BLOCKS {
+            return Err(Error::invalid(
+                "config.max_blocks",
+                format!("{}; at most {MAX_BLOCKS}", self.max_blocks),
+            ));
+        }
+        at_most("config.ll_max_bytes", self.ll_max_bytes, 16 << 20, "16 MiB")?;
+        if let Some(b) = self.one_shot_max_bytes {
+            at_most("config.one_shot_max_bytes", b, 1 << 30, "1 GiB")?;
+        }
+        if let Some(b) = self.stage_bytes {
+            if !(4096..=1 << 30).contains(&b) {
+                return Err(Error::invalid(
+                    "config.stage_bytes",
+                    format!("{b}; expected 4 KiB to 1 GiB"),
+                ));
+            }
+        }
+        at_most("config.ce_max_bytes", self.ce_max_bytes, 64 << 30, "64 GiB")?;
+        at_most(
+            "config.ce_min_bytes",
+            self.ce_min_bytes,
+            MAX_FIELD_BYTES,
+            "1 TiB",
+        )?;
+        at_most(
+            "config.scratch_bytes",
+            self.scratch_bytes,
+            16 << 30,
+            "16 GiB",
+        )?;
+        at_most(
+            "config.multimem_capacity",
+            self.multimem_capacity,
+            16 << 30,
+            "16 GiB",
+        )?;
+        at_most(
+            "config.multimem_min_bytes",
+            self.multimem_min_bytes,
+            MAX_FIELD_BYTES,
+            "1 TiB",
+        )?;
+        if self.timeout.is_zero() {
+            return Err(Error::invalid(
+                "config.timeout",
+                "zero; expected a positive duration",
+            ));
+        }
+        if self.timeout > Duration::from_secs(24 * 3600) {
+            return Err(Error::invalid(
+                "config.timeout",
+                format!("{:?}; at most 24 hours", self.timeout),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The barrier deadline in nanoseconds, as the kernels take it.
+    pub(crate) fn timeout_ns(&self) -> u64 {
+        self.timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+
+    /// What every rank must agree on, as bytes.
+    pub(crate) fn fingerprint(&self, n: usize, multiprocessors: u32) -> Vec<u8> {
+        let mut v = Vec::new();
+        for x in [
+            self.one_shot_max(n) as u64,
+            self.algorithm.map_or(0, |a| a as u64 + 1),
+            self.threads as u64,
+            self.max_blocks as u64,
+            self.ll_max_bytes as u64,
+            self.stage_bytes.unwrap_or(0) as u64,
+            self.push_threads as u64,
+            self.ce_max_bytes as u64,
+            self.ce_min_bytes as u64,
+            self.scratch_bytes as u64,
+            self.multimem_min_bytes as u64,
+            self.multimem_capacity as u64,
+            self.timeout_ns(),
+            multiprocessors as u64,
+        ] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn huge_sizes_are_refused_naming_the_field() {
+        for (c, field) in [
+            (
+                CommConfig {
+                    one_shot_max_bytes: Some(usize::MAX),
+                    ..Default::default()
+                },
+                "config.one_shot_max_bytes",
+            ),
+            (
+                CommConfig {
+                    ce_max_bytes: usize::MAX,
+                    ..Default::default()
+                },
+                "config.ce_max_bytes",
+            ),
+            (
+                CommConfig {
+                    scratch_bytes: usize::MAX,
+                    ..Default::default()
+                },
+                "config.scratch_bytes",
+            ),
+            (
+                CommConfig {
+                    multimem_capacity: usize::MAX,
+                    ..Default::default()
+                },
+                "config.multimem_capacity",
+            ),
+            (
+                CommConfig {
+                    timeout: Duration::MAX,
+                    ..Default::default()
+                },
+                "config.timeout",
+            ),
+        ] {
+            match c.validate() {
+                Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_largest_valid_sizes_do_not_overflow_the_sizing() {
+        let c = CommConfig {
+            one_shot_max_bytes: Some(1 << 30),
+            stage_bytes: Some(1 << 30),
+            ce_max_bytes: 64 << 30,
+            scratch_bytes: 16 << 30,
+            multimem_capacity: 16 << 30,
+            ll_max_bytes: 16 << 20,
+            ..Default::default()
+        };
+        c.validate().unwrap();
+        for n in 2..=8 {
+            assert!(c.stage_slot_bytes(n) <= (1 << 30) + 4096);
+            assert!(2 * n * c.stage_slot_bytes(n) < usize::MAX / 4);
+        }
+        assert_eq!(c.scratch_total(), 16 << 30);
+    }
+}

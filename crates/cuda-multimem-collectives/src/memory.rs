@@ -1,0 +1,520 @@
+//! Symmetric memory: one allocation per rank, the same size, each mapped on every peer; and the
+//! typed buffers and views of it that collectives take as operands.
+
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use cuda_multimem::sys::CUdeviceptr;
+use cuda_multimem::vmm::{Access, HandleTypes, Location, Mapping, PhysicalAllocation};
+use cuda_multimem::{DeviceBuffer, DeviceRepr, Error, Result};
+
+use crate::ranks::Ranks;
+
+/// Memory of every rank, as mapped in this process: rank r's part at `addrs[r]`. In one process
+/// each part is one VMM allocation of its device mapped once with access for every device of
+/// the team; across processes the local part is exported (POSIX fd or fabric handle), every
+/// peer's part imported and mapped with access for the local device.
+pub(crate) struct Sym {
+    pub(crate) addrs: Vec<CUdeviceptr>,
+    pub(crate) bytes: usize,
+    /// (rank, its mapping in this process).
+    maps: Vec<(usize, Mapping)>,
+}
+
+impl Sym {
+    /// `zero`: clear the local parts.
+    pub(crate) fn new(ranks: &Ranks, bytes: usize, zero: bool) -> Result<Sym> {
+        let mut addrs = vec![0; ranks.n];
+        let mut maps = Vec::new();
+        match &ranks.bootstrap {
+            None => {
+                let access: Vec<(Location, Access)> = ranks
+                    .locals
+                    .iter()
+                    .map(|l| (Location::Device(l.device.ordinal()), Access::ReadWrite))
+                    .collect();
+                for l in &ranks.locals {
+                    let a = PhysicalAllocation::builder(
+                        l.device.driver(),
+                        Location::Device(l.device.ordinal()),
+                    )
+                    .create(bytes)?;
+                    let m = Mapping::map_whole(&a, &access)?;
+                    addrs[l.rank] = m.device_ptr();
+                    maps.push((l.rank, m));
+                }
+            }
+            Some(b) => {
+                let l = &ranks.locals[0];
+                let d = l.device.driver();
+                let here = [(Location::Device(l.device.ordinal()), Access::ReadWrite)];
+                let fds = b.passes_fds();
+                let a = PhysicalAllocation::builder(d, Location::Device(l.device.ordinal()))
+                    .handle_types(if fds {
+                        HandleTypes::POSIX_FD
+                    } else {
+                        HandleTypes::FABRIC
+                    })
+                    .create(bytes)?;
+                let m = Mapping::map_whole(&a, &here)?;
+                addrs[l.rank] = m.device_ptr();
+                maps.push((l.rank, m));
+                let sizes = ranks.exchange(
+                    "allocation sizes",
+                    &(a.size() as u64).to_le_bytes(),
+                    Some(8),
+                )?;
+                let size_of = |r: usize| -> Result<usize> {
+                    let v = u64::from_le_bytes(sizes[r].as_slice().try_into().unwrap_or_default());
+                    usize::try_from(v).map_err(|_| Error::Peer {
+                        rank: r,
+                        reason: format!("announced an allocation of {v} bytes"),
+                    })
+                };
+                let imported: Vec<Arc<PhysicalAllocation>> = if fds {
+                    let fd = a.export_posix_fd()?;
+                    let all = ranks.exchange_fds("allocation handles", &[fd.as_fd()])?;
+                    let mut v = Vec::new();
+                    for (r, f) in all.iter().enumerate().filter(|(r, _)| *r != l.rank) {
+                        v.push(PhysicalAllocation::import_posix_fd(
+                            d,
+                            f[0].as_fd(),
+                            size_of(r)?,
+                        )?);
+                    }
+                    v
+                } else {
+                    let h = a.export_fabric()?;
+                    let all = ranks.exchange(
+                        "allocation handles",
+                        h.as_bytes(),
+                        Some(h.as_bytes().len()),
+                    )?;
+                    let mut v = Vec::new();
+                    for (r, h) in all.iter().enumerate().filter(|(r, _)| *r != l.rank) {
+                        v.push(PhysicalAllocation::import_fabric(d, h, size_of(r)?)?);
+                    }
+                    v
+                };
+                let peers = (0..ranks.n).filter(|&r| r != l.rank);
+                for (r, p) in peers.zip(imported) {
+                    let m = Mapping::map_whole(&p, &here)?;
+                    addrs[r] = m.device_ptr();
+                    maps.push((r, m));
+                }
+            }
+        }
+        let sym = Sym { addrs, bytes, maps };
+        if zero {
+            for l in &ranks.locals {
+                l.device.bind()?;
+                // SAFETY: the whole local part, just mapped read-write for this device.
+                unsafe { l.device.memset_blocking(sym.addrs[l.rank], 0, bytes) }?;
+            }
+        }
+        Ok(sym)
+    }
+
+    fn mapping(&self, rank: usize) -> Result<&Mapping> {
+        self.maps
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, m)| m)
+            .ok_or_else(|| Error::invalid("rank", format!("{rank}; not a rank of this team")))
+    }
+
+    /// Copy `data` into rank `rank`'s part at byte `offset` (synchronous, checked).
+    pub(crate) fn write<T: DeviceRepr>(
+        &self,
+        rank: usize,
+        offset: usize,
+        data: &[T],
+    ) -> Result<()> {
+        self.mapping(rank)?.write(offset, data)
+    }
+
+    /// Copy rank `rank`'s part from byte `offset` into `out` (synchronous, checked).
+    pub(crate) fn read<T: DeviceRepr>(
+        &self,
+        rank: usize,
+        offset: usize,
+        out: &mut [T],
+    ) -> Result<()> {
+        self.mapping(rank)?.read(offset, out)
+    }
+}
+
+/// A symmetric buffer as the kernels see it: every rank's part, and per local rank a device
+/// table of every part's address in this process.
+pub(crate) struct SymBuf {
+    /// The communicator it belongs to.
+    pub(crate) comm_id: u64,
+    /// Its number in the communicator (the same on every rank: allocations are collective).
+    pub(crate) id: u64,
+    pub(crate) sym: Sym,
+    /// (local rank, table of N addresses).
+    tables: Vec<(usize, DeviceBuffer<u64>)>,
+    /// The ranks this process drives.
+    pub(crate) locals: Vec<usize>,
+}
+
+impl SymBuf {
+    pub(crate) fn new(comm_id: u64, id: u64, ranks: &Ranks, sym: Sym) -> Result<SymBuf> {
+        let tables = ranks
+            .locals
+            .iter()
+            .map(|l| Ok((l.rank, DeviceBuffer::from_host(&l.device, &sym.addrs)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SymBuf {
+            comm_id,
+            id,
+            sym,
+            tables,
+            locals: ranks.locals.iter().map(|l| l.rank).collect(),
+        })
+    }
+
+    /// The device table of `rank` (a local rank).
+    pub(crate) fn table(&self, rank: usize) -> Result<CUdeviceptr> {
+        self.tables
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, t)| t.device_ptr())
+            .ok_or_else(|| Error::invalid("rank", format!("{rank}; not driven by this process")))
+    }
+
+    fn check_local(&self, rank: usize) -> Result<()> {
+        if self.locals.contains(&rank) {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "rank",
+                format!(
+                    "{rank}; this process drives rank(s) {:?} of a team of {}",
+                    self.locals,
+                    self.sym.addrs.len()
+                ),
+            ))
+        }
+    }
+}
+
+/// `range` of a `len`-element sequence as (start, end), checked without overflow.
+pub(crate) fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s
+            .checked_add(1)
+            .ok_or_else(|| Error::invalid("range", "starts after usize::MAX"))?,
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e
+            .checked_add(1)
+            .ok_or_else(|| Error::invalid("range", "ends after usize::MAX"))?,
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::invalid(
+            "range",
+            format!("{start}..{end} of {len} elements"),
+        ));
+    }
+    Ok((start, end))
+}
+
+/// A typed buffer of `len` elements on every rank of a communicator, each rank's part mapped on
+/// every peer ([`crate::Communicator::alloc`]). Collectives on symmetric buffers run with no
+/// extra copies. Views ([`SymmetricBuffer::slice`], [`SymmetricBuffer::slice_mut`]) select the
+/// same element range on every rank; a shared and a mutable view of one buffer cannot coexist,
+/// so an output that partly overlaps its input cannot be written (in place is its own call).
+pub struct SymmetricBuffer<T> {
+    pub(crate) inner: Arc<SymBuf>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T> std::fmt::Debug for SymmetricBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SymmetricBuffer<{}>({} elements x {} ranks)",
+            std::any::type_name::<T>(),
+            self.len,
+            self.inner.sym.addrs.len()
+        )
+    }
+}
+
+impl<T: DeviceRepr> SymmetricBuffer<T> {
+    pub(crate) fn new(inner: SymBuf, len: usize) -> Self {
+        SymmetricBuffer {
+            inner: Arc::new(inner),
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    /// Elements per rank.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no elements (never: allocations have at least one).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Team size.
+    pub fn ranks(&self) -> usize {
+        self.inner.sym.addrs.len()
+    }
+
+    /// Rank `rank`'s part as a device address in this process (peers' parts are reachable from
+    /// every device of this process's ranks).
+    pub fn device_ptr(&self, rank: usize) -> Result<CUdeviceptr> {
+        self.inner.sym.addrs.get(rank).copied().ok_or_else(|| {
+            Error::invalid(
+                "rank",
+                format!("{rank}; the team has {} ranks", self.ranks()),
+            )
+        })
+    }
+
+    fn check_span(&self, offset: usize, n: usize, arg: &'static str) -> Result<usize> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(offset * std::mem::size_of::<T>()),
+            _ => Err(Error::invalid(
+                arg,
+                format!(
+                    "{n} elements at offset {offset} pass the end of the {}-element buffer",
+                    self.len
+                ),
+            )),
+        }
+    }
+
+    /// Copy `data` into rank `rank`'s part from element `offset` (synchronous: landed when this
+    /// returns; `rank` must be driven by this process). An empty `data` is a no-op.
+    pub fn write(&self, rank: usize, offset: usize, data: &[T]) -> Result<()> {
+        self.inner.check_local(rank)?;
+        let at = self.check_span(offset, data.len(), "data")?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.inner.sym.write(rank, at, data)
+    }
+
+    /// Copy rank `rank`'s part from element `offset` into `out` (synchronous; synchronise the
+    /// rank's stream first). An empty `out` is a no-op.
+    pub fn read(&self, rank: usize, offset: usize, out: &mut [T]) -> Result<()> {
+        self.inner.check_local(rank)?;
+        let at = self.check_span(offset, out.len(), "out")?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.inner.sym.read(rank, at, out)
+    }
+
+    /// Rank `rank`'s whole part.
+    pub fn to_vec(&self, rank: usize) -> Result<Vec<T>>
+    where
+        T: Default,
+    {
+        let mut v = vec![T::default(); self.len];
+        self.read(rank, 0, &mut v)?;
+        Ok(v)
+    }
+
+    /// A shared view of `range` (elements, the same range on every rank).
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<SymSlice<'_, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(SymSlice {
+            buf: &self.inner,
+            offset: s,
+            len: e - s,
+            _t: PhantomData,
+        })
+    }
+
+    /// A mutable view of `range`.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<SymSliceMut<'_, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(SymSliceMut {
+            buf: &self.inner,
+            offset: s,
+            len: e - s,
+            _t: PhantomData,
+        })
+    }
+
+    /// The whole buffer as a shared view.
+    pub fn as_slice(&self) -> SymSlice<'_, T> {
+        SymSlice {
+            buf: &self.inner,
+            offset: 0,
+            len: self.len,
+            _t: PhantomData,
+        }
+    }
+
+    /// The whole buffer as a mutable view.
+    pub fn as_mut_slice(&mut self) -> SymSliceMut<'_, T> {
+        SymSliceMut {
+            buf: &self.inner,
+            offset: 0,
+            len: self.len,
+            _t: PhantomData,
+        }
+    }
+}
+
+/// A shared view of a range of a [`SymmetricBuffer`] (the same range on every rank): an input.
+pub struct SymSlice<'a, T> {
+    pub(crate) buf: &'a SymBuf,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    _t: PhantomData<&'a [T]>,
+}
+
+impl<T> Clone for SymSlice<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SymSlice<'_, T> {}
+
+impl<T> std::fmt::Debug for SymSlice<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SymSlice({}..{})", self.offset, self.offset + self.len)
+    }
+}
+
+impl<'a, T> SymSlice<'a, T> {
+    /// Elements in the view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Element offset of the view in its buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// A narrower view (`range` relative to this one).
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<SymSlice<'a, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(SymSlice {
+            buf: self.buf,
+            offset: self.offset + s,
+            len: e - s,
+            _t: PhantomData,
+        })
+    }
+}
+
+/// A mutable view of a range of a [`SymmetricBuffer`] (the same range on every rank): an output,
+/// or both operands of an in-place call.
+pub struct SymSliceMut<'a, T> {
+    pub(crate) buf: &'a SymBuf,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    _t: PhantomData<&'a mut [T]>,
+}
+
+impl<T> std::fmt::Debug for SymSliceMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SymSliceMut({}..{})",
+            self.offset,
+            self.offset + self.len
+        )
+    }
+}
+
+impl<'a, T> SymSliceMut<'a, T> {
+    /// Elements in the view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Element offset of the view in its buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// A narrower mutable view (`range` relative to this one), borrowing this one.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<SymSliceMut<'_, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(SymSliceMut {
+            buf: self.buf,
+            offset: self.offset + s,
+            len: e - s,
+            _t: PhantomData,
+        })
+    }
+
+    /// Two disjoint views: `[0, mid)` and `[mid, len)` (e.g. input and output of one buffer).
+    pub fn split_at_mut(self, mid: usize) -> Result<(SymSliceMut<'a, T>, SymSliceMut<'a, T>)> {
+        if mid > self.len {
+            return Err(Error::invalid(
+                "mid",
+                format!("{mid}; the view has {} elements", self.len),
+            ));
+        }
+        Ok((
+            SymSliceMut {
+                buf: self.buf,
+                offset: self.offset,
+                len: mid,
+                _t: PhantomData,
+            },
+            SymSliceMut {
+                buf: self.buf,
+                offset: self.offset + mid,
+                len: self.len - mid,
+                _t: PhantomData,
+            },
+        ))
+    }
+
+    /// This view as a shared one (for an input).
+    pub fn as_slice(&self) -> SymSlice<'_, T> {
+        SymSlice {
+            buf: self.buf,
+            offset: self.offset,
+            len: self.len,
+            _t: PhantomData,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolve;
+
+    #[test]
+    fn ranges_are_checked_without_overflow() {
+        assert_eq!(resolve(.., 10).unwrap(), (0, 10));
+        assert_eq!(resolve(2..=3, 10).unwrap(), (2, 4));
+        assert!(resolve(0..=usize::MAX, 10).is_err());
+        assert!(resolve(usize::MAX.., 10).is_err());
+        assert!(resolve(5..4, 10).is_err());
+        assert!(resolve(0..11, 10).is_err());
+        assert_eq!(resolve(10..10, 10).unwrap(), (10, 10));
+    }
+}

@@ -1,0 +1,247 @@
+//! Operands of a collective: views of symmetric buffers, or the caller's own device memory
+//! (a [`DeviceBuffer`], a cudarc slice, or — under `unsafe` — a raw pointer and length).
+
+use std::marker::PhantomData;
+
+use cuda_multimem::sys::CUdeviceptr;
+use cuda_multimem::{Device, DeviceBuffer, DeviceRepr};
+
+use crate::memory::{SymBuf, SymSlice, SymSliceMut, SymmetricBuffer};
+
+/// Where an operand lives.
+#[derive(Clone, Copy)]
+pub(crate) enum Place<'a> {
+    /// A symmetric buffer, from element byte offset `offset`.
+    Sym { buf: &'a SymBuf, offset: usize },
+    /// The caller's memory at `ptr` (of `device`, when known).
+    Local {
+        ptr: CUdeviceptr,
+        device: Option<&'a Device>,
+    },
+}
+
+/// An operand: a place and a length in bytes.
+#[derive(Clone, Copy)]
+pub(crate) struct Operand<'a> {
+    pub(crate) place: Place<'a>,
+    pub(crate) bytes: usize,
+}
+
+impl Operand<'_> {
+    pub(crate) fn is_sym(&self) -> bool {
+        matches!(self.place, Place::Sym { .. })
+    }
+
+    /// The same operand from byte `at`, `bytes` long (callers keep `at + bytes` inside).
+    pub(crate) fn sub(&self, at: usize, bytes: usize) -> Self {
+        let place = match self.place {
+            Place::Sym { buf, offset } => Place::Sym {
+                buf,
+                offset: offset + at,
+            },
+            Place::Local { ptr, device } => Place::Local {
+                ptr: ptr + at as u64,
+                device,
+            },
+        };
+        Operand { place, bytes }
+    }
+}
+
+fn sym<'a, T>(buf: &'a SymBuf, offset: usize, len: usize) -> Operand<'a> {
+    let es = std::mem::size_of::<T>();
+    // Views are made in bounds of their buffer, whose byte size fits usize.
+    Operand {
+        place: Place::Sym {
+            buf,
+            offset: offset * es,
+        },
+        bytes: len * es,
+    }
+}
+
+fn local<'a, T>(ptr: CUdeviceptr, len: usize, device: Option<&'a Device>) -> Operand<'a> {
+    Operand {
+        place: Place::Local { ptr, device },
+        bytes: len * std::mem::size_of::<T>(),
+    }
+}
+
+/// The input of a collective, read only. Made from a [`SymmetricBuffer`] (`&buf`), a
+/// [`SymSlice`], a [`DeviceBuffer`] (`&buf`), or [`Src::from_raw`].
+pub struct Src<'a, T> {
+    pub(crate) op: Operand<'a>,
+    pub(crate) len: usize,
+    _t: PhantomData<&'a [T]>,
+}
+
+/// The output of a collective, written. Made from a [`SymmetricBuffer`] (`&mut buf`), a
+/// [`SymSliceMut`], a [`DeviceBuffer`] (`&mut buf`), or [`Dst::from_raw`]. In-place calls take
+/// one `Dst` as both operands.
+pub struct Dst<'a, T> {
+    pub(crate) op: Operand<'a>,
+    pub(crate) len: usize,
+    _t: PhantomData<&'a mut [T]>,
+}
+
+impl<T> std::fmt::Debug for Src<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Src({} elements)", self.len)
+    }
+}
+
+impl<T> std::fmt::Debug for Dst<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Dst({} elements)", self.len)
+    }
+}
+
+impl<T: DeviceRepr> Src<'_, T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `len` elements of the caller's device memory at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must be device memory of the device of the rank it is passed to (or memory that
+    /// device can read), valid for `len` elements of `T` until the work queued with it on the
+    /// call's stream has completed, and not written by anything else meanwhile. The byte length
+    /// and the alignment are still checked by the call.
+    pub unsafe fn from_raw(ptr: CUdeviceptr, len: usize) -> Src<'static, T> {
+        Src {
+            op: Operand {
+                place: Place::Local { ptr, device: None },
+                bytes: len.saturating_mul(std::mem::size_of::<T>()),
+            },
+            len,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T: DeviceRepr> Dst<'_, T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `len` elements of the caller's device memory at `ptr`, written by the call.
+    ///
+    /// # Safety
+    /// As [`Src::from_raw`], and nothing else may read or write the range until the work queued
+    /// with it has completed.
+    pub unsafe fn from_raw(ptr: CUdeviceptr, len: usize) -> Dst<'static, T> {
+        Dst {
+            op: Operand {
+                place: Place::Local { ptr, device: None },
+                bytes: len.saturating_mul(std::mem::size_of::<T>()),
+            },
+            len,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: DeviceRepr> From<&'a SymmetricBuffer<T>> for Src<'a, T> {
+    fn from(b: &'a SymmetricBuffer<T>) -> Self {
+        b.as_slice().into()
+    }
+}
+
+impl<'a, T: DeviceRepr> From<SymSlice<'a, T>> for Src<'a, T> {
+    fn from(s: SymSlice<'a, T>) -> Self {
+        Src {
+            op: sym::<T>(s.buf, s.offset, s.len),
+            len: s.len,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: DeviceRepr> From<&'a SymSliceMut<'_, T>> for Src<'a, T> {
+    fn from(s: &'a SymSliceMut<'_, T>) -> Self {
+        Src {
+            op: sym::<T>(s.buf, s.offset, s.len),
+            len: s.len,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: DeviceRepr> From<&'a DeviceBuffer<T>> for Src<'a, T> {
+    fn from(b: &'a DeviceBuffer<T>) -> Self {
+        Src {
+            op: local::<T>(b.device_ptr(), b.len(), Some(b.device())),
+            len: b.len(),
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: DeviceRepr> From<&'a mut SymmetricBuffer<T>> for Dst<'a, T> {
+    fn from(b: &'a mut SymmetricBuffer<T>) -> Self {
+        b.as_mut_slice().into()
+    }
+}
+
+impl<'a, T: DeviceRepr> From<SymSliceMut<'a, T>> for Dst<'a, T> {
+    fn from(s: SymSliceMut<'a, T>) -> Self {
+        Dst {
+            op: sym::<T>(s.buf, s.offset, s.len),
+            len: s.len,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, 'b, T: DeviceRepr> From<&'a mut SymSliceMut<'b, T>> for Dst<'a, T> {
+    fn from(s: &'a mut SymSliceMut<'b, T>) -> Self {
+        Dst {
+            op: sym::<T>(s.buf, s.offset, s.len),
+            len: s.len,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, T: DeviceRepr> From<&'a mut DeviceBuffer<T>> for Dst<'a, T> {
+    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
+        Dst {
+            op: local::<T>(b.device_ptr(), b.len(), Some(b.device())),
+            len: b.len(),
+            _t: PhantomData,
+        }
+    }
+}
+
+/// cudarc operands (feature `cudarc`): the pointer of a cudarc slice is taken against the
+/// call's cudarc stream, so cudarc's own event tracking orders our kernels after earlier writes.
+#[cfg(feature = "cudarc")]
+pub(crate) fn cudarc_src<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device) -> Src<'a, T> {
+    Src {
+        op: local::<T>(ptr, len, Some(device)),
+        len,
+        _t: PhantomData,
+    }
+}
+
+#[cfg(feature = "cudarc")]
+pub(crate) fn cudarc_dst<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device) -> Dst<'a, T> {
+    Dst {
+        op: local::<T>(ptr, len, Some(device)),
+        len,
+        _t: PhantomData,
+    }
+}

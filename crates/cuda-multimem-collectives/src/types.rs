@@ -1,0 +1,310 @@
+//! The vocabulary of the collectives: element types, reduction operators, paths, algorithms and
+//! the choice a call reports.
+
+use half::{bf16, f16};
+
+/// Element types, for engines that know theirs only at run time ([`crate::RankHandle::all_reduce_dyn`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half (accumulated in f32).
+    F16,
+    /// bfloat16 (accumulated in f32).
+    Bf16,
+}
+
+impl DType {
+    /// Every type.
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
+
+    /// Short name (`f32`, `f16`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+
+    /// The value of `bits` (the element's little-endian bits in the low bytes) as f32.
+    pub fn decode(self, bits: u32) -> f32 {
+        match self {
+            DType::F32 => f32::from_bits(bits),
+            DType::F16 => f16::from_bits(bits as u16).to_f32(),
+            DType::Bf16 => bf16::from_bits(bits as u16).to_f32(),
+        }
+    }
+
+    /// `v` rounded to this type (round to nearest even, as `cvt.rn`), as bits.
+    pub fn encode(self, v: f32) -> u32 {
+        match self {
+            DType::F32 => v.to_bits(),
+            DType::F16 => f16::from_f32(v).to_bits() as u32,
+            DType::Bf16 => bf16::from_f32(v).to_bits() as u32,
+        }
+    }
+
+    /// Element `i` of raw little-endian `data`, as f32.
+    pub fn load(self, data: &[u8], i: usize) -> f32 {
+        let s = self.size();
+        let mut b = [0u8; 4];
+        b[..s].copy_from_slice(&data[i * s..i * s + s]);
+        self.decode(u32::from_le_bytes(b))
+    }
+
+    /// Append `v`, rounded to this type, to raw little-endian `out`.
+    pub fn store(self, out: &mut Vec<u8>, v: f32) {
+        out.extend_from_slice(&self.encode(v).to_le_bytes()[..self.size()]);
+    }
+
+    pub(crate) fn code(self) -> u64 {
+        self as u64
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type the collectives reduce: `f32`, [`half::f16`] or [`half::bf16`] (16-bit types
+/// are converted to f32, reduced, and rounded once to nearest even).
+pub trait Element:
+    cuda_multimem::DeviceRepr + sealed::Sealed + PartialEq + std::fmt::Debug
+{
+    /// The run-time type.
+    const DTYPE: DType;
+    /// The value as f32.
+    fn to_f32(self) -> f32;
+    /// `v` rounded to this type (round to nearest even).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::Bf16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Reduction operators.
+///
+/// What each path guarantees for [`ReduceOp::Sum`] (floating-point addition is not associative):
+/// the peer-to-peer path adds in rank order 0, 1, ..., N-1 on every rank, so every rank gets
+/// bit-identical results, run to run, equal to [`crate::reference`]. The multimem path lets the
+/// NVLink switch add, in an order it chooses: the result may differ from the rank-order
+/// reference in the last bits (the simulator adds in a shuffled order so code that assumes
+/// otherwise fails there too); its one-shot form reduces on every rank separately, so ranks may
+/// differ from each other in the last bits; its two-shot form reduces each part once and stores
+/// it to every rank, so ranks agree. [`ReduceOp::Min`] and [`ReduceOp::Max`] are exact everywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum (see the type's documentation for the order).
+    Sum,
+    /// Minimum.
+    Min,
+    /// Maximum.
+    Max,
+}
+
+impl ReduceOp {
+    /// Every operator.
+    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max];
+
+    /// Short name (`sum`, `min`, `max`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+        }
+    }
+
+    /// Apply to two f32 values, exactly as the kernels do (`add.rn.f32`, `min.f32`, `max.f32`:
+    /// a NaN operand yields the other one; -0 is below +0).
+    pub fn apply(self, a: f32, b: f32) -> f32 {
+        match self {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Min => {
+                if a.is_nan() {
+                    b
+                } else if b.is_nan() || a < b || (a == b && a.is_sign_negative()) {
+                    a
+                } else {
+                    b
+                }
+            }
+            ReduceOp::Max => {
+                if a.is_nan() {
+                    b
+                } else if b.is_nan() || a > b || (a == b && b.is_sign_negative()) {
+                    a
+                } else {
+                    b
+                }
+            }
+        }
+    }
+
+    pub(crate) fn code(self) -> u64 {
+        self as u64
+    }
+}
+
+impl std::fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How the data travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// Loads and stores through peer mappings (NVLink P2P).
+    PeerToPeer,
+    /// `multimem` loads, stores and reductions through a multicast address (NVLink SHARP).
+    Multimem,
+}
+
+impl std::fmt::Display for Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Path::PeerToPeer => "peer-to-peer",
+            Path::Multimem => "multimem",
+        })
+    }
+}
+
+/// Which algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Each rank reduces the whole message (small messages; one barrier). Reads only the local
+    /// input and writes only the local output, so it serves the caller's own memory as it is.
+    OneShot,
+    /// Each rank reduces 1/N of the message, reading every rank's input, and stores it on every
+    /// rank (symmetric operands only; the fallback for operands not 16-byte aligned).
+    TwoShot,
+    /// One-shot with the low-latency protocol (small messages): data travel with a flag in
+    /// 8-byte stores, receivers poll the data, no barrier. Needs 4-byte aligned operands and a
+    /// whole number of 4-byte words; otherwise the call runs [`Algorithm::OneShot`].
+    OneShotLl,
+    /// Two-shot whose remote traffic is only posted writes: each rank pushes the parts of its
+    /// input to their owners' staging, owners reduce locally and push the results, in rounds
+    /// through fixed-size staging slots ([`crate::CommConfig::stage_bytes`]). The default above
+    /// the one-shot limit. Needs 16-byte aligned operands; otherwise [`Algorithm::TwoShot`].
+    TwoShotPush,
+    /// Two-shot whose first half goes through the copy engines (`cuMemcpyDtoDAsync` into the
+    /// peers' landing areas), then a kernel that reduces its part and pushes the result. Used
+    /// from [`crate::CommConfig::ce_min_bytes`] up to [`crate::CommConfig::ce_max_bytes`] (off by
+    /// default). Needs 16-byte aligned operands; otherwise [`Algorithm::TwoShot`].
+    TwoShotCe,
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Algorithm::OneShot => "one-shot",
+            Algorithm::TwoShot => "two-shot",
+            Algorithm::OneShotLl => "one-shot-ll",
+            Algorithm::TwoShotPush => "two-shot-push",
+            Algorithm::TwoShotCe => "two-shot-ce",
+        })
+    }
+}
+
+/// Where a call's operands live, which decides what can run without copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Operands {
+    /// Input and output in symmetric buffers of the communicator ([`crate::SymmetricBuffer`]).
+    Symmetric,
+    /// At least one operand is the caller's own device memory (a [`cuda_multimem::DeviceBuffer`],
+    /// a cudarc slice, a raw pointer).
+    Local,
+}
+
+/// What a call ran (or would run): path, algorithm, launch shape, and how the caller's own
+/// memory was served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    /// How data travels.
+    pub path: Path,
+    /// Which algorithm.
+    pub algorithm: Algorithm,
+    /// Blocks per launch.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+    /// Pieces the message went through the communicator's scratch in (0: the operands were used
+    /// in place, with no extra copies; k ≥ 1: k chunks, each copied in and/or out of the scratch
+    /// on the caller's stream — see docs/design/allreduce.md).
+    pub staged_chunks: u32,
+}
+
+impl std::fmt::Display for Choice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} ({} x {})",
+            self.path, self.algorithm, self.blocks, self.threads
+        )?;
+        if self.staged_chunks > 0 {
+            write!(f, " staged in {} chunk(s)", self.staged_chunks)?;
+        }
+        Ok(())
+    }
+}
+
+/// When the communicator uses NVLink multicast (`multimem` kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MulticastPolicy {
+    /// Never: peer-to-peer kernels only.
+    Never,
+    /// Where multicast is allowed (the site's policy variables, see
+    /// [`cuda_multimem::multicast::multicast_allowed`]) and supported by every device, for teams
+    /// large enough that it moves fewer bytes than peer-to-peer (more than 3 ranks), for the
+    /// sizes and operations it serves. The default.
+    #[default]
+    WhenItPaysOff,
+    /// For every call it can serve; building fails where multicast is not available.
+    Always,
+}

@@ -4,7 +4,7 @@
 # process settings; 16 MiB .. 1 GiB, bf16 sum in place, checked up to 64 MiB. Logs under $OUT.
 set -u
 out=${OUT:-hw-logs}; mkdir -p "$out"
-b=bundle/bin/bench_allreduce
+b=bundle/bin/bench-allreduce
 export CUDA_MULTIMEM_DRIVER=cuda
 common="--min-bytes 16777216 --max-bytes 1073741824 --runs ${RUNS:-9} --check-max 67108864"
 v() { local name=$1; shift; echo "== $name: $*"; "$b" $common "$@" 2>&1 | grep -v '^RESULT' | tee -a "$out/ab.log" | sed -n '3,$p'; }

@@ -17,5 +17,5 @@ TAIL=40 step bench-allreduce $b/xtask bench-hw allreduce
 step bench-memory $b/xtask bench-hw memory -- --reps 15
 step ex-managed  $b/bin/managed
 step ex-multicast $b/bin/multicast
-[ -x $b/bin/link_ceiling ] && CUDA_MULTIMEM_DRIVER=cuda $b/bin/link_ceiling --runs 5 2>&1 | grep -v "^RESULT"
+[ -x $b/bin/link-ceiling ] && CUDA_MULTIMEM_DRIVER=cuda $b/bin/link-ceiling --runs 5 2>&1 | grep -v "^RESULT"
 grep -h -E "passed, " "$out"/*.log | head -20   # the RESULT lines are in the logs

@@ -5,12 +5,12 @@
 # host reference up to 64 MiB. Logs under $OUT. Extra variants: TUNE_VARIANTS="name:args;...".
 set -u
 out=${OUT:-hw-logs}; mkdir -p "$out"
-b=bundle/bin/bench_allreduce
+b=bundle/bin/bench-allreduce
 export CUDA_MULTIMEM_DRIVER=cuda
 common="--min-bytes 67108864 --max-bytes 1073741824 --runs ${RUNS:-9} --check-max 67108864"
 v() { local name=$1; shift; echo "== $name: $*"; "$b" $common "$@" 2>&1 | grep -v '^RESULT' | tee -a "$out/tune.log" | sed -n '3,$p'; }
 {
-[ -x bundle/bin/link_ceiling ] && bundle/bin/link_ceiling --runs 5 2>&1 | grep -v '^RESULT'
+[ -x bundle/bin/link-ceiling ] && bundle/bin/link-ceiling --runs 5 2>&1 | grep -v '^RESULT'
 v push-default
 v push-32m          --stage-bytes 33554432
 v push-t1024-32m    --threads 1024 --stage-bytes 33554432

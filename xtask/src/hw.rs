@@ -208,7 +208,7 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     let b = bundle_dir()?;
     let bin = match what {
         "memory" => "bench-memory",
-        "allreduce" => "bench_allreduce",
+        "allreduce" => "bench-allreduce",
         other => return Err(format!("unknown benchmark `{other}` (memory, allreduce)").into()),
     };
     let path = b.join("bin").join(bin);

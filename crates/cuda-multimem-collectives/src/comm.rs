@@ -112,6 +112,7 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         kernels: p2p::load_kernels(device)?,
         last_stream: Mutex::new(None),
         calls: AtomicU64::new(0),
+        side: Mutex::new(crate::ranks::Side::new(device)?),
     })
 }
 
@@ -418,11 +419,10 @@ impl Communicator {
         };
         let mut choice = inner.p2p.shape(n, c, bytes, alg);
         if !direct {
-            let half = inner.p2p.scratch_half();
-            if half == 0 {
+            let chunk = inner.p2p.scratch_region();
+            if chunk == 0 {
                 return Err(no_scratch(bytes, c.one_shot_max(n)));
             }
-            let chunk = half - half % 16;
             choice = inner.p2p.shape(n, c, bytes.min(chunk), alg);
             choice.staged_chunks = bytes.div_ceil(chunk) as u32;
         }
@@ -708,9 +708,18 @@ impl<'a> RankHandle<'a> {
     fn check_operand(&self, o: &Operand<'_>, arg: &'static str, es: usize) -> Result<u64> {
         let inner = &*self.comm.inner;
         match o.place {
-            Place::Sym { buf, offset } => {
+            Place::Sym { buf, offset, only } => {
                 if buf.comm_id != inner.id {
                     return Err(Error::invalid(arg, "a buffer of another communicator"));
+                }
+                if let Some(r) = only.filter(|&r| r != self.local.rank) {
+                    return Err(Error::invalid(
+                        arg,
+                        format!(
+                            "a view of rank {r}'s part; this is rank {}'s call",
+                            self.local.rank
+                        ),
+                    ));
                 }
                 if offset
                     .checked_add(o.bytes)
@@ -815,8 +824,11 @@ impl<'a> RankHandle<'a> {
         self.staged(dtype, op, input, output, stream)
     }
 
-    /// The caller's own memory above what one-shot serves: in chunks through the scratch
-    /// (input copied in only where the kernel could not read it in place; output copied out).
+    /// The caller's own memory above what one-shot serves: in chunks through the scratch. The
+    /// scratch has three regions: an input region (where the kernel cannot read the input in
+    /// place) and two output regions used in turn; each chunk's result is copied out on a
+    /// second stream while the next chunk's kernel runs (fork/join through events, so graph
+    /// capture takes it as it is), and the caller's stream waits for the last copies.
     fn staged(
         &self,
         dtype: DType,
@@ -833,48 +845,54 @@ impl<'a> RankHandle<'a> {
             .scratch
             .as_ref()
             .ok_or_else(|| no_scratch(bytes, c.one_shot_max(n)))?;
-        let half = inner.p2p.scratch_half();
-        let chunk = half - half % 16;
+        let region = inner.p2p.scratch_region();
         let base = scratch.sym.addrs[l.rank];
         let ptr = |o: &Operand<'_>| match o.place {
-            Place::Sym { buf, offset } => buf.sym.addrs[l.rank] + offset as u64,
+            Place::Sym { buf, offset, .. } => buf.sym.addrs[l.rank] + offset as u64,
             Place::Local { ptr, .. } => ptr,
         };
-        let chunks = bytes.div_ceil(chunk);
+        let region_of = |k: usize, len: usize| Operand {
+            place: Place::Sym {
+                buf: scratch,
+                offset: k * region,
+                only: None,
+            },
+            bytes: len,
+        };
+        let side = l.side.lock();
+        let mut used = [false; 2];
+        let chunks = bytes.div_ceil(region);
         let mut first = None;
         for k in 0..chunks {
-            let at = k * chunk;
-            let len = chunk.min(bytes - at);
+            let at = k * region;
+            let len = region.min(bytes - at);
             let i = input.sub(at, len);
             let o = output.sub(at, len);
-            let s_in = Operand {
-                place: Place::Sym {
-                    buf: scratch,
-                    offset: 0,
-                },
-                bytes: len,
-            };
-            let s_out = Operand {
-                place: Place::Sym {
-                    buf: scratch,
-                    offset: half,
-                },
-                bytes: len,
-            };
             if let Some(a) = inner.p2p.direct(n, c, &i, &o, len)? {
                 // This chunk needs no scratch (e.g. a last chunk one-shot serves).
                 let ch = inner.p2p.launch(n, c, l, a, dtype, op, &i, &o, stream)?;
                 first.get_or_insert(ch);
                 continue;
             }
-            // Results land in the output itself when it is symmetric, else in the scratch.
-            let o_run = if o.is_sym() { o } else { s_out };
+            // Results land in the output itself when it is symmetric, else in an output region.
+            let slot = k % 2;
+            let o_run = if o.is_sym() {
+                o
+            } else {
+                region_of(1 + slot, len)
+            };
+            if !o.is_sym() && used[slot] {
+                // The copy out of this region two chunks ago must be done before peers write it.
+                stream.wait(&side.copied[slot])?;
+            }
             let (i_run, alg) = match inner.p2p.direct(n, c, &i, &o_run, len)? {
                 Some(a) => (i, a),
                 None => {
-                    // SAFETY: `len` bytes of the input (checked by `run`) into the first
-                    // scratch half (len <= half), both of this rank's device.
+                    // SAFETY: `len` bytes of the input (checked by `run`) into the input region
+                    // (len <= region), both of this rank's device; the previous chunk's kernel,
+                    // the last reader of the region, is before it on this stream.
                     unsafe { stream.copy_dtod_async(base, ptr(&i), len) }?;
+                    let s_in = region_of(0, len);
                     let a = inner.p2p.direct(n, c, &s_in, &o_run, len)?.ok_or_else(|| {
                         Error::invalid("count", format!("{len} bytes cannot be staged"))
                     })?;
@@ -884,12 +902,29 @@ impl<'a> RankHandle<'a> {
             let ch = inner
                 .p2p
                 .launch(n, c, l, alg, dtype, op, &i_run, &o_run, stream)?;
-            if !o.is_sym() {
-                // SAFETY: the second scratch half's first `len` bytes (this rank's result,
-                // complete once the kernel's final barrier passed) into the output (checked).
-                unsafe { stream.copy_dtod_async(ptr(&o), base + half as u64, len) }?;
-            }
             first.get_or_insert(ch);
+            if !o.is_sym() {
+                side.kernel_done[slot].record(stream)?;
+                side.stream.wait(&side.kernel_done[slot])?;
+                // SAFETY: this rank's result of the chunk (complete once the kernel's final
+                // barrier passed, which `kernel_done` follows) into the output (checked), on
+                // the second stream of this device.
+                unsafe {
+                    side.stream.as_stream_ref().copy_dtod_async(
+                        ptr(&o),
+                        base + ((1 + slot) * region) as u64,
+                        len,
+                    )
+                }?;
+                side.copied[slot].record(&side.stream)?;
+                used[slot] = true;
+            }
+        }
+        // Join: the caller's stream goes on once every copy out has landed.
+        for slot in 0..2 {
+            if used[slot] {
+                stream.wait(&side.copied[slot])?;
+            }
         }
         let mut choice = first.ok_or_else(|| Error::invalid("count", "nothing to stage"))?;
         choice.staged_chunks = chunks as u32;

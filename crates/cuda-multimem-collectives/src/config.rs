@@ -48,8 +48,9 @@ pub struct CommConfig {
     /// limit and 64 MiB / N. Rounded up to 4 KiB; at least 4 KiB, at most 1 GiB.
     pub stage_bytes: Option<usize>,
     /// Bytes of the scratch (per rank, symmetric) through which calls on the caller's own
-    /// memory larger than the one-shot limit are staged, in chunks of half of it (docs/design/
-    /// allreduce.md). 0: no scratch; such calls are refused. Rounded up to 4 KiB; at most 16 GiB.
+    /// memory larger than the one-shot limit are staged, in chunks of a third of it (an input
+    /// region and two output regions used in turn; docs/design/allreduce.md). 0: no scratch;
+    /// such calls are refused. Rounded up to 12 KiB; at most 16 GiB.
     pub scratch_bytes: usize,
     /// Smallest message the multimem path takes under [`crate::MulticastPolicy::WhenItPaysOff`].
     pub multimem_min_bytes: usize,
@@ -71,7 +72,7 @@ impl Default for CommConfig {
             timeout: Duration::from_secs(5),
             threads: 512,
             max_blocks: 0,
-            scratch_bytes: 64 << 20,
+            scratch_bytes: 96 << 20,
             multimem_min_bytes: 1 << 20,
             multimem_capacity: 64 << 20,
         }
@@ -110,9 +111,9 @@ impl CommConfig {
         (2 * self.ll_max_bytes).max(4096).next_multiple_of(4096)
     }
 
-    /// Bytes of the scratch: both halves, 4 KiB aligned (0: none).
+    /// Bytes of the scratch: three regions of whole 4 KiB pages (0: none).
     pub(crate) fn scratch_total(&self) -> usize {
-        self.scratch_bytes.next_multiple_of(8192)
+        self.scratch_bytes.next_multiple_of(3 * 4096)
     }
 
     /// Bytes of each multimem region.
@@ -289,6 +290,9 @@ mod tests {
             assert!(c.stage_slot_bytes(n) <= (1 << 30) + 4096);
             assert!(2 * n * c.stage_slot_bytes(n) < usize::MAX / 4);
         }
-        assert_eq!(c.scratch_total(), 16 << 30);
+        assert_eq!(
+            c.scratch_total(),
+            (16usize << 30).next_multiple_of(3 * 4096)
+        );
     }
 }

@@ -61,7 +61,7 @@ pub use bootstrap::MpiBootstrap;
 pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
-pub use memory::{SymSlice, SymSliceMut, SymmetricBuffer};
+pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};
 pub use operand::{Dst, Src};
 pub use reference::{next_random, random_bytes, random_input, reference, reference_bytes};

@@ -285,16 +285,7 @@ impl<T: DeviceRepr> SymmetricBuffer<T> {
     }
 
     fn check_span(&self, offset: usize, n: usize, arg: &'static str) -> Result<usize> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len => Ok(offset * std::mem::size_of::<T>()),
-            _ => Err(Error::invalid(
-                arg,
-                format!(
-                    "{n} elements at offset {offset} pass the end of the {}-element buffer",
-                    self.len
-                ),
-            )),
-        }
+        span::<T>(offset, n, self.len, arg)
     }
 
     /// Copy `data` into rank `rank`'s part from element `offset` (synchronous: landed when this
@@ -336,6 +327,7 @@ impl<T: DeviceRepr> SymmetricBuffer<T> {
             buf: &self.inner,
             offset: s,
             len: e - s,
+            only: None,
             _t: PhantomData,
         })
     }
@@ -347,6 +339,7 @@ impl<T: DeviceRepr> SymmetricBuffer<T> {
             buf: &self.inner,
             offset: s,
             len: e - s,
+            only: None,
             _t: PhantomData,
         })
     }
@@ -357,6 +350,7 @@ impl<T: DeviceRepr> SymmetricBuffer<T> {
             buf: &self.inner,
             offset: 0,
             len: self.len,
+            only: None,
             _t: PhantomData,
         }
     }
@@ -367,8 +361,110 @@ impl<T: DeviceRepr> SymmetricBuffer<T> {
             buf: &self.inner,
             offset: 0,
             len: self.len,
+            only: None,
             _t: PhantomData,
         }
+    }
+}
+
+impl<T: DeviceRepr> SymmetricBuffer<T> {
+    /// One exclusive handle per rank this process drives, for a thread per rank: each makes
+    /// views that only its rank's calls accept.
+    pub fn parts_mut(&mut self) -> Vec<SymPartMut<'_, T>> {
+        let (buf, len) = (&*self.inner, self.len);
+        buf.locals
+            .iter()
+            .map(|&rank| SymPartMut {
+                buf,
+                rank,
+                len,
+                _t: PhantomData,
+            })
+            .collect()
+    }
+}
+
+/// One rank's exclusive share of a [`SymmetricBuffer`] ([`SymmetricBuffer::parts_mut`]): its
+/// views are accepted by that rank's calls only, so one thread per rank can each hold one.
+pub struct SymPartMut<'a, T> {
+    buf: &'a SymBuf,
+    rank: usize,
+    len: usize,
+    _t: PhantomData<&'a mut [T]>,
+}
+
+impl<T> std::fmt::Debug for SymPartMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SymPartMut(rank {}, {} elements)", self.rank, self.len)
+    }
+}
+
+impl<T: DeviceRepr> SymPartMut<'_, T> {
+    /// The rank whose part this is.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A mutable view of `range` for this rank's calls.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<SymSliceMut<'_, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(SymSliceMut {
+            buf: self.buf,
+            offset: s,
+            len: e - s,
+            only: Some(self.rank),
+            _t: PhantomData,
+        })
+    }
+
+    /// The whole part as a mutable view for this rank's calls.
+    pub fn as_mut_slice(&mut self) -> SymSliceMut<'_, T> {
+        SymSliceMut {
+            buf: self.buf,
+            offset: 0,
+            len: self.len,
+            only: Some(self.rank),
+            _t: PhantomData,
+        }
+    }
+
+    /// Copy `data` into this rank's part from element `offset` (synchronous).
+    pub fn write(&mut self, offset: usize, data: &[T]) -> Result<()> {
+        let at = span::<T>(offset, data.len(), self.len, "data")?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.buf.sym.write(self.rank, at, data)
+    }
+
+    /// Copy this rank's part from element `offset` into `out` (synchronous).
+    pub fn read(&self, offset: usize, out: &mut [T]) -> Result<()> {
+        let at = span::<T>(offset, out.len(), self.len, "out")?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.buf.sym.read(self.rank, at, out)
+    }
+}
+
+/// The byte offset of `n` elements at `offset` of a `len`-element part, checked.
+fn span<T>(offset: usize, n: usize, len: usize, arg: &'static str) -> Result<usize> {
+    match offset.checked_add(n) {
+        Some(end) if end <= len => Ok(offset * std::mem::size_of::<T>()),
+        _ => Err(Error::invalid(
+            arg,
+            format!("{n} elements at offset {offset} pass the end of the {len}-element buffer"),
+        )),
     }
 }
 
@@ -377,6 +473,8 @@ pub struct SymSlice<'a, T> {
     pub(crate) buf: &'a SymBuf,
     pub(crate) offset: usize,
     pub(crate) len: usize,
+    /// The one rank whose calls may use it (a view of a [`SymPartMut`]), if restricted.
+    pub(crate) only: Option<usize>,
     _t: PhantomData<&'a [T]>,
 }
 
@@ -416,6 +514,7 @@ impl<'a, T> SymSlice<'a, T> {
             buf: self.buf,
             offset: self.offset + s,
             len: e - s,
+            only: self.only,
             _t: PhantomData,
         })
     }
@@ -427,6 +526,8 @@ pub struct SymSliceMut<'a, T> {
     pub(crate) buf: &'a SymBuf,
     pub(crate) offset: usize,
     pub(crate) len: usize,
+    /// The one rank whose calls may use it (a view of a [`SymPartMut`]), if restricted.
+    pub(crate) only: Option<usize>,
     _t: PhantomData<&'a mut [T]>,
 }
 
@@ -464,6 +565,7 @@ impl<'a, T> SymSliceMut<'a, T> {
             buf: self.buf,
             offset: self.offset + s,
             len: e - s,
+            only: self.only,
             _t: PhantomData,
         })
     }
@@ -481,12 +583,14 @@ impl<'a, T> SymSliceMut<'a, T> {
                 buf: self.buf,
                 offset: self.offset,
                 len: mid,
+                only: self.only,
                 _t: PhantomData,
             },
             SymSliceMut {
                 buf: self.buf,
                 offset: self.offset + mid,
                 len: self.len - mid,
+                only: self.only,
                 _t: PhantomData,
             },
         ))
@@ -498,6 +602,7 @@ impl<'a, T> SymSliceMut<'a, T> {
             buf: self.buf,
             offset: self.offset,
             len: self.len,
+            only: self.only,
             _t: PhantomData,
         }
     }

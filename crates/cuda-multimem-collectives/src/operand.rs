@@ -11,8 +11,12 @@ use crate::memory::{SymBuf, SymSlice, SymSliceMut, SymmetricBuffer};
 /// Where an operand lives.
 #[derive(Clone, Copy)]
 pub(crate) enum Place<'a> {
-    /// A symmetric buffer, from element byte offset `offset`.
-    Sym { buf: &'a SymBuf, offset: usize },
+    /// A symmetric buffer, from byte `offset`; `only`: the one rank whose calls may use it.
+    Sym {
+        buf: &'a SymBuf,
+        offset: usize,
+        only: Option<usize>,
+    },
     /// The caller's memory at `ptr` (of `device`, when known).
     Local {
         ptr: CUdeviceptr,
@@ -35,9 +39,10 @@ impl Operand<'_> {
     /// The same operand from byte `at`, `bytes` long (callers keep `at + bytes` inside).
     pub(crate) fn sub(&self, at: usize, bytes: usize) -> Self {
         let place = match self.place {
-            Place::Sym { buf, offset } => Place::Sym {
+            Place::Sym { buf, offset, only } => Place::Sym {
                 buf,
                 offset: offset + at,
+                only,
             },
             Place::Local { ptr, device } => Place::Local {
                 ptr: ptr + at as u64,
@@ -48,13 +53,14 @@ impl Operand<'_> {
     }
 }
 
-fn sym<'a, T>(buf: &'a SymBuf, offset: usize, len: usize) -> Operand<'a> {
+fn sym<'a, T>(buf: &'a SymBuf, offset: usize, len: usize, only: Option<usize>) -> Operand<'a> {
     let es = std::mem::size_of::<T>();
     // Views are made in bounds of their buffer, whose byte size fits usize.
     Operand {
         place: Place::Sym {
             buf,
             offset: offset * es,
+            only,
         },
         bytes: len * es,
     }
@@ -163,7 +169,7 @@ impl<'a, T: DeviceRepr> From<&'a SymmetricBuffer<T>> for Src<'a, T> {
 impl<'a, T: DeviceRepr> From<SymSlice<'a, T>> for Src<'a, T> {
     fn from(s: SymSlice<'a, T>) -> Self {
         Src {
-            op: sym::<T>(s.buf, s.offset, s.len),
+            op: sym::<T>(s.buf, s.offset, s.len, s.only),
             len: s.len,
             _t: PhantomData,
         }
@@ -173,7 +179,7 @@ impl<'a, T: DeviceRepr> From<SymSlice<'a, T>> for Src<'a, T> {
 impl<'a, T: DeviceRepr> From<&'a SymSliceMut<'_, T>> for Src<'a, T> {
     fn from(s: &'a SymSliceMut<'_, T>) -> Self {
         Src {
-            op: sym::<T>(s.buf, s.offset, s.len),
+            op: sym::<T>(s.buf, s.offset, s.len, s.only),
             len: s.len,
             _t: PhantomData,
         }
@@ -199,7 +205,7 @@ impl<'a, T: DeviceRepr> From<&'a mut SymmetricBuffer<T>> for Dst<'a, T> {
 impl<'a, T: DeviceRepr> From<SymSliceMut<'a, T>> for Dst<'a, T> {
     fn from(s: SymSliceMut<'a, T>) -> Self {
         Dst {
-            op: sym::<T>(s.buf, s.offset, s.len),
+            op: sym::<T>(s.buf, s.offset, s.len, s.only),
             len: s.len,
             _t: PhantomData,
         }
@@ -209,7 +215,7 @@ impl<'a, T: DeviceRepr> From<SymSliceMut<'a, T>> for Dst<'a, T> {
 impl<'a, 'b, T: DeviceRepr> From<&'a mut SymSliceMut<'b, T>> for Dst<'a, T> {
     fn from(s: &'a mut SymSliceMut<'b, T>) -> Self {
         Dst {
-            op: sym::<T>(s.buf, s.offset, s.len),
+            op: sym::<T>(s.buf, s.offset, s.len, s.only),
             len: s.len,
             _t: PhantomData,
         }

@@ -48,7 +48,7 @@ pub(crate) struct P2p {
     land_slot: usize,
     pub(crate) stage_half: usize,
     multiprocessors: u32,
-    /// Scratch for the caller's own memory above the one-shot limit: two halves.
+    /// Scratch for the caller's own memory above the one-shot limit: three regions.
     pub(crate) scratch: Option<SymBuf>,
 }
 
@@ -114,9 +114,9 @@ impl P2p {
         })
     }
 
-    /// Bytes of one scratch half (0: no scratch).
-    pub(crate) fn scratch_half(&self) -> usize {
-        self.scratch.as_ref().map_or(0, |s| s.sym.bytes / 2)
+    /// Bytes of one of the scratch's three regions, a multiple of 16 (0: no scratch).
+    pub(crate) fn scratch_region(&self) -> usize {
+        self.scratch.as_ref().map_or(0, |s| (s.sym.bytes / 3) & !15)
     }
 
     /// The launch shape of `algorithm` for `bytes`.
@@ -192,7 +192,7 @@ impl P2p {
         bytes: usize,
     ) -> Result<Option<Algorithm>> {
         let ptr = |o: &Operand<'_>| match o.place {
-            Place::Sym { buf, offset } => {
+            Place::Sym { buf, offset, .. } => {
                 buf.sym.addrs.first().copied().unwrap_or(0) + offset as u64
             }
             Place::Local { ptr, .. } => ptr,
@@ -254,7 +254,7 @@ impl P2p {
 
     fn resolve(&self, rank: usize, o: &Operand<'_>) -> Result<Resolved> {
         Ok(match o.place {
-            Place::Sym { buf, offset } => Resolved {
+            Place::Sym { buf, offset, .. } => Resolved {
                 ptr: buf.sym.addrs[rank] + offset as u64,
                 table: buf.table(rank)?,
                 id: buf.id,

@@ -14,6 +14,7 @@
 use std::ffi::c_void;
 use std::process::ExitCode;
 
+use cuda_multimem::sys as cuda_multimem_sys;
 use cuda_multimem::{Device, Driver, Event, Stream};
 use cuda_multimem_collectives::{Communicator, SymmetricBuffer};
 use cuda_multimem_sys::{CUfunction, CUmodule, CUresult};
@@ -312,7 +313,7 @@ fn run() -> Res<()> {
     let devices = &devices[..2];
     let comm = Communicator::new(devices)?;
     // each rank: [source | destination]
-    let buf: SymmetricBuffer = comm.alloc(2 * bytes)?;
+    let buf: SymmetricBuffer<u8> = comm.alloc(2 * bytes)?;
     let ks: Vec<Kernels> = devices
         .iter()
         .map(|d| load(&driver, d))
@@ -340,8 +341,8 @@ fn run() -> Res<()> {
             let mut times = Vec::new();
             for rep in 0..runs + 1 {
                 for &r in ranks {
-                    let src = buf.ptr(r).ok_or("rank")?;
-                    let dst = buf.ptr(1 - r).ok_or("rank")? + bytes as u64;
+                    let src = buf.device_ptr(r)?;
+                    let dst = buf.device_ptr(1 - r)? + bytes as u64;
                     ev[r].0.record(&streams[r])?;
                     copy(
                         &driver,
@@ -383,9 +384,9 @@ fn run() -> Res<()> {
     }
     // every mode must move the bytes intact (a wrong kernel shows here, not as a speed)
     let pattern: Vec<u8> = (0..1usize << 20).map(|i| (i * 131 % 251) as u8).collect();
-    buf.copy_from_host(0, &pattern)?;
+    buf.write(0, 0, &pattern)?;
     for mode in [Mode::Ce, Mode::Sm, Mode::Sm4, Mode::Bulk] {
-        let dst = buf.ptr(1).ok_or("rank")? + bytes as u64;
+        let dst = buf.device_ptr(1)? + bytes as u64;
         devices[1].bind()?;
         // SAFETY: the first MiB of rank 1's destination half, mapped for its device.
         let rc = unsafe { driver.sys().cuMemsetD8_v3020()?(dst, 0, 1 << 20) };
@@ -399,13 +400,13 @@ fn run() -> Res<()> {
             mode,
             &streams[0],
             dst,
-            buf.ptr(0).ok_or("rank")?,
+            buf.device_ptr(0)?,
             1 << 20,
             sms,
         )?;
         streams[0].synchronize()?;
         let mut whole = vec![0u8; 2 * bytes];
-        buf.copy_to_host(1, &mut whole)?;
+        buf.read(1, 0, &mut whole)?;
         let ok = whole[bytes..bytes + (1 << 20)] == pattern[..];
         println!(
             "{} copy of 1 MiB arrived intact: {}",

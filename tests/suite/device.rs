@@ -178,6 +178,28 @@ fn events_time_stream_work_and_report_completion() {
 }
 
 #[test]
+fn an_event_timed_against_itself_is_zero_and_returns() {
+    let e = env();
+    let dev = e.driver.device(0).unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let ev = Event::new(&dev, true).unwrap();
+    ev.record(&s).unwrap();
+    ev.synchronize().unwrap();
+    // On a thread, so that a deadlock fails the test instead of hanging the suite.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = ev.elapsed_since(&ev).map_err(|e| e.to_string());
+        let _ = tx.send(r);
+        drop(ev);
+    });
+    let t = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("elapsed_since(self) returned within 10 s")
+        .unwrap();
+    assert_eq!(t, std::time::Duration::ZERO);
+}
+
+#[test]
 fn primary_contexts_are_released_when_the_last_driver_clone_goes() {
     let e = sim(SimConfig::new(2, 13000));
     let s = e.sim.clone().unwrap();

@@ -615,7 +615,10 @@ sim_api! {
         if !a.timing || !b.timing {
             return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
         }
-        let (ga, gb) = (a.m.lock().time, b.m.lock().time);
+        // One lock at a time: `start` and `end` may be the same event (parking_lot's mutex is
+        // not reentrant, and a tuple's temporaries live to the end of the statement).
+        let ga = a.m.lock().time;
+        let gb = b.m.lock().time;
         let (ta, tb) = (ga.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?, gb.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?);
         let d = if tb >= ta { (tb - ta).as_secs_f64() } else { -(ta - tb).as_secs_f64() };
         out(ms, (d * 1e3) as c_float)

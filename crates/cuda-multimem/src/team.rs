@@ -183,8 +183,8 @@ impl TeamBuilder {
             .granularity(driver, Granularity::Minimum)?;
         let size = self
             .size
-            .next_multiple_of(limits.bind_alignment.max(alloc_g as u64) as usize);
-        let endpoint = LogicalEndpoint::create(driver, &EndpointSpec::multicast(n, size as u64))?;
+            .next_multiple_of(limits.bind_alignment.max(alloc_g));
+        let endpoint = LogicalEndpoint::create(driver, &EndpointSpec::multicast(n, size))?;
         for d in &self.devices {
             endpoint.add_device(d)?;
         }
@@ -197,7 +197,7 @@ impl TeamBuilder {
                 0,
                 m.mapping.allocation(),
                 0,
-                size as u64,
+                size,
             )?);
         }
         Ok(Team {
@@ -419,7 +419,7 @@ impl Team {
                     ..Default::default()
                 };
                 dst.op.le.id = endpoint.id();
-                dst.op.le.offset = offset as u64;
+                dst.op.le.offset = crate::error::to_driver_u64(offset);
                 let mut op = CUDA_FABRIC_COPY_BATCH_OP {
                     src,
                     dst,

@@ -235,7 +235,7 @@ impl std::fmt::Debug for MulticastObject {
 }
 
 fn multiple(arg: &'static str, v: usize, g: usize) -> Result<()> {
-    crate::error::check_multiple(arg, v as u64, g as u64, "multicast granularity")
+    crate::error::check_multiple(arg, v, g, "multicast granularity")
 }
 
 impl MulticastObject {
@@ -399,9 +399,9 @@ impl MulticastObject {
         multiple("offset", offset, g)?;
         multiple("size", size, g)?;
         crate::error::check_within(
-            size as u64,
-            offset as u64,
-            self.inner.spec.size as u64,
+            size,
+            offset,
+            self.inner.spec.size,
             "multicast object",
         )
     }
@@ -439,9 +439,9 @@ impl MulticastObject {
         drop(st);
         multiple("memory offset", memory_offset, self.inner.granularity)?;
         crate::error::check_within(
-            size as u64,
-            memory_offset as u64,
-            memory.size() as u64,
+            size,
+            memory_offset,
+            memory.size(),
             "memory",
         )?;
         match memory.spec().location {
@@ -591,9 +591,9 @@ impl MulticastObject {
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         multiple("reservation address", ptr as usize, self.inner.granularity)?;
         crate::error::check_within(
-            size as u64,
-            reservation_offset as u64,
-            reservation.size() as u64,
+            size,
+            reservation_offset,
+            reservation.size(),
             "reservation",
         )?;
         if access.is_empty() {

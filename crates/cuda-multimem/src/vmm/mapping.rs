@@ -76,18 +76,18 @@ impl Mapping {
             ("reservation_offset", reservation_offset),
             ("allocation_offset", allocation_offset),
         ] {
-            crate::error::check_multiple(arg, v as u64, g as u64, "allocation granularity")?;
+            crate::error::check_multiple(arg, v, g, "allocation granularity")?;
         }
         crate::error::check_within(
-            size as u64,
-            reservation_offset as u64,
-            reservation.size() as u64,
+            size,
+            reservation_offset,
+            reservation.size(),
             "reservation",
         )?;
         crate::error::check_within(
-            size as u64,
-            allocation_offset as u64,
-            allocation.size() as u64,
+            size,
+            allocation_offset,
+            allocation.size(),
             "allocation",
         )?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;

@@ -494,6 +494,44 @@ fn a_failure_at_any_step_of_creating_a_buffer_or_importing_leaks_nothing() {
 }
 
 #[test]
+fn a_failed_unmap_of_an_imports_size_check_is_returned_and_leaks_nothing() {
+    let e = sim(SimConfig::new(2, 13030));
+    let s = e.sim.as_ref().unwrap();
+    warm_up(&e.driver);
+    let a = PhysicalAllocation::builder(&e.driver, Location::Device(0))
+        .handle_types(HandleTypes {
+            posix_fd: true,
+            fabric: true,
+        })
+        .create(2 * MIB)
+        .unwrap();
+    let fd = a.export_posix_fd().unwrap();
+    let fab = a.export_fabric().unwrap();
+    let imports: [&dyn Fn() -> Result<Arc<PhysicalAllocation>, Error>; 2] = [
+        &|| PhysicalAllocation::import_posix_fd(&e.driver, std::os::fd::AsFd::as_fd(&fd), 2 * MIB),
+        &|| PhysicalAllocation::import_fabric(&e.driver, fab.as_bytes(), 2 * MIB),
+    ];
+    for import in imports {
+        drop(import().unwrap());
+        let before = s.live_resources();
+        s.inject_failure(FailurePlan {
+            call: Some("cuMemUnmap".into()),
+            skip: 0,
+            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        });
+        let r = import();
+        assert_eq!(s.clear_failure().as_deref(), Some("cuMemUnmap"));
+        match r {
+            Err(Error::Driver { call, code }) => {
+                assert_eq!((call, code), ("cuMemUnmap", CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+            }
+            other => panic!("expected the unmap's error, got {other:?}"),
+        }
+        assert_eq!(s.live_resources(), before, "the import released what it made");
+    }
+}
+
+#[test]
 fn a_failure_at_any_step_of_growing_leaves_the_buffer_intact_and_leaks_nothing() {
     let e = sim(SimConfig::new(2, 13030));
     let s = e.sim.as_ref().unwrap();

@@ -427,13 +427,16 @@ impl PhysicalAllocation {
         let a = Arc::new(a);
         // Mapping all of `size` fails when the allocation is smaller.
         let r = super::Reservation::new(driver, size)?;
-        super::Mapping::new(&r, 0, &a, 0, size).map_err(|e| match e {
+        let m = super::Mapping::new(&r, 0, &a, 0, size).map_err(|e| match e {
             Error::Driver { .. } => Error::invalid(
                 "size",
                 format!("{size} bytes does not fit the imported allocation ({e})"),
             ),
             e => e,
         })?;
+        // The check's mapping goes now; a failed unmap is the caller's error too (the mapping,
+        // reservation and handle are released on the way out, as far as the driver lets them).
+        m.unmap()?;
         Ok(a)
     }
 }

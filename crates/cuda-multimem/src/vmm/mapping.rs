@@ -38,6 +38,8 @@ pub struct Mapping {
     ptr: CUdeviceptr,
     size: usize,
     offset: usize,
+    /// Unmapped already by [`Mapping::unmap`] (then `Drop` has nothing to do).
+    unmapped: bool,
     // Dropped after the unmap in `Drop::drop` (fields drop after the body).
     allocation: Arc<PhysicalAllocation>,
     reservation: Arc<Reservation>,
@@ -103,6 +105,7 @@ impl Mapping {
             ptr,
             size,
             offset: allocation_offset,
+            unmapped: false,
             allocation: allocation.clone(),
             reservation: reservation.clone(),
         })
@@ -145,6 +148,16 @@ impl Mapping {
             x if x == CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ.0 => Access::ReadOnly,
             _ => Access::None,
         })
+    }
+
+    /// Unmap now (`cuMemUnmap`) and say whether it worked — what `drop` does, without losing
+    /// the error. On failure the error is returned and the drop that follows tries the unmap
+    /// once more before the allocation and reservation are released.
+    pub fn unmap(mut self) -> Result<()> {
+        // SAFETY: we mapped exactly this range and nothing was unmapped yet.
+        let r = unsafe { cu!(self.allocation.driver(), cuMemUnmap(self.ptr, self.size)) };
+        self.unmapped = r.is_ok();
+        r
     }
 
     /// The mapped address.
@@ -215,6 +228,9 @@ pub(crate) fn set_access_range(
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        if self.unmapped {
+            return;
+        }
         // SAFETY: we mapped exactly this range; after this the Arcs (allocation, reservation)
         // are dropped, in that order, with nothing mapped any more.
         let _ = unsafe { cu!(self.allocation.driver(), cuMemUnmap(self.ptr, self.size)) };

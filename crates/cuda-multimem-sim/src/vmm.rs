@@ -603,6 +603,11 @@ sim_api! {
         Ok(())
     }
     cuMemGetAllocationPropertiesFromHandle @ 10020 as PFN_cuMemGetAllocationPropertiesFromHandle_v10020 => fn mem_get_allocation_properties_from_handle(st, prop: *mut CUmemAllocationProp, handle: CUmemGenericAllocationHandle) {
+        // A multicast object's handle is not an allocation's: refused (the safe layer's imports
+        // tell the two kinds of imported handle apart by this answer).
+        if is_kind(handle, Kind::Multicast) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
         let vmm = st.ext::<Vmm>();
         let t = vmm.t.lock();
         let (_, a) = t.alloc_of(handle)?;

@@ -716,7 +716,7 @@ impl MulticastObject {
     ) -> Result<MulticastObject> {
         let g = MulticastObject::check_import(driver, spec)?;
         let h = crate::vmm::share::import_posix_fd(driver, fd)?;
-        Ok(MulticastObject::adopt(driver, h, *spec, g, true))
+        MulticastObject::adopt_imported(driver, h, *spec, g, "fd")
     }
 
     /// Import an object exported as a fabric handle: `bytes` must be exactly 64 (checked before
@@ -729,7 +729,44 @@ impl MulticastObject {
         let handle = FabricHandle::from_bytes(bytes)?;
         let g = MulticastObject::check_import(driver, spec)?;
         let h = crate::vmm::share::import_fabric(driver, &handle)?;
-        Ok(MulticastObject::adopt(driver, h, *spec, g, true))
+        MulticastObject::adopt_imported(driver, h, *spec, g, "bytes")
+    }
+
+    /// Own an imported handle, after making sure it is a multicast object's. Allocations and
+    /// multicast objects share the shareable-handle calls, so the import itself cannot tell them
+    /// apart: a physical allocation's fd or fabric handle imports fine and would even map like
+    /// a multicast object. The driver describes an allocation's handle
+    /// (`cuMemGetAllocationPropertiesFromHandle`) and refuses a multicast object's
+    /// (`CUDA_ERROR_INVALID_VALUE`, or `INVALID_HANDLE`); any other answer is an error.
+    fn adopt_imported(
+        driver: &Driver,
+        h: CUmemGenericAllocationHandle,
+        spec: MulticastSpec,
+        granularity: usize,
+        arg: &'static str,
+    ) -> Result<MulticastObject> {
+        // Owned from here: released on any error below.
+        let object = MulticastObject::adopt(driver, h, spec, granularity, true);
+        let mut prop = cuda_multimem_sys::CUmemAllocationProp::default();
+        // SAFETY: valid out-pointer and a live handle.
+        match unsafe { cu!(driver, cuMemGetAllocationPropertiesFromHandle(&mut prop, h)) } {
+            Ok(()) => Err(Error::invalid(
+                arg,
+                format!(
+                    "the imported handle is a physical allocation's ({:?}), not a multicast \
+                     object's; import it with PhysicalAllocation::import_posix_fd or \
+                     import_fabric",
+                    Location::from_raw(&prop.location)
+                ),
+            )),
+            Err(Error::Driver { code, .. })
+                if code == cuda_multimem_sys::CUresult::CUDA_ERROR_INVALID_VALUE
+                    || code == cuda_multimem_sys::CUresult::CUDA_ERROR_INVALID_HANDLE =>
+            {
+                Ok(object)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether this object was imported.

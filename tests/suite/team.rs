@@ -125,6 +125,23 @@ fn bad_teams_are_rejected_before_the_driver() {
 }
 
 #[test]
+fn devices_of_two_driver_values_are_refused_as_such_not_as_other_cliques() {
+    let e = sim(SimConfig::new(2, 13010));
+    let s = e.sim.as_ref().unwrap();
+    let other = cuda_multimem::Driver::from_simulator(s).unwrap();
+    let (a, b) = (e.driver.devices(), other.devices());
+    for members in [[a[0].clone(), b[1].clone()], [a[0].clone(), b[0].clone()]] {
+        let err = Team::new(&members, 2 * MIB).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { arg: "devices", ref reason }
+                if reason.contains("another Driver value")),
+            "{err}"
+        );
+    }
+    assert_eq!(s.calls("cuMulticastCreate"), 0);
+}
+
+#[test]
 fn a_machine_without_multicast_gets_a_clear_error() {
     let e = sim(SimConfig::new(2, 13010).with_all(|d| d.multicast = false));
     let err = Team::new(&e.driver.devices(), 2 * MIB).unwrap_err();

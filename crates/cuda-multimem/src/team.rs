@@ -92,6 +92,11 @@ impl TeamBuilder {
                 "no devices; a team needs at least two",
             ));
         };
+        // First: a device of another Driver value would otherwise be blamed on peer access or
+        // cliques below (or not be seen as a duplicate).
+        if let Some(d) = rest.iter().find(|d| !first.same_driver(d)) {
+            return Err(d.other_driver_error("devices"));
+        }
         if rest.is_empty() {
             return Err(Error::invalid(
                 "devices",

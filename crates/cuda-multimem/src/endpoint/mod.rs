@@ -651,6 +651,9 @@ impl LogicalEndpoint {
                 ),
             ));
         };
+        if !Arc::ptr_eq(&device.driver().inner, &self.driver().inner) {
+            return Err(device.other_driver_error("device"));
+        }
         let mut members = self.inner.members.lock();
         let d = device.ordinal();
         if members.contains(&d) {

@@ -321,6 +321,9 @@ impl MulticastObject {
     /// added already, a full team, an object that memory was bound to, a device without multicast,
     /// or a device outside the first member's NVLink clique.
     pub fn add_device(&self, device: &Device) -> Result<()> {
+        if !Arc::ptr_eq(&device.driver().inner, &self.inner.driver.inner) {
+            return Err(device.other_driver_error("device"));
+        }
         let mut st = self.inner.state.lock();
         let d = device.ordinal();
         if st.added.contains(&d) {

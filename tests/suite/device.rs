@@ -542,3 +542,14 @@ fn a_kernel_fault_is_sticky_for_its_context_and_other_devices_stay_healthy() {
         assert_eq!(sys.cuMemFree_v3020().unwrap()(p), CUresult::CUDA_SUCCESS);
     }
 }
+
+#[test]
+fn a_zero_length_blocking_copy_or_memset_is_a_no_op() {
+    let e = env();
+    let dev = e.driver.device(0).unwrap();
+    // SAFETY: zero bytes at any address: nothing is written.
+    unsafe {
+        dev.copy_from_host_blocking(0, &[]).unwrap();
+        dev.memset_blocking(0, 0xff, 0).unwrap();
+    }
+}

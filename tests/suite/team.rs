@@ -253,3 +253,25 @@ fn the_multicast_endpoint_and_team_types_can_move_between_threads() {
     .unwrap();
     assert_eq!(leftovers(e.sim.as_ref().unwrap()), Default::default());
 }
+
+#[test]
+fn a_zero_length_store_or_load_is_a_no_op_with_its_offset_checked() {
+    let e = sim(SimConfig::new(2, 13010));
+    let t = Team::new(&e.driver.devices(), 2 * MIB).unwrap();
+    let data = random(4096, 3);
+    t.store(0, &data).unwrap();
+    t.store(t.size(), &[]).unwrap();
+    t.load(1, t.size(), &mut []).unwrap();
+    let mut back = vec![0u8; 4096];
+    t.load(1, 0, &mut back).unwrap();
+    assert!(back == data, "nothing was changed");
+    assert!(matches!(
+        t.store(t.size() + 1, &[]),
+        Err(Error::InvalidArgument { arg: "offset", .. })
+    ));
+    assert!(matches!(
+        t.load(0, t.size() + 1, &mut []),
+        Err(Error::InvalidArgument { arg: "offset", .. })
+    ));
+    assert!(t.load(2, 0, &mut []).is_err(), "no member 2");
+}

@@ -388,6 +388,7 @@ impl Team {
     /// Store `data` at `offset` through the multicast range, so it reaches every member's memory:
     /// a copy to the multicast address (multicast object), or a fabric copy to the endpoint
     /// (`cuFabricCpyBatchAsync`, driver 13.5+; older drivers answer [`Error::Unsupported`]).
+    /// A zero-length store is an Ok no-op (the offset is still checked).
     pub fn store(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.check_range(offset, data.len())?;
         if data.is_empty() {
@@ -447,7 +448,8 @@ impl Team {
         }
     }
 
-    /// Read `out.len()` bytes at `offset` of member `member`'s own memory.
+    /// Read `out.len()` bytes at `offset` of member `member`'s own memory. A zero-length load is
+    /// an Ok no-op (member and offset are still checked).
     pub fn load(&self, member: usize, offset: usize, out: &mut [u8]) -> Result<()> {
         let m = self.member(member)?;
         self.check_range(offset, out.len())?;

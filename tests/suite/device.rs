@@ -431,9 +431,8 @@ impl RawKernel {
         let cname = std::ffi::CString::new(name).expect("a name without NUL");
         let mut module: CUmodule = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image and a valid out-pointer; the context is current.
-        let rc = unsafe {
-            driver.sys().cuModuleLoadData().unwrap()(&mut module, text.as_ptr().cast())
-        };
+        let rc =
+            unsafe { driver.sys().cuModuleLoadData().unwrap()(&mut module, text.as_ptr().cast()) };
         if rc != CUresult::CUDA_SUCCESS {
             return Err(rc);
         }
@@ -493,7 +492,9 @@ impl Drop for RawKernel {
 /// PTX of a kernel `name` without parameters that returns at once (the simulator runs the host
 /// equivalent registered under the same name).
 fn empty_ptx(name: &str) -> String {
-    format!(".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry {name}()\n{{\n\tret;\n}}\n")
+    format!(
+        ".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry {name}()\n{{\n\tret;\n}}\n"
+    )
 }
 
 #[test]
@@ -510,27 +511,35 @@ fn a_kernel_fault_is_sticky_for_its_context_and_other_devices_stay_healthy() {
     let s1 = Stream::new(&d1).unwrap();
     assert_eq!(k.launch(&s0, &mut []), CUresult::CUDA_SUCCESS);
     let code = |r: Result<(), Error>| r.err().and_then(|e| e.code());
-    let dead = Some(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
-    assert_eq!(code(s0.synchronize()), dead, "the fault");
-    assert_eq!(code(s0.synchronize()), dead, "again: the context is dead");
+    let dead = CUresult::CUDA_ERROR_ILLEGAL_ADDRESS;
+    assert_eq!(code(s0.synchronize()), Some(dead), "the fault");
+    assert_eq!(
+        code(s0.synchronize()),
+        Some(dead),
+        "again: the context is dead"
+    );
     let sys = d.sys();
     d0.bind().unwrap();
     let mut p = 0u64;
     // SAFETY: valid out-pointers; device 0's context is current; nothing is written on failure.
     unsafe {
-        assert_eq!(sys.cuCtxSynchronize_v2000().unwrap()(), dead.unwrap());
-        assert_eq!(sys.cuMemAlloc_v3020().unwrap()(&mut p, 4096), dead.unwrap(), "allocation");
+        assert_eq!(sys.cuCtxSynchronize_v2000().unwrap()(), dead);
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut p, 4096),
+            dead,
+            "allocation"
+        );
         let byte = 0u8;
         assert_eq!(
             sys.cuMemcpyHtoD_v3020().unwrap()(0x1000, (&byte as *const u8).cast(), 1),
-            dead.unwrap(),
+            dead,
             "copy"
         );
     }
-    assert_eq!(k.launch(&s0, &mut []), dead.unwrap(), "launch");
+    assert_eq!(k.launch(&s0, &mut []), dead, "launch");
     assert_eq!(
         RawKernel::load(&d0, &empty_ptx("sticky_fault_probe"), "sticky_fault_probe").err(),
-        dead,
+        Some(dead),
         "module load"
     );
     // Device 1 is another context: healthy.
@@ -538,7 +547,10 @@ fn a_kernel_fault_is_sticky_for_its_context_and_other_devices_stay_healthy() {
     d1.bind().unwrap();
     // SAFETY: valid out-pointer; device 1's context is current; freed below.
     unsafe {
-        assert_eq!(sys.cuMemAlloc_v3020().unwrap()(&mut p, 4096), CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut p, 4096),
+            CUresult::CUDA_SUCCESS
+        );
         assert_eq!(sys.cuMemFree_v3020().unwrap()(p), CUresult::CUDA_SUCCESS);
     }
 }

@@ -447,7 +447,15 @@ fn fabric_handles_round_trip_and_garbage_is_rejected() {
     // SAFETY: live ids and handles.
     let rc = unsafe {
         d.device(1).unwrap().bind().unwrap();
-        d.sys().cuLogicalEndpointBindMem().unwrap()(imported.id(), 1, 0, plain.raw(), 0, 2 * MIB64, 0)
+        d.sys().cuLogicalEndpointBindMem().unwrap()(
+            imported.id(),
+            1,
+            0,
+            plain.raw(),
+            0,
+            2 * MIB64,
+            0,
+        )
     };
     assert_eq!(rc, CUresult::CUDA_ERROR_INVALID_VALUE);
     let shareable = memory(d, 1, 2 << 20, HandleTypes::FABRIC);

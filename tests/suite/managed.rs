@@ -1267,6 +1267,12 @@ fn a_zero_length_copy_of_a_managed_buffer_is_a_no_op_with_its_offset_checked() {
     let mut back = vec![0u8; 4096];
     buf.copy_to_host(0, &mut back).unwrap();
     assert!(back.iter().all(|&b| b == 7), "nothing was written");
-    assert!(is_invalid(&buf.copy_from_host(4097, &[]).unwrap_err(), "offset"));
-    assert!(is_invalid(&buf.copy_to_host(4097, &mut []).unwrap_err(), "offset"));
+    assert!(is_invalid(
+        &buf.copy_from_host(4097, &[]).unwrap_err(),
+        "offset"
+    ));
+    assert!(is_invalid(
+        &buf.copy_to_host(4097, &mut []).unwrap_err(),
+        "offset"
+    ));
 }

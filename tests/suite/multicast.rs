@@ -572,7 +572,11 @@ fn an_allocations_handle_does_not_import_as_a_multicast_object() {
         matches!(by_fabric, Error::InvalidArgument { arg: "bytes", ref reason } if reason.contains("physical allocation")),
         "{by_fabric}"
     );
-    assert_eq!(s.live_resources(), before, "the imported handles were released");
+    assert_eq!(
+        s.live_resources(),
+        before,
+        "the imported handles were released"
+    );
 }
 
 #[test]
@@ -598,7 +602,11 @@ fn a_multicast_objects_handle_does_not_import_as_an_allocation() {
         matches!(by_fabric, Error::InvalidArgument { arg: "bytes", ref reason } if reason.contains("CUDA_ERROR_INVALID_VALUE")),
         "{by_fabric}"
     );
-    assert_eq!(s.live_resources(), before, "the imported handles were released");
+    assert_eq!(
+        s.live_resources(),
+        before,
+        "the imported handles were released"
+    );
 }
 
 #[test]

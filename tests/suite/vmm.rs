@@ -523,11 +523,18 @@ fn a_failed_unmap_of_an_imports_size_check_is_returned_and_leaks_nothing() {
         assert_eq!(s.clear_failure().as_deref(), Some("cuMemUnmap"));
         match r {
             Err(Error::Driver { call, code }) => {
-                assert_eq!((call, code), ("cuMemUnmap", CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+                assert_eq!(
+                    (call, code),
+                    ("cuMemUnmap", CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+                )
             }
             other => panic!("expected the unmap's error, got {other:?}"),
         }
-        assert_eq!(s.live_resources(), before, "the import released what it made");
+        assert_eq!(
+            s.live_resources(),
+            before,
+            "the import released what it made"
+        );
     }
 }
 

@@ -92,9 +92,17 @@ pub(crate) fn ignores_sticky(name: &str) -> bool {
         "cuStreamQuery",
     ];
     CONTEXT_FREE.contains(&name)
-        || ["Destroy", "Release", "Free", "Unmap", "Unload", "Unbind", "Unregister"]
-            .iter()
-            .any(|w| name.contains(w))
+        || [
+            "Destroy",
+            "Release",
+            "Free",
+            "Unmap",
+            "Unload",
+            "Unbind",
+            "Unregister",
+        ]
+        .iter()
+        .any(|w| name.contains(w))
 }
 
 thread_local! {

@@ -197,13 +197,7 @@ impl TeamBuilder {
         let members = self.members(driver, size)?;
         let mut bindings = Vec::with_capacity(members.len());
         for m in &members {
-            bindings.push(endpoint.bind_mem(
-                &m.device,
-                0,
-                m.mapping.allocation(),
-                0,
-                size,
-            )?);
+            bindings.push(endpoint.bind_mem(&m.device, 0, m.mapping.allocation(), 0, size)?);
         }
         Ok(Team {
             backing: Backing::Endpoint {

@@ -401,12 +401,7 @@ impl MulticastObject {
         let g = self.inner.granularity;
         multiple("offset", offset, g)?;
         multiple("size", size, g)?;
-        crate::error::check_within(
-            size,
-            offset,
-            self.inner.spec.size,
-            "multicast object",
-        )
+        crate::error::check_within(size, offset, self.inner.spec.size, "multicast object")
     }
 
     fn check_bind(
@@ -441,12 +436,7 @@ impl MulticastObject {
         }
         drop(st);
         multiple("memory offset", memory_offset, self.inner.granularity)?;
-        crate::error::check_within(
-            size,
-            memory_offset,
-            memory.size(),
-            "memory",
-        )?;
+        crate::error::check_within(size, memory_offset, memory.size(), "memory")?;
         match memory.spec().location {
             Location::Device(m) if m == d => {}
             Location::HostNuma(n)
@@ -593,12 +583,7 @@ impl MulticastObject {
         )?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         multiple("reservation address", ptr as usize, self.inner.granularity)?;
-        crate::error::check_within(
-            size,
-            reservation_offset,
-            reservation.size(),
-            "reservation",
-        )?;
+        crate::error::check_within(size, reservation_offset, reservation.size(), "reservation")?;
         if access.is_empty() {
             return Err(Error::invalid(
                 "access",

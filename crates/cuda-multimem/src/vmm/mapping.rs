@@ -80,18 +80,8 @@ impl Mapping {
         ] {
             crate::error::check_multiple(arg, v, g, "allocation granularity")?;
         }
-        crate::error::check_within(
-            size,
-            reservation_offset,
-            reservation.size(),
-            "reservation",
-        )?;
-        crate::error::check_within(
-            size,
-            allocation_offset,
-            allocation.size(),
-            "allocation",
-        )?;
+        crate::error::check_within(size, reservation_offset, reservation.size(), "reservation")?;
+        crate::error::check_within(size, allocation_offset, allocation.size(), "allocation")?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         // SAFETY: the range lies in a live reservation and the allocation handle is live; both
         // are kept alive by the Arcs stored below. Flags must be 0.

@@ -3,9 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use cuda_multimem::sys::CUresult;
+use cuda_multimem::sys::{CUfunction, CUmodule, CUresult};
 use cuda_multimem::{
-    CaptureMode, DeviceBuffer, Driver, Error, Event, LaunchConfig, Module, Stream, StreamRef,
+    CaptureMode, Device, DeviceBuffer, Driver, Error, Event, LaunchConfig, Module, Stream,
+    StreamRef,
 };
 use cuda_multimem_sim::{KernelError, LaunchArgs, SimConfig};
 use cuda_multimem_tests::{env, sim, skip, Env, Rng};
@@ -179,6 +180,28 @@ fn events_time_stream_work_and_report_completion() {
             Err(Error::InvalidArgument { arg: "stream", .. })
         ));
     }
+}
+
+#[test]
+fn an_event_timed_against_itself_is_zero_and_returns() {
+    let e = env();
+    let dev = e.driver.device(0).unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let ev = Event::new(&dev, true).unwrap();
+    ev.record(&s).unwrap();
+    ev.synchronize().unwrap();
+    // On a thread, so that a deadlock fails the test instead of hanging the suite.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = ev.elapsed_since(&ev).map_err(|e| e.to_string());
+        let _ = tx.send(r);
+        drop(ev);
+    });
+    let t = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("elapsed_since(self) returned within 10 s")
+        .unwrap();
+    assert_eq!(t, std::time::Duration::ZERO);
 }
 
 #[test]
@@ -729,4 +752,158 @@ fn a_stream_reports_idle_and_a_bounded_wait_times_out_on_a_running_kernel() {
     );
     s.wait_idle(Duration::from_secs(60)).unwrap();
     assert!(s.is_idle().unwrap());
+}
+
+/// A PTX module loaded on `device` (raw driver calls: the safe layer has no module type yet),
+/// and its kernel `name`; unloaded on drop.
+pub(crate) struct RawKernel {
+    driver: Driver,
+    device: Device,
+    module: CUmodule,
+    /// The kernel.
+    pub function: CUfunction,
+}
+
+impl RawKernel {
+    /// Load `ptx` (without its NUL) on `device` and look up `name`.
+    pub(crate) fn load(device: &Device, ptx: &str, name: &str) -> Result<RawKernel, CUresult> {
+        let driver = device.driver().clone();
+        device.bind().expect("the device's context");
+        let text = std::ffi::CString::new(ptx).expect("PTX without NUL");
+        let cname = std::ffi::CString::new(name).expect("a name without NUL");
+        let mut module: CUmodule = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image and a valid out-pointer; the context is current.
+        let rc =
+            unsafe { driver.sys().cuModuleLoadData().unwrap()(&mut module, text.as_ptr().cast()) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(rc);
+        }
+        let mut k = RawKernel {
+            driver,
+            device: device.clone(),
+            module,
+            function: std::ptr::null_mut(),
+        };
+        // SAFETY: a live module, a NUL-terminated name, a valid out-pointer.
+        let rc = unsafe {
+            k.driver.sys().cuModuleGetFunction().unwrap()(&mut k.function, module, cname.as_ptr())
+        };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(rc);
+        }
+        Ok(k)
+    }
+
+    /// Launch with one block of one thread on `stream` with these parameters (pointers to each
+    /// parameter's value, as `cuLaunchKernel` takes them).
+    pub(crate) fn launch(&self, stream: &Stream, params: &mut [*mut std::ffi::c_void]) -> CUresult {
+        self.device.bind().expect("the device's context");
+        let p = if params.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            params.as_mut_ptr()
+        };
+        // SAFETY: a live kernel of this device's module; `params` points at one value per kernel
+        // parameter, read during the call (the driver copies them).
+        unsafe {
+            self.driver.sys().cuLaunchKernel().unwrap()(
+                self.function,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream.raw(),
+                p,
+                std::ptr::null_mut(),
+            )
+        }
+    }
+}
+
+impl Drop for RawKernel {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: we loaded this module; its kernels are not used after this.
+        unsafe { self.driver.sys().cuModuleUnload().unwrap()(self.module) };
+    }
+}
+
+/// PTX of a kernel `name` without parameters that returns at once (the simulator runs the host
+/// equivalent registered under the same name).
+fn empty_ptx(name: &str) -> String {
+    format!(
+        ".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry {name}()\n{{\n\tret;\n}}\n"
+    )
+}
+
+#[test]
+fn a_kernel_fault_is_sticky_for_its_context_and_other_devices_stay_healthy() {
+    // Simulator only: on a GPU, this would kill device 0's context under every parallel test.
+    let e = sim(SimConfig::new(2, 13030));
+    let d = &e.driver;
+    cuda_multimem_sim::register_kernel("sticky_fault_probe", |_| {
+        Err(KernelError::IllegalAddress { addr: 0, len: 4 })
+    });
+    let (d0, d1) = (d.device(0).unwrap(), d.device(1).unwrap());
+    let k = RawKernel::load(&d0, &empty_ptx("sticky_fault_probe"), "sticky_fault_probe").unwrap();
+    let s0 = Stream::new(&d0).unwrap();
+    let s1 = Stream::new(&d1).unwrap();
+    assert_eq!(k.launch(&s0, &mut []), CUresult::CUDA_SUCCESS);
+    let code = |r: Result<(), Error>| r.err().and_then(|e| e.code());
+    let dead = CUresult::CUDA_ERROR_ILLEGAL_ADDRESS;
+    assert_eq!(code(s0.synchronize()), Some(dead), "the fault");
+    assert_eq!(
+        code(s0.synchronize()),
+        Some(dead),
+        "again: the context is dead"
+    );
+    let sys = d.sys();
+    d0.bind().unwrap();
+    let mut p = 0u64;
+    // SAFETY: valid out-pointers; device 0's context is current; nothing is written on failure.
+    unsafe {
+        assert_eq!(sys.cuCtxSynchronize_v2000().unwrap()(), dead);
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut p, 4096),
+            dead,
+            "allocation"
+        );
+        let byte = 0u8;
+        assert_eq!(
+            sys.cuMemcpyHtoD_v3020().unwrap()(0x1000, (&byte as *const u8).cast(), 1),
+            dead,
+            "copy"
+        );
+    }
+    assert_eq!(k.launch(&s0, &mut []), dead, "launch");
+    assert_eq!(
+        RawKernel::load(&d0, &empty_ptx("sticky_fault_probe"), "sticky_fault_probe").err(),
+        Some(dead),
+        "module load"
+    );
+    // Device 1 is another context: healthy.
+    s1.synchronize().unwrap();
+    d1.bind().unwrap();
+    // SAFETY: valid out-pointer; device 1's context is current; freed below.
+    unsafe {
+        assert_eq!(
+            sys.cuMemAlloc_v3020().unwrap()(&mut p, 4096),
+            CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(sys.cuMemFree_v3020().unwrap()(p), CUresult::CUDA_SUCCESS);
+    }
+}
+
+#[test]
+fn a_zero_length_blocking_copy_or_memset_is_a_no_op() {
+    let e = env();
+    let dev = e.driver.device(0).unwrap();
+    // SAFETY: zero bytes at any address: nothing is written.
+    unsafe {
+        dev.copy_from_host_blocking(0, &[]).unwrap();
+        dev.memset_blocking(0, 0xff, 0).unwrap();
+    }
 }

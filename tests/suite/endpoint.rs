@@ -17,7 +17,9 @@ use cuda_multimem_tests::{env, fail_each_call, sim, skip};
 use crate::multicast::{dtoh, leftovers};
 use cuda_multimem_tests::random_bytes as random;
 
-const MIB: u64 = 1 << 20;
+const MIB: usize = 1 << 20;
+/// [`MIB`] for raw driver calls, which take `u64`.
+const MIB64: u64 = 1 << 20;
 
 fn memory(d: &Driver, dev: i32, size: usize, ht: HandleTypes) -> Arc<PhysicalAllocation> {
     PhysicalAllocation::builder(d, Location::Device(dev))
@@ -115,7 +117,7 @@ fn using_an_endpoint_before_it_is_ready_is_refused_before_the_driver() {
     d0.bind().unwrap();
     // SAFETY: a live endpoint id and allocation handle.
     let rc = unsafe {
-        d.sys().cuLogicalEndpointBindMem().unwrap()(ep.id(), 0, 0, a.raw(), 0, 2 * MIB, 0)
+        d.sys().cuLogicalEndpointBindMem().unwrap()(ep.id(), 0, 0, a.raw(), 0, 2 * MIB64, 0)
     };
     assert_eq!(rc, CUresult::CUDA_ERROR_INVALID_VALUE);
     ep.wait_ready(Duration::from_secs(5)).unwrap();
@@ -159,6 +161,29 @@ fn a_batch_shares_one_id_range_released_with_its_last_endpoint() {
 }
 
 #[test]
+fn a_batch_range_is_queried_and_waited_for_after_one_of_its_endpoints_is_dropped() {
+    let e = sim(ready_config(2, 1));
+    let d = &e.driver;
+    let d0 = d.device(0).unwrap();
+    let specs = [
+        EndpointSpec::unicast(&d0, 2 * MIB),
+        EndpointSpec::unicast(&d0, 2 * MIB),
+        EndpointSpec::unicast(&d0, 2 * MIB),
+    ];
+    let mut eps = LogicalEndpoint::create_batch(d, &specs).unwrap();
+    let range = eps[0].id_range().clone();
+    // The middle one goes before anybody asked: the range stays for the other two.
+    drop(eps.remove(1));
+    range.wait_ready(Duration::from_secs(5)).unwrap();
+    assert!(range.query().unwrap());
+    for ep in &eps {
+        assert!(ep.is_ready().unwrap(), "endpoint {} is ready", ep.id());
+    }
+    let a = memory(d, 0, 2 << 20, HandleTypes::NONE);
+    eps[1].bind_mem(&d0, 0, &a, 0, 2 * MIB).unwrap();
+}
+
+#[test]
 fn bound_memory_is_reached_through_the_endpoint_and_unbound_on_drop() {
     let mut cfg = ready_config(2, 0);
     cfg.version = 13050;
@@ -183,7 +208,7 @@ fn bound_memory_is_reached_through_the_endpoint_and_unbound_on_drop() {
         .unwrap();
     let b1 = ep.bind_addr(&d.device(1).unwrap(), 0, &m1).unwrap();
     // Device 0 is bound only at [2, 4) MiB; device 1 across [0, 4) MiB.
-    let both = cuda_multimem_sim::endpoint::endpoint_targets(ep.id(), 2 * MIB + 8, 8).unwrap();
+    let both = cuda_multimem_sim::endpoint::endpoint_targets(ep.id(), 2 * MIB64 + 8, 8).unwrap();
     assert_eq!(both.len(), 2);
     let one = cuda_multimem_sim::endpoint::endpoint_targets(ep.id(), 8, 8).unwrap();
     assert_eq!(one.len(), 1);
@@ -193,7 +218,7 @@ fn bound_memory_is_reached_through_the_endpoint_and_unbound_on_drop() {
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (t - 8) as *mut u8, 4096) };
     }
     let mut back = vec![0u8; 4096];
-    dtoh(d, &mut back, m1.device_ptr() + 2 * MIB).unwrap();
+    dtoh(d, &mut back, m1.device_ptr() + 2 * MIB64).unwrap();
     assert!(back == data, "device 1's mapping sees the bytes");
     assert_eq!(
         s.live_resources().get("logical endpoint bindings"),
@@ -310,7 +335,7 @@ fn the_simulator_follows_the_documented_rules_for_raw_calls() {
     let mut base = 0;
     let mut prop = CUlogicalEndpointProp {
         type_: CUlogicalEndpointType::CU_LOGICAL_ENDPOINT_TYPE_UNICAST,
-        size: 2 * MIB,
+        size: 2 * MIB64,
         ..Default::default()
     };
     let a = memory(d, 0, 4 << 20, HandleTypes::NONE);
@@ -342,7 +367,7 @@ fn the_simulator_follows_the_documented_rules_for_raw_calls() {
             CUresult::CUDA_ERROR_INVALID_VALUE,
             "id without endpoint"
         );
-        prop.size = 4 * MIB;
+        prop.size = 4 * MIB64;
         assert_eq!(create(base + 1, &prop), CUresult::CUDA_SUCCESS);
         assert_eq!(query(base, 2, &mut status), CUresult::CUDA_SUCCESS);
         assert_eq!(status, 1);
@@ -352,40 +377,40 @@ fn the_simulator_follows_the_documented_rules_for_raw_calls() {
             "endpoints still live"
         );
         assert_eq!(
-            bind(base + 1, 0, 0, a.raw(), 0, 2 * MIB, 0),
+            bind(base + 1, 0, 0, a.raw(), 0, 2 * MIB64, 0),
             CUresult::CUDA_SUCCESS
         );
         assert_eq!(
-            bind(base + 1, 0, 2 * MIB, a.raw(), 2 * MIB, 2 * MIB, 0),
+            bind(base + 1, 0, 2 * MIB64, a.raw(), 2 * MIB64, 2 * MIB64, 0),
             CUresult::CUDA_SUCCESS
         );
         assert_eq!(
-            bind(base + 1, 0, 0, a.raw(), 0, 2 * MIB, 0),
+            bind(base + 1, 0, 0, a.raw(), 0, 2 * MIB64, 0),
             CUresult::CUDA_ERROR_INVALID_VALUE,
             "overlap"
         );
         assert_eq!(
-            bind(base + 1, 1, 0, a.raw(), 0, 2 * MIB, 0),
+            bind(base + 1, 1, 0, a.raw(), 0, 2 * MIB64, 0),
             CUresult::CUDA_ERROR_INVALID_VALUE,
             "not the owner"
         );
         assert_eq!(
-            unbind(base + 1, 0, 2 * MIB, 4 * MIB),
+            unbind(base + 1, 0, 2 * MIB64, 4 * MIB64),
             CUresult::CUDA_ERROR_INVALID_VALUE,
             "past the bindings"
         );
         assert_eq!(
-            unbind(base + 1, 0, MIB, MIB),
+            unbind(base + 1, 0, MIB64, MIB64),
             CUresult::CUDA_ERROR_INVALID_VALUE,
             "not at a bind offset"
         );
         assert_eq!(
-            unbind(base + 1, 0, 0, 4 * MIB),
+            unbind(base + 1, 0, 0, 4 * MIB64),
             CUresult::CUDA_SUCCESS,
             "two binds at once"
         );
         assert_eq!(
-            bind(base + 1, 0, 0, a.raw(), 0, 2 * MIB, 0),
+            bind(base + 1, 0, 0, a.raw(), 0, 2 * MIB64, 0),
             CUresult::CUDA_SUCCESS
         );
         assert_eq!(destroy(base + 1), CUresult::CUDA_SUCCESS, "destroy unbinds");
@@ -422,7 +447,15 @@ fn fabric_handles_round_trip_and_garbage_is_rejected() {
     // SAFETY: live ids and handles.
     let rc = unsafe {
         d.device(1).unwrap().bind().unwrap();
-        d.sys().cuLogicalEndpointBindMem().unwrap()(imported.id(), 1, 0, plain.raw(), 0, 2 * MIB, 0)
+        d.sys().cuLogicalEndpointBindMem().unwrap()(
+            imported.id(),
+            1,
+            0,
+            plain.raw(),
+            0,
+            2 * MIB64,
+            0,
+        )
     };
     assert_eq!(rc, CUresult::CUDA_ERROR_INVALID_VALUE);
     let shareable = memory(d, 1, 2 << 20, HandleTypes::FABRIC);

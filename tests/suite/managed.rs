@@ -1255,3 +1255,24 @@ fn host_access_waits_for_queued_work_without_waking_idle_devices() {
         "device 1 was never used and gets no context"
     );
 }
+
+#[test]
+fn a_zero_length_copy_of_a_managed_buffer_is_a_no_op_with_its_offset_checked() {
+    let e = env();
+    let d = device0(&e);
+    let mut buf = ManagedBuffer::new(&d, 4096).unwrap();
+    buf.copy_from_host(0, &[7u8; 4096]).unwrap();
+    buf.copy_from_host(4096, &[]).unwrap();
+    buf.copy_to_host(17, &mut []).unwrap();
+    let mut back = vec![0u8; 4096];
+    buf.copy_to_host(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 7), "nothing was written");
+    assert!(is_invalid(
+        &buf.copy_from_host(4097, &[]).unwrap_err(),
+        "offset"
+    ));
+    assert!(is_invalid(
+        &buf.copy_to_host(4097, &mut []).unwrap_err(),
+        "offset"
+    ));
+}

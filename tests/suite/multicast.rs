@@ -528,6 +528,88 @@ fn export_and_import_in_one_process_give_the_same_object() {
 }
 
 #[test]
+fn a_device_of_another_driver_value_is_not_added_to_a_multicast_object() {
+    let e = sim(SimConfig::new(2, 13010));
+    let s = e.sim.as_ref().unwrap();
+    let other = Driver::from_simulator(s).unwrap();
+    let o = MulticastObject::new(&e.driver, &MulticastSpec::new(2, 2 * MIB)).unwrap();
+    o.add_device(&e.driver.device(0).unwrap()).unwrap();
+    let err = o.add_device(&other.device(1).unwrap()).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { arg: "device", ref reason }
+            if reason.contains("another Driver value")),
+        "{err}"
+    );
+    assert_eq!(s.calls("cuMulticastAddDevice"), 1);
+}
+
+#[test]
+fn an_allocations_handle_does_not_import_as_a_multicast_object() {
+    use std::os::fd::AsFd;
+    let e = sim(SimConfig::new(2, 13010));
+    let s = e.sim.as_ref().unwrap();
+    let d = &e.driver;
+    let a = PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(HandleTypes {
+            posix_fd: true,
+            fabric: true,
+        })
+        .create(2 * MIB)
+        .unwrap();
+    let (fd, fab) = (a.export_posix_fd().unwrap(), a.export_fabric().unwrap());
+    let spec = MulticastSpec::new(2, 2 * MIB).handle_types(HandleTypes {
+        posix_fd: true,
+        fabric: true,
+    });
+    let before = s.live_resources();
+    let by_fd = MulticastObject::import_posix_fd(d, fd.as_fd(), &spec).unwrap_err();
+    assert!(
+        matches!(by_fd, Error::InvalidArgument { arg: "fd", ref reason } if reason.contains("physical allocation")),
+        "{by_fd}"
+    );
+    let by_fabric = MulticastObject::import_fabric(d, fab.as_bytes(), &spec).unwrap_err();
+    assert!(
+        matches!(by_fabric, Error::InvalidArgument { arg: "bytes", ref reason } if reason.contains("physical allocation")),
+        "{by_fabric}"
+    );
+    assert_eq!(
+        s.live_resources(),
+        before,
+        "the imported handles were released"
+    );
+}
+
+#[test]
+fn a_multicast_objects_handle_does_not_import_as_an_allocation() {
+    use std::os::fd::AsFd;
+    let e = sim(SimConfig::new(2, 13010));
+    let s = e.sim.as_ref().unwrap();
+    let d = &e.driver;
+    let spec = MulticastSpec::new(2, 2 * MIB).handle_types(HandleTypes {
+        posix_fd: true,
+        fabric: true,
+    });
+    let o = MulticastObject::new(d, &spec).unwrap();
+    let (fd, fab) = (o.export_posix_fd().unwrap(), o.export_fabric().unwrap());
+    let before = s.live_resources();
+    let by_fd = PhysicalAllocation::import_posix_fd(d, fd.as_fd(), 2 * MIB).unwrap_err();
+    assert!(
+        matches!(by_fd, Error::InvalidArgument { arg: "fd", ref reason } if reason.contains("CUDA_ERROR_INVALID_VALUE")),
+        "{by_fd}"
+    );
+    let by_fabric = PhysicalAllocation::import_fabric(d, fab.as_bytes(), 2 * MIB).unwrap_err();
+    assert!(
+        matches!(by_fabric, Error::InvalidArgument { arg: "bytes", ref reason } if reason.contains("CUDA_ERROR_INVALID_VALUE")),
+        "{by_fabric}"
+    );
+    assert_eq!(
+        s.live_resources(),
+        before,
+        "the imported handles were released"
+    );
+}
+
+#[test]
 fn garbage_and_truncated_handles_are_rejected() {
     let e = sim(SimConfig::new(2, 13010));
     let d = &e.driver;

@@ -125,6 +125,23 @@ fn bad_teams_are_rejected_before_the_driver() {
 }
 
 #[test]
+fn devices_of_two_driver_values_are_refused_as_such_not_as_other_cliques() {
+    let e = sim(SimConfig::new(2, 13010));
+    let s = e.sim.as_ref().unwrap();
+    let other = cuda_multimem::Driver::from_simulator(s).unwrap();
+    let (a, b) = (e.driver.devices(), other.devices());
+    for members in [[a[0].clone(), b[1].clone()], [a[0].clone(), b[0].clone()]] {
+        let err = Team::new(&members, 2 * MIB).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { arg: "devices", ref reason }
+                if reason.contains("another Driver value")),
+            "{err}"
+        );
+    }
+    assert_eq!(s.calls("cuMulticastCreate"), 0);
+}
+
+#[test]
 fn a_machine_without_multicast_gets_a_clear_error() {
     let e = sim(SimConfig::new(2, 13010).with_all(|d| d.multicast = false));
     let err = Team::new(&e.driver.devices(), 2 * MIB).unwrap_err();
@@ -235,4 +252,26 @@ fn the_multicast_endpoint_and_team_types_can_move_between_threads() {
     .join()
     .unwrap();
     assert_eq!(leftovers(e.sim.as_ref().unwrap()), Default::default());
+}
+
+#[test]
+fn a_zero_length_store_or_load_is_a_no_op_with_its_offset_checked() {
+    let e = sim(SimConfig::new(2, 13010));
+    let t = Team::new(&e.driver.devices(), 2 * MIB).unwrap();
+    let data = random(4096, 3);
+    t.store(0, &data).unwrap();
+    t.store(t.size(), &[]).unwrap();
+    t.load(1, t.size(), &mut []).unwrap();
+    let mut back = vec![0u8; 4096];
+    t.load(1, 0, &mut back).unwrap();
+    assert!(back == data, "nothing was changed");
+    assert!(matches!(
+        t.store(t.size() + 1, &[]),
+        Err(Error::InvalidArgument { arg: "offset", .. })
+    ));
+    assert!(matches!(
+        t.load(0, t.size() + 1, &mut []),
+        Err(Error::InvalidArgument { arg: "offset", .. })
+    ));
+    assert!(t.load(2, 0, &mut []).is_err(), "no member 2");
 }

@@ -24,6 +24,85 @@ struct CtxInner {
     by_handle: HashMap<u64, i32>,
     /// (from device, to device) pairs with peer access enabled
     peers: HashSet<(i32, i32)>,
+    /// device -> the sticky error of its primary context (a kernel fault); cleared when the
+    /// context is destroyed (its last release)
+    sticky: HashMap<i32, CUresult>,
+}
+
+/// Statuses after which a real context is unusable ("sticky"): every later call in it returns
+/// the error again, until the process (or the primary context) starts over.
+pub(crate) fn is_sticky(code: CUresult) -> bool {
+    code == CUresult::CUDA_ERROR_ILLEGAL_ADDRESS || code == CUresult::CUDA_ERROR_LAUNCH_FAILED
+}
+
+/// Mark device `dev`'s context as dead with `code` (the first fault wins).
+pub(crate) fn poison(st: &State, dev: i32, code: CUresult) {
+    st.ext::<Contexts>()
+        .inner
+        .lock()
+        .sticky
+        .entry(dev)
+        .or_insert(code);
+}
+
+/// The sticky error of device `dev`'s context, if it faulted.
+pub(crate) fn sticky_error(st: &State, dev: i32) -> Option<CUresult> {
+    st.ext::<Contexts>().inner.lock().sticky.get(&dev).copied()
+}
+
+/// The sticky error of the calling thread's current context, if it faulted.
+pub(crate) fn current_sticky_error(st: &State) -> Option<CUresult> {
+    let h = CURRENT_CTX.with(|c| c.get());
+    if h == 0 {
+        return None;
+    }
+    let c = st.ext::<Contexts>();
+    let g = c.inner.lock();
+    let dev = g.by_handle.get(&h)?;
+    g.sticky.get(dev).copied()
+}
+
+/// Calls that a dead context does not refuse: those that need no context (device queries,
+/// choosing and releasing contexts, error names) and the teardown calls (destroy, release, free,
+/// unmap, unload, unbind), which the simulator lets through so that a program — and the
+/// simulator's live-resource accounting — can still clean up. Every other call made while the
+/// current context is dead returns its sticky error.
+pub(crate) fn ignores_sticky(name: &str) -> bool {
+    const CONTEXT_FREE: &[&str] = &[
+        "cuInit",
+        "cuDriverGetVersion",
+        "cuGetProcAddress",
+        "cuGetErrorName",
+        "cuGetErrorString",
+        "cuDeviceGet",
+        "cuDeviceGetCount",
+        "cuDeviceGetName",
+        "cuDeviceGetAttribute",
+        "cuDeviceTotalMem",
+        "cuDeviceGetUuid",
+        "cuDeviceCanAccessPeer",
+        "cuDevicePrimaryCtxRetain",
+        "cuDevicePrimaryCtxRelease",
+        "cuDevicePrimaryCtxGetState",
+        "cuCtxSetCurrent",
+        "cuCtxGetCurrent",
+        "cuCtxGetDevice",
+        // Scoped by their stream's context, not the current one: they check it themselves.
+        "cuStreamSynchronize",
+        "cuStreamQuery",
+    ];
+    CONTEXT_FREE.contains(&name)
+        || [
+            "Destroy",
+            "Release",
+            "Free",
+            "Unmap",
+            "Unload",
+            "Unbind",
+            "Unregister",
+        ]
+        .iter()
+        .any(|w| name.contains(w))
 }
 
 thread_local! {
@@ -199,6 +278,8 @@ sim_api! {
             let h = entry.0;
             g.by_handle.remove(&h);
             g.peers.retain(|&(a, b)| a != dev && b != dev);
+            // A new primary context starts healthy.
+            g.sticky.remove(&dev);
             st.live_add("primary contexts", -1);
         }
         Ok(())

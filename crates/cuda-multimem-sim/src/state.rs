@@ -165,6 +165,11 @@ pub(crate) fn enter(name: &'static str, body: impl FnOnce(&Arc<State>) -> SimRes
     if let Some(code) = st.inject(name) {
         return code;
     }
+    if !crate::device::ignores_sticky(name) {
+        if let Some(code) = crate::device::current_sticky_error(&st) {
+            return code;
+        }
+    }
     match catch_unwind(AssertUnwindSafe(|| body(&st))) {
         Ok(Ok(())) => CUresult::CUDA_SUCCESS,
         Ok(Err(code)) => code,

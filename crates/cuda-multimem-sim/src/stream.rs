@@ -94,6 +94,14 @@ impl Stream {
             };
             let r = catch_unwind(AssertUnwindSafe(|| op()))
                 .unwrap_or(Err(CUresult::CUDA_ERROR_UNKNOWN));
+            if let Err(e) = r {
+                if crate::device::is_sticky(e) {
+                    // A kernel fault kills the device's context, not only this stream.
+                    if let Some(st) = crate::state::current() {
+                        crate::device::poison(&st, self.device, e);
+                    }
+                }
+            }
             let mut q = self.q.lock();
             q.ops.pop_front();
             q.completed += 1;
@@ -440,10 +448,20 @@ sim_api! {
         Ok(())
     }
     cuStreamSynchronize @ 2000 as PFN_cuStreamSynchronize_v2000 => fn stream_synchronize(st, h: CUstream) {
-        stream(st, h)?.synchronize()
+        let s = stream(st, h)?;
+        let r = s.synchronize();
+        // A stream of a dead context reports the context's error, whichever context is current.
+        match crate::device::sticky_error(st, s.device) {
+            Some(code) => Err(code),
+            None => r,
+        }
     }
     cuStreamQuery @ 2000 as PFN_cuStreamQuery_v2000 => fn stream_query(st, h: CUstream) {
-        if stream(st, h)?.idle() { Ok(()) } else { Err(CUresult::CUDA_ERROR_NOT_READY) }
+        let s = stream(st, h)?;
+        if let Some(code) = crate::device::sticky_error(st, s.device) {
+            return Err(code);
+        }
+        if s.idle() { Ok(()) } else { Err(CUresult::CUDA_ERROR_NOT_READY) }
     }
     cuStreamWaitEvent @ 3020 as PFN_cuStreamWaitEvent_v3020 => fn stream_wait_event(st, h: CUstream, ev: CUevent, flags: c_uint) {
         let e = event(st, ev)?;
@@ -615,7 +633,10 @@ sim_api! {
         if !a.timing || !b.timing {
             return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
         }
-        let (ga, gb) = (a.m.lock().time, b.m.lock().time);
+        // One lock at a time: `start` and `end` may be the same event (parking_lot's mutex is
+        // not reentrant, and a tuple's temporaries live to the end of the statement).
+        let ga = a.m.lock().time;
+        let gb = b.m.lock().time;
         let (ta, tb) = (ga.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?, gb.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?);
         let d = if tb >= ta { (tb - ta).as_secs_f64() } else { -(ta - tb).as_secs_f64() };
         out(ms, (d * 1e3) as c_float)

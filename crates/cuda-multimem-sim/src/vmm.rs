@@ -603,6 +603,11 @@ sim_api! {
         Ok(())
     }
     cuMemGetAllocationPropertiesFromHandle @ 10020 as PFN_cuMemGetAllocationPropertiesFromHandle_v10020 => fn mem_get_allocation_properties_from_handle(st, prop: *mut CUmemAllocationProp, handle: CUmemGenericAllocationHandle) {
+        // A multicast object's handle is not an allocation's: refused (the safe layer's imports
+        // tell the two kinds of imported handle apart by this answer).
+        if is_kind(handle, Kind::Multicast) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
         let vmm = st.ext::<Vmm>();
         let t = vmm.t.lock();
         let (_, a) = t.alloc_of(handle)?;
@@ -719,13 +724,31 @@ sim_api! {
         if let Some(r) = crate::multicast::mem_unmap(st, ptr as usize, size) {
             return r;
         }
-        // Work queued on the devices may still touch the range: let it finish first, before
-        // taking the VMM lock (a queued operation may need it). A failed operation's status
-        // stays with its stream; it does not stop the unmap.
-        for dev in 0..st.device_count() as i32 {
+        // `cuMemUnmap` documents no synchronisation, and unmapping memory that work of an
+        // unrelated device never touches must not wait for that work (one thread per rank would
+        // stall on another rank's kernel). The simulator waits only for the devices that can
+        // reach the range — the device whose memory it is and every device granted access —
+        // because simulated device memory is host memory: unmapping it under a running kernel
+        // would crash the process instead of faulting a device. It waits before taking the VMM
+        // lock (a queued operation may need it); a failed operation's status stays with its
+        // stream and does not stop the unmap.
+        let vmm = st.ext::<Vmm>();
+        let reaching: std::collections::BTreeSet<i32> = {
+            let mut t = vmm.t.lock();
+            let (rs, starts) = t.tiling(ptr as usize, size)?;
+            let mut devs = std::collections::BTreeSet::new();
+            for s in &starts {
+                let m = &t.reservations[&rs].mappings[s];
+                if let Some(a) = t.allocs.get(&m.alloc).filter(|a| a.loc_type == LOC_DEVICE) {
+                    devs.insert(a.loc_id);
+                }
+                devs.extend(m.access.iter().filter(|(k, f)| k.0 == LOC_DEVICE && **f != PROT_NONE).map(|(k, _)| k.1));
+            }
+            devs
+        };
+        for dev in reaching {
             let _ = crate::stream::synchronize_device(st, dev);
         }
-        let vmm = st.ext::<Vmm>();
         let mut t = vmm.t.lock();
         let (rs, starts) = t.tiling(ptr as usize, size)?;
         reserve_fixed(ptr as usize, size)?;

@@ -32,6 +32,24 @@ impl Device {
         Device { driver, ordinal }
     }
 
+    /// Whether `other` comes from the same `Driver` value (a clone of it), not merely the same
+    /// ordinal. Two `Driver` values over one driver are different values: their devices must not
+    /// be mixed in one team or object.
+    pub(crate) fn same_driver(&self, other: &Device) -> bool {
+        self.driver.same_as(&other.driver)
+    }
+
+    /// The error for a member of another `Driver` value (`arg` names the argument).
+    pub(crate) fn other_driver_error(&self, arg: &'static str) -> crate::Error {
+        crate::Error::invalid(
+            arg,
+            format!(
+                "device {} comes from another Driver value; every member must come from the same Driver",
+                self.ordinal
+            ),
+        )
+    }
+
     /// The driver this device belongs to.
     pub fn driver(&self) -> &Driver {
         &self.driver

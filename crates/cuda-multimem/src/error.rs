@@ -165,7 +165,7 @@ impl Error {
 
 /// `size` bytes at `offset` must end within the `total` bytes of `what`: otherwise (overflow
 /// included) an [`Error::InvalidArgument`] on `size`, before any driver call.
-pub(crate) fn check_within(size: u64, offset: u64, total: u64, what: &str) -> Result<()> {
+pub(crate) fn check_within(size: usize, offset: usize, total: usize, what: &str) -> Result<()> {
     if offset.checked_add(size).is_none_or(|e| e > total) {
         return Err(Error::invalid(
             "size",
@@ -179,7 +179,12 @@ pub(crate) fn check_within(size: u64, offset: u64, total: u64, what: &str) -> Re
 /// otherwise an [`Error::InvalidArgument`] on `arg`, before any driver call.
 // `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #[allow(clippy::manual_is_multiple_of)]
-pub(crate) fn check_multiple(arg: &'static str, v: u64, unit: u64, unit_name: &str) -> Result<()> {
+pub(crate) fn check_multiple(
+    arg: &'static str,
+    v: usize,
+    unit: usize,
+    unit_name: &str,
+) -> Result<()> {
     if v % unit != 0 {
         return Err(Error::invalid(
             arg,
@@ -187,6 +192,26 @@ pub(crate) fn check_multiple(arg: &'static str, v: u64, unit: u64, unit_name: &s
         ));
     }
     Ok(())
+}
+
+// Sizes and offsets are `usize` in the public API and `u64` in some driver calls: widening is
+// lossless on every target this crate builds for.
+const _: () = assert!(usize::BITS <= u64::BITS);
+
+/// A size or offset as the driver's `u64` (lossless: see the assertion above).
+pub(crate) fn to_driver_u64(v: usize) -> u64 {
+    v as u64
+}
+
+/// A size the driver reported as `u64`, as `usize`: checked (an answer that does not fit this
+/// process's address space is an error naming the call, not a truncated value).
+pub(crate) fn from_driver_u64(call: &'static str, what: &str, v: u64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| {
+        Error::invalid(
+            "driver answer",
+            format!("{call} reported {what} = {v}, which does not fit a usize on this target"),
+        )
+    })
 }
 
 /// Turn a status into a result naming the call.

@@ -92,6 +92,11 @@ impl TeamBuilder {
                 "no devices; a team needs at least two",
             ));
         };
+        // First: a device of another Driver value would otherwise be blamed on peer access or
+        // cliques below (or not be seen as a duplicate).
+        if let Some(d) = rest.iter().find(|d| !first.same_driver(d)) {
+            return Err(d.other_driver_error("devices"));
+        }
         if rest.is_empty() {
             return Err(Error::invalid(
                 "devices",
@@ -183,8 +188,8 @@ impl TeamBuilder {
             .granularity(driver, Granularity::Minimum)?;
         let size = self
             .size
-            .next_multiple_of(limits.bind_alignment.max(alloc_g as u64) as usize);
-        let endpoint = LogicalEndpoint::create(driver, &EndpointSpec::multicast(n, size as u64))?;
+            .next_multiple_of(limits.bind_alignment.max(alloc_g));
+        let endpoint = LogicalEndpoint::create(driver, &EndpointSpec::multicast(n, size))?;
         for d in &self.devices {
             endpoint.add_device(d)?;
         }
@@ -192,13 +197,7 @@ impl TeamBuilder {
         let members = self.members(driver, size)?;
         let mut bindings = Vec::with_capacity(members.len());
         for m in &members {
-            bindings.push(endpoint.bind_mem(
-                &m.device,
-                0,
-                m.mapping.allocation(),
-                0,
-                size as u64,
-            )?);
+            bindings.push(endpoint.bind_mem(&m.device, 0, m.mapping.allocation(), 0, size)?);
         }
         Ok(Team {
             backing: Backing::Endpoint {
@@ -383,6 +382,7 @@ impl Team {
     /// Store `data` at `offset` through the multicast range, so it reaches every member's memory:
     /// a copy to the multicast address (multicast object), or a fabric copy to the endpoint
     /// (`cuFabricCpyBatchAsync`, driver 13.5+; older drivers answer [`Error::Unsupported`]).
+    /// A zero-length store is an Ok no-op (the offset is still checked).
     pub fn store(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.check_range(offset, data.len())?;
         if data.is_empty() {
@@ -419,7 +419,7 @@ impl Team {
                     ..Default::default()
                 };
                 dst.op.le.id = endpoint.id();
-                dst.op.le.offset = offset as u64;
+                dst.op.le.offset = crate::error::to_driver_u64(offset);
                 let mut op = CUDA_FABRIC_COPY_BATCH_OP {
                     src,
                     dst,
@@ -442,7 +442,8 @@ impl Team {
         }
     }
 
-    /// Read `out.len()` bytes at `offset` of member `member`'s own memory.
+    /// Read `out.len()` bytes at `offset` of member `member`'s own memory. A zero-length load is
+    /// an Ok no-op (member and offset are still checked).
     pub fn load(&self, member: usize, offset: usize, out: &mut [u8]) -> Result<()> {
         let m = self.member(member)?;
         self.check_range(offset, out.len())?;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cuda_multimem_sys::CUdeviceptr;
 
 use super::{EndpointKind, Inner, LogicalEndpoint};
-use crate::error::{cu, Error, Result};
+use crate::error::{cu, to_driver_u64, Error, Result};
 use crate::vmm::{Location, Mapping, PhysicalAllocation};
 use crate::Device;
 
@@ -24,8 +24,8 @@ pub enum EndpointMemory {
 pub struct EndpointBinding {
     endpoint: Arc<Inner>,
     device: i32,
-    offset: u64,
-    size: u64,
+    offset: usize,
+    size: usize,
     // Dropped after the unbind in `Drop::drop`.
     memory: EndpointMemory,
 }
@@ -46,11 +46,11 @@ impl EndpointBinding {
         self.device
     }
     /// Offset into the endpoint.
-    pub fn offset(&self) -> u64 {
+    pub fn offset(&self) -> usize {
         self.offset
     }
     /// Bytes bound.
-    pub fn size(&self) -> u64 {
+    pub fn size(&self) -> usize {
         self.size
     }
     /// The memory bound.
@@ -65,13 +65,18 @@ impl Drop for EndpointBinding {
         let _ = unsafe {
             cu!(
                 self.endpoint.range.driver,
-                cuLogicalEndpointUnbind(self.endpoint.id, self.device, self.offset, self.size)
+                cuLogicalEndpointUnbind(
+                    self.endpoint.id,
+                    self.device,
+                    to_driver_u64(self.offset),
+                    to_driver_u64(self.size)
+                )
             )
         };
     }
 }
 
-fn multiple(arg: &'static str, v: u64, align: u64) -> Result<()> {
+fn multiple(arg: &'static str, v: usize, align: usize) -> Result<()> {
     crate::error::check_multiple(arg, v, align, "endpoint's bind alignment")
 }
 
@@ -81,11 +86,11 @@ impl LogicalEndpoint {
     fn check_bind(
         &self,
         device: &Device,
-        offset: u64,
-        size: u64,
+        offset: usize,
+        size: usize,
         memory: Location,
-        memory_offset: u64,
-        memory_size: u64,
+        memory_offset: usize,
+        memory_size: usize,
     ) -> Result<()> {
         let d = device.ordinal();
         match self.inner.spec.kind {
@@ -145,10 +150,10 @@ impl LogicalEndpoint {
     pub fn bind_mem(
         &self,
         device: &Device,
-        offset: u64,
+        offset: usize,
         allocation: &Arc<PhysicalAllocation>,
-        allocation_offset: u64,
-        size: u64,
+        allocation_offset: usize,
+        size: usize,
     ) -> Result<EndpointBinding> {
         self.check_bind(
             device,
@@ -156,7 +161,7 @@ impl LogicalEndpoint {
             size,
             allocation.spec().location,
             allocation_offset,
-            allocation.size() as u64,
+            allocation.size(),
         )?;
         device.bind()?;
         // SAFETY: a live, ready endpoint and a live allocation handle (kept alive by the binding).
@@ -166,10 +171,10 @@ impl LogicalEndpoint {
                 cuLogicalEndpointBindMem(
                     self.inner.id,
                     device.ordinal(),
-                    offset,
+                    to_driver_u64(offset),
                     allocation.raw(),
-                    allocation_offset,
-                    size,
+                    to_driver_u64(allocation_offset),
+                    to_driver_u64(size),
                     0
                 )
             )
@@ -188,10 +193,10 @@ impl LogicalEndpoint {
     pub fn bind_addr(
         &self,
         device: &Device,
-        offset: u64,
+        offset: usize,
         mapping: &Arc<Mapping>,
     ) -> Result<EndpointBinding> {
-        let size = mapping.size() as u64;
+        let size = mapping.size();
         let ptr: CUdeviceptr = mapping.device_ptr();
         self.check_bind(
             device,
@@ -201,7 +206,16 @@ impl LogicalEndpoint {
             0,
             size,
         )?;
-        multiple("mapping address", ptr, self.inner.limits.bind_alignment)?;
+        let aligned = ptr % to_driver_u64(self.inner.limits.bind_alignment) == 0;
+        if !aligned {
+            return Err(Error::invalid(
+                "mapping address",
+                format!(
+                    "{ptr:#x} is not a multiple of the endpoint's bind alignment {}",
+                    self.inner.limits.bind_alignment
+                ),
+            ));
+        }
         device.bind()?;
         // SAFETY: a live, ready endpoint; the address range is mapped while the binding (which
         // holds the mapping) lives.
@@ -211,9 +225,9 @@ impl LogicalEndpoint {
                 cuLogicalEndpointBindAddr(
                     self.inner.id,
                     device.ordinal(),
-                    offset,
+                    to_driver_u64(offset),
                     ptr as *mut std::ffi::c_void,
-                    size,
+                    to_driver_u64(size),
                     0
                 )
             )

@@ -65,7 +65,7 @@ pub struct EndpointSpec {
     pub kind: EndpointKind,
     /// Bytes that can be bound per device; a multiple of the bind alignment, at most the maximum
     /// size ([`EndpointSpec::limits`]).
-    pub size: u64,
+    pub size: usize,
     /// `CU_LOGICAL_ENDPOINT_FLAG_COUNTED_OPS`: the endpoint will be used with counted operations.
     pub counted_ops: bool,
     /// Whether the endpoint may be exported as a fabric handle (chosen up front: the driver
@@ -77,14 +77,14 @@ pub struct EndpointSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EndpointLimits {
     /// Offsets, sizes and bound addresses are multiples of this.
-    pub bind_alignment: u64,
+    pub bind_alignment: usize,
     /// The largest endpoint size for this spec.
-    pub max_size: u64,
+    pub max_size: usize,
 }
 
 impl EndpointSpec {
     /// A unicast endpoint owned by `owner`, `size` bytes.
-    pub fn unicast(owner: &Device, size: u64) -> Self {
+    pub fn unicast(owner: &Device, size: usize) -> Self {
         EndpointSpec {
             kind: EndpointKind::Unicast {
                 owner: owner.ordinal(),
@@ -96,7 +96,7 @@ impl EndpointSpec {
     }
 
     /// A multicast endpoint for a team of `devices`, `size` bytes per device.
-    pub fn multicast(devices: u32, size: u64) -> Self {
+    pub fn multicast(devices: u32, size: usize) -> Self {
         EndpointSpec {
             kind: EndpointKind::Multicast { devices },
             size,
@@ -135,7 +135,7 @@ impl EndpointSpec {
                 p.__bindgen_anon_1.multicast.numDevices = devices;
             }
         }
-        p.size = self.size;
+        p.size = crate::error::to_driver_u64(self.size);
         p.ipcHandleTypes = if self.fabric_handle { FABRIC } else { 0 };
         p.flags = if self.counted_ops {
             CUlogicalEndpointFlag::CU_LOGICAL_ENDPOINT_FLAG_COUNTED_OPS.0
@@ -241,9 +241,10 @@ impl EndpointSpec {
                 cuLogicalEndpointGetLimits(&mut align, &mut max, &prop)
             )
         }?;
+        let call = "cuLogicalEndpointGetLimits";
         Ok(EndpointLimits {
-            bind_alignment: align,
-            max_size: max,
+            bind_alignment: crate::error::from_driver_u64(call, "the bind alignment", align)?,
+            max_size: crate::error::from_driver_u64(call, "the maximum size", max)?,
         })
     }
 
@@ -331,23 +332,46 @@ impl IdRange {
         self.len == 0
     }
 
-    /// Whether every endpoint of the range is constructed: one `cuLogicalEndpointQuery` over the
-    /// whole range, non-blocking. When it says yes, every endpoint of the range is marked ready.
+    /// Whether every endpoint of the range that still exists is constructed: non-blocking, one
+    /// `cuLogicalEndpointQuery` per run of consecutive live ids (one call while the whole batch
+    /// lives). Ids of endpoints already dropped are skipped: the driver would refuse a query that
+    /// covers a destroyed endpoint, and the range stays reserved for the endpoints that remain
+    /// (it is refcounted among them). When it says yes, every live endpoint of the range is marked
+    /// ready. A range whose endpoints were all dropped has nothing under construction: `true`.
     pub fn query(&self) -> Result<bool> {
-        let mut status = 0;
-        // SAFETY: one int written through a valid out-pointer.
-        unsafe {
-            cu!(
-                self.driver,
-                cuLogicalEndpointQuery(self.base, self.len, &mut status)
-            )
-        }?;
-        if status != 0 {
-            for e in self.endpoints.lock().iter().filter_map(Weak::upgrade) {
-                e.ready.store(true, Ordering::Release);
+        let live: Vec<Arc<Inner>> = self
+            .endpoints
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let mut ids: Vec<CUlogicalEndpointId> = live.iter().map(|e| e.id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut i = 0;
+        while i < ids.len() {
+            let start = ids[i];
+            let mut count = 1u32;
+            while i + (count as usize) < ids.len() && ids[i + count as usize] == start + count {
+                count += 1;
             }
+            let mut status = 0;
+            // SAFETY: one int written through a valid out-pointer; ids of live endpoints.
+            unsafe {
+                cu!(
+                    self.driver,
+                    cuLogicalEndpointQuery(start, count, &mut status)
+                )
+            }?;
+            if status == 0 {
+                return Ok(false);
+            }
+            i += count as usize;
         }
-        Ok(status != 0)
+        for e in &live {
+            e.ready.store(true, Ordering::Release);
+        }
+        Ok(true)
     }
 
     /// Poll [`IdRange::query`] until it says ready, or fail with [`Error::Timeout`].
@@ -627,6 +651,9 @@ impl LogicalEndpoint {
                 ),
             ));
         };
+        if !Arc::ptr_eq(&device.driver().inner, &self.driver().inner) {
+            return Err(device.other_driver_error("device"));
+        }
         let mut members = self.inner.members.lock();
         let d = device.ordinal();
         if members.contains(&d) {

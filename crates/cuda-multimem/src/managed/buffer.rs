@@ -237,9 +237,27 @@ impl ManagedBuffer {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) })
     }
 
-    /// Copy `src` into the buffer at `offset` (`cuMemcpyHtoD`; works on every device).
+    /// The part a copy of `len` bytes at `offset` touches: `None` for a zero-length copy, an Ok
+    /// no-op whose offset is still checked (at most the buffer's length).
+    fn copy_range(&self, offset: usize, len: usize) -> Result<Option<ManagedRange<'_>>> {
+        if len == 0 {
+            if offset > self.len {
+                return Err(Error::invalid(
+                    "offset",
+                    format!("{offset} is past the end of a {}-byte buffer", self.len),
+                ));
+            }
+            return Ok(None);
+        }
+        self.subrange(offset, len).map(Some)
+    }
+
+    /// Copy `src` into the buffer at `offset` (`cuMemcpyHtoD`; works on every device). A
+    /// zero-length copy is an Ok no-op (the offset is still checked).
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        let dst = self.subrange(offset, src.len())?;
+        let Some(dst) = self.copy_range(offset, src.len())? else {
+            return Ok(());
+        };
         self.device.bind()?;
         // SAFETY: `dst` lies inside this buffer; `src` is valid for `src.len()` bytes.
         unsafe {
@@ -250,9 +268,12 @@ impl ManagedBuffer {
         }
     }
 
-    /// Copy `dst.len()` bytes from the buffer at `offset` into `dst` (`cuMemcpyDtoH`).
+    /// Copy `dst.len()` bytes from the buffer at `offset` into `dst` (`cuMemcpyDtoH`). A
+    /// zero-length copy is an Ok no-op (the offset is still checked).
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let src = self.subrange(offset, dst.len())?;
+        let Some(src) = self.copy_range(offset, dst.len())? else {
+            return Ok(());
+        };
         self.device.bind()?;
         // SAFETY: `src` lies inside this buffer; `dst` is valid for `dst.len()` writable bytes.
         unsafe {

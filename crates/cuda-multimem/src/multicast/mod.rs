@@ -235,7 +235,7 @@ impl std::fmt::Debug for MulticastObject {
 }
 
 fn multiple(arg: &'static str, v: usize, g: usize) -> Result<()> {
-    crate::error::check_multiple(arg, v as u64, g as u64, "multicast granularity")
+    crate::error::check_multiple(arg, v, g, "multicast granularity")
 }
 
 impl MulticastObject {
@@ -321,6 +321,9 @@ impl MulticastObject {
     /// added already, a full team, an object that memory was bound to, a device without multicast,
     /// or a device outside the first member's NVLink clique.
     pub fn add_device(&self, device: &Device) -> Result<()> {
+        if !Arc::ptr_eq(&device.driver().inner, &self.inner.driver.inner) {
+            return Err(device.other_driver_error("device"));
+        }
         let mut st = self.inner.state.lock();
         let d = device.ordinal();
         if st.added.contains(&d) {
@@ -398,12 +401,7 @@ impl MulticastObject {
         let g = self.inner.granularity;
         multiple("offset", offset, g)?;
         multiple("size", size, g)?;
-        crate::error::check_within(
-            size as u64,
-            offset as u64,
-            self.inner.spec.size as u64,
-            "multicast object",
-        )
+        crate::error::check_within(size, offset, self.inner.spec.size, "multicast object")
     }
 
     fn check_bind(
@@ -438,12 +436,7 @@ impl MulticastObject {
         }
         drop(st);
         multiple("memory offset", memory_offset, self.inner.granularity)?;
-        crate::error::check_within(
-            size as u64,
-            memory_offset as u64,
-            memory.size() as u64,
-            "memory",
-        )?;
+        crate::error::check_within(size, memory_offset, memory.size(), "memory")?;
         match memory.spec().location {
             Location::Device(m) if m == d => {}
             Location::HostNuma(n)
@@ -590,12 +583,7 @@ impl MulticastObject {
         )?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         multiple("reservation address", ptr as usize, self.inner.granularity)?;
-        crate::error::check_within(
-            size as u64,
-            reservation_offset as u64,
-            reservation.size() as u64,
-            "reservation",
-        )?;
+        crate::error::check_within(size, reservation_offset, reservation.size(), "reservation")?;
         if access.is_empty() {
             return Err(Error::invalid(
                 "access",
@@ -716,7 +704,7 @@ impl MulticastObject {
     ) -> Result<MulticastObject> {
         let g = MulticastObject::check_import(driver, spec)?;
         let h = crate::vmm::share::import_posix_fd(driver, fd)?;
-        Ok(MulticastObject::adopt(driver, h, *spec, g, true))
+        MulticastObject::adopt_imported(driver, h, *spec, g, "fd")
     }
 
     /// Import an object exported as a fabric handle: `bytes` must be exactly 64 (checked before
@@ -729,7 +717,44 @@ impl MulticastObject {
         let handle = FabricHandle::from_bytes(bytes)?;
         let g = MulticastObject::check_import(driver, spec)?;
         let h = crate::vmm::share::import_fabric(driver, &handle)?;
-        Ok(MulticastObject::adopt(driver, h, *spec, g, true))
+        MulticastObject::adopt_imported(driver, h, *spec, g, "bytes")
+    }
+
+    /// Own an imported handle, after making sure it is a multicast object's. Allocations and
+    /// multicast objects share the shareable-handle calls, so the import itself cannot tell them
+    /// apart: a physical allocation's fd or fabric handle imports fine and would even map like
+    /// a multicast object. The driver describes an allocation's handle
+    /// (`cuMemGetAllocationPropertiesFromHandle`) and refuses a multicast object's
+    /// (`CUDA_ERROR_INVALID_VALUE`, or `INVALID_HANDLE`); any other answer is an error.
+    fn adopt_imported(
+        driver: &Driver,
+        h: CUmemGenericAllocationHandle,
+        spec: MulticastSpec,
+        granularity: usize,
+        arg: &'static str,
+    ) -> Result<MulticastObject> {
+        // Owned from here: released on any error below.
+        let object = MulticastObject::adopt(driver, h, spec, granularity, true);
+        let mut prop = cuda_multimem_sys::CUmemAllocationProp::default();
+        // SAFETY: valid out-pointer and a live handle.
+        match unsafe { cu!(driver, cuMemGetAllocationPropertiesFromHandle(&mut prop, h)) } {
+            Ok(()) => Err(Error::invalid(
+                arg,
+                format!(
+                    "the imported handle is a physical allocation's ({:?}), not a multicast \
+                     object's; import it with PhysicalAllocation::import_posix_fd or \
+                     import_fabric",
+                    Location::from_raw(&prop.location)
+                ),
+            )),
+            Err(Error::Driver { code, .. })
+                if code == cuda_multimem_sys::CUresult::CUDA_ERROR_INVALID_VALUE
+                    || code == cuda_multimem_sys::CUresult::CUDA_ERROR_INVALID_HANDLE =>
+            {
+                Ok(object)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether this object was imported.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cuda_multimem_sys::{
     CUmemAllocationGranularity_flags as G, CUmemAllocationHandleType as HT, CUmemAllocationProp,
-    CUmemAllocationType, CUmemGenericAllocationHandle,
+    CUmemAllocationType, CUmemGenericAllocationHandle, CUresult,
 };
 
 use super::{ensure_context, Location};
@@ -393,7 +393,25 @@ impl PhysicalAllocation {
         };
         let mut prop = CUmemAllocationProp::default();
         // SAFETY: valid out-pointer and a live handle.
-        unsafe { cu!(driver, cuMemGetAllocationPropertiesFromHandle(&mut prop, h)) }?;
+        match unsafe { cu!(driver, cuMemGetAllocationPropertiesFromHandle(&mut prop, h)) } {
+            Ok(()) => {}
+            // Allocations and multicast objects share the shareable-handle calls; the driver
+            // describes only an allocation's handle.
+            Err(Error::Driver { call, code })
+                if code == CUresult::CUDA_ERROR_INVALID_VALUE
+                    || code == CUresult::CUDA_ERROR_INVALID_HANDLE =>
+            {
+                return Err(Error::invalid(
+                    if via.fabric { "bytes" } else { "fd" },
+                    format!(
+                        "the imported handle is not a physical allocation's ({call}: {code}); \
+                         a multicast object's handle is imported with \
+                         MulticastObject::import_posix_fd or import_fabric"
+                    ),
+                ));
+            }
+            Err(e) => return Err(e),
+        }
         a.spec = AllocationSpec {
             location: Location::from_raw(&prop.location).ok_or_else(|| {
                 Error::invalid("handle", "the imported allocation has an unknown location")
@@ -427,13 +445,16 @@ impl PhysicalAllocation {
         let a = Arc::new(a);
         // Mapping all of `size` fails when the allocation is smaller.
         let r = super::Reservation::new(driver, size)?;
-        super::Mapping::new(&r, 0, &a, 0, size).map_err(|e| match e {
+        let m = super::Mapping::new(&r, 0, &a, 0, size).map_err(|e| match e {
             Error::Driver { .. } => Error::invalid(
                 "size",
                 format!("{size} bytes does not fit the imported allocation ({e})"),
             ),
             e => e,
         })?;
+        // The check's mapping goes now; a failed unmap is the caller's error too (the mapping,
+        // reservation and handle are released on the way out, as far as the driver lets them).
+        m.unmap()?;
         Ok(a)
     }
 }

@@ -38,6 +38,8 @@ pub struct Mapping {
     ptr: CUdeviceptr,
     size: usize,
     offset: usize,
+    /// Unmapped already by [`Mapping::unmap`] (then `Drop` has nothing to do).
+    unmapped: bool,
     // Dropped after the unmap in `Drop::drop` (fields drop after the body).
     allocation: Arc<PhysicalAllocation>,
     reservation: Arc<Reservation>,
@@ -76,20 +78,10 @@ impl Mapping {
             ("reservation_offset", reservation_offset),
             ("allocation_offset", allocation_offset),
         ] {
-            crate::error::check_multiple(arg, v as u64, g as u64, "allocation granularity")?;
+            crate::error::check_multiple(arg, v, g, "allocation granularity")?;
         }
-        crate::error::check_within(
-            size as u64,
-            reservation_offset as u64,
-            reservation.size() as u64,
-            "reservation",
-        )?;
-        crate::error::check_within(
-            size as u64,
-            allocation_offset as u64,
-            allocation.size() as u64,
-            "allocation",
-        )?;
+        crate::error::check_within(size, reservation_offset, reservation.size(), "reservation")?;
+        crate::error::check_within(size, allocation_offset, allocation.size(), "allocation")?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         // SAFETY: the range lies in a live reservation and the allocation handle is live; both
         // are kept alive by the Arcs stored below. Flags must be 0.
@@ -103,6 +95,7 @@ impl Mapping {
             ptr,
             size,
             offset: allocation_offset,
+            unmapped: false,
             allocation: allocation.clone(),
             reservation: reservation.clone(),
         })
@@ -193,17 +186,11 @@ impl Mapping {
     ) -> Result<()> {
         crate::error::check_multiple(
             "offset_bytes",
-            offset_bytes as u64,
-            std::mem::align_of::<T>() as u64,
+            offset_bytes,
+            std::mem::align_of::<T>(),
             "alignment of the element type",
         )?;
-        crate::error::check_within(
-            bytes as u64,
-            offset_bytes as u64,
-            self.size as u64,
-            "mapping",
-        )
-        .map_err(|e| match e {
+        crate::error::check_within(bytes, offset_bytes, self.size, "mapping").map_err(|e| match e {
             Error::InvalidArgument { reason, .. } => Error::invalid(arg, reason),
             e => e,
         })
@@ -232,6 +219,16 @@ impl Mapping {
                 self.ptr
             ),
         ))
+    }
+
+    /// Unmap now (`cuMemUnmap`) and say whether it worked — what `drop` does, without losing
+    /// the error. On failure the error is returned and the drop that follows tries the unmap
+    /// once more before the allocation and reservation are released.
+    pub fn unmap(mut self) -> Result<()> {
+        // SAFETY: we mapped exactly this range and nothing was unmapped yet.
+        let r = unsafe { cu!(self.allocation.driver(), cuMemUnmap(self.ptr, self.size)) };
+        self.unmapped = r.is_ok();
+        r
     }
 
     /// The mapped address.
@@ -302,6 +299,9 @@ pub(crate) fn set_access_range(
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        if self.unmapped {
+            return;
+        }
         // SAFETY: we mapped exactly this range; after this the Arcs (allocation, reservation)
         // are dropped, in that order, with nothing mapped any more.
         let _ = unsafe { cu!(self.allocation.driver(), cuMemUnmap(self.ptr, self.size)) };

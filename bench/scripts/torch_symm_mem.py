@@ -102,6 +102,8 @@ class Barrier:
             if all(self.arr[q] >= e for q in range(self.n)):
                 return
             spins += 1
+            if spins > 20000:
+                os.sched_yield()
             if spins % 4096 == 0:
                 if self.arr[self.n] != 0:
                     raise SystemExit(f"torch_symm_mem.py rank {self.rank}: a peer failed; stopping at barrier {what}")

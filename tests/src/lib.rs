@@ -35,6 +35,7 @@ pub fn env() -> Env {
     };
     match options {
         Some(o) => {
+            cuda_multimem_collectives::sim::install();
             let sim = Simulator::start(SimConfig::parse(&o).expect("valid simulator options"))
                 .expect("simulator starts");
             let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
@@ -52,6 +53,7 @@ pub fn env() -> Env {
 
 /// A simulated machine started for one test, whatever `CUDA_MULTIMEM_DRIVER` says.
 pub fn sim(config: SimConfig) -> Env {
+    cuda_multimem_collectives::sim::install();
     let sim = Simulator::start(config).expect("simulator starts");
     let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
     Env {

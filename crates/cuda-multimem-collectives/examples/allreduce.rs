@@ -54,6 +54,9 @@ fn main() -> ExitCode {
 
 fn run() -> Res<bool> {
     let (driver, what) = pick_driver()?;
+    if driver.is_simulated() {
+        cuda_multimem_collectives::sim::install();
+    }
     println!("running on {what}");
     let devices = &driver.devices()[..2];
     let multicast_allowed = std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0")

@@ -182,6 +182,12 @@ fn main() -> ExitCode {
 fn run() -> Res<bool> {
     let args = parse()?;
     let driver = Driver::from_env()?;
+    // On the simulator (CUDA_MULTIMEM_DRIVER=sim) the kernels need their host equivalents,
+    // which the feature `sim` provides; without it the first launch fails, naming the entry.
+    #[cfg(feature = "sim")]
+    if driver.is_simulated() {
+        cuda_multimem_collectives::sim::install();
+    }
     let devices = driver.devices();
     if devices.len() < args.ranks {
         return Err(format!("{} ranks asked, {} devices", args.ranks, devices.len()).into());

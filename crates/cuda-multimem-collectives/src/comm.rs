@@ -533,10 +533,6 @@ pub(crate) fn fewest_multiprocessors(devices: &[Device]) -> Result<u32> {
 type Functions = HashMap<(Kernel, DType, Op), Raw<CUfunction>>;
 
 fn load_kernels(d: &Device) -> Result<(Vec<Module>, Functions)> {
-    #[cfg(feature = "sim")]
-    if d.driver().is_simulated() {
-        crate::sim::register();
-    }
     let mut modules = Vec::new();
     let mut functions = HashMap::new();
     for k in Kernel::ALL {

@@ -11,6 +11,7 @@
 //! # #[cfg(feature = "sim")] {
 //! use cuda_multimem::{Driver, Stream};
 //! use cuda_multimem_collectives::{Communicator, DType, Op};
+//! cuda_multimem_collectives::sim::install(); // the kernels' equivalents, for the simulator
 //! let driver = Driver::simulated(cuda_multimem_sim::SimConfig::new(2, 13000))?;
 //! let devices = driver.devices();
 //! let comm = Communicator::new(&devices)?;
@@ -42,7 +43,7 @@ pub mod half;
 pub mod kernels;
 pub mod multimem;
 #[cfg(feature = "sim")]
-mod sim;
+pub mod sim;
 
 #[cfg(feature = "mpi")]
 pub use bootstrap::MpiBootstrap;

@@ -78,10 +78,6 @@ impl MultimemAllReduce {
             .size(mm::MM_DATA + 2 * capacity)
             .backend(Backend::MulticastObject)
             .build()?;
-        #[cfg(feature = "sim")]
-        if devices[0].driver().is_simulated() {
-            crate::sim::register_multimem();
-        }
         let mut ranks = Vec::new();
         for d in devices {
             let m = Module::load(d, mm::PTX)?;

@@ -1,9 +1,14 @@
-//! Host-side equivalents of the PTX kernels, registered with the simulated driver. They follow
-//! the kernels' protocol step by step — the same work split per block and per rank, the same
-//! barrier (release stores to peers' signal slots, acquire loads of one's own, a timeout that
-//! sets the error word), the same counters and header parity — so a protocol bug shows on the
-//! simulator. The simulator runs one stream worker per device: the blocks of one launch run one
-//! after the other on that thread, and every device's thread runs concurrently.
+//! Host-side equivalents of the PTX kernels, for the simulated driver (`cuda-multimem-sim`):
+//! [`install`] registers them. They follow the kernels' protocol step by step — the same work
+//! split per block and per rank, the same barrier (release stores to peers' signal slots,
+//! acquire loads of one's own, a timeout that sets the error word), the same counters and header
+//! parity — so a protocol bug shows on the simulator. The simulator runs one stream worker per
+//! device: the blocks of one launch run one after the other on that thread, and every device's
+//! thread runs concurrently.
+//!
+//! Nothing registers them behind the caller's back: a program (or test harness) that runs the
+//! collectives on a simulated driver calls [`install`] once, before its first launch. A launch
+//! of an entry without a registered equivalent fails, and the simulator names the entry.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Once;
@@ -15,14 +20,27 @@ use crate::half::{decode, encode};
 use crate::kernels::*;
 use crate::{DType, Op};
 
-/// Register every kernel's equivalent (once per process).
-pub(crate) fn register() {
+/// Register the host-side equivalent of every kernel of this crate — the peer-to-peer families
+/// and the multimem ones — with the simulated driver, under the PTX entry names. Process-wide
+/// and idempotent: later calls do nothing. Call it before launching the collectives on a
+/// simulated driver; on a real driver it is never consulted.
+pub fn install() {
+    use crate::kernels::multimem::{supported, MmKernel};
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         for k in Kernel::ALL {
             for d in DType::ALL {
                 for o in Op::ALL {
                     register_kernel(&k.entry(d, o), move |a| run(k, d, o, a));
+                }
+            }
+        }
+        for k in MmKernel::ALL {
+            for d in DType::ALL {
+                for o in Op::ALL {
+                    if supported(d, o) {
+                        register_kernel(&k.entry(d, o), move |a| run_mm(k, d, o, a));
+                    }
                 }
             }
         }
@@ -497,26 +515,9 @@ fn run_ll(
     Ok(())
 }
 
-/// The multimem kernels' equivalents: `ld_reduce` reads every bound member's copy (lowest
-/// device first, as the simulator's multicast object orders them), `multimem.st` writes every
-/// copy, the barrier adds 1 to every member's arrival word with `Release` and spins `Acquire`
-/// on its own.
-pub(crate) fn register_multimem() {
-    use crate::kernels::multimem::{supported, MmKernel};
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        for k in MmKernel::ALL {
-            for d in DType::ALL {
-                for o in Op::ALL {
-                    if supported(d, o) {
-                        register_kernel(&k.entry(d, o), move |a| run_mm(k, d, o, a));
-                    }
-                }
-            }
-        }
-    });
-}
-
+/// The multimem kernels' equivalent: `ld_reduce` reads every bound member's copy, `multimem.st`
+/// writes every copy, the barrier adds 1 to every member's arrival word with `Release` and spins
+/// `Acquire` on its own.
 fn run_mm(
     k: crate::kernels::multimem::MmKernel,
     d: DType,

@@ -1,5 +1,5 @@
 //! The workspace suite: one test binary (small to carry to a GPU machine) whose modules follow
-//! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce.
+//! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce, multimem.
 
 mod allreduce;
 mod device;
@@ -7,5 +7,6 @@ mod endpoint;
 mod loader;
 mod managed;
 mod multicast;
+mod multimem;
 mod team;
 mod vmm;

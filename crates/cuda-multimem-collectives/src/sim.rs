@@ -553,6 +553,11 @@ fn run_mm(
     // compare every member's slot in my memory with mine after arriving (as the PTX)
     let barrier = |b: usize, val: u32, parity: Option<u32>| -> Result<(), KernelError> {
         a.jitter();
+        // arrive only while my error word is clear (as the PTX): after a failed barrier my
+        // arrivals would complete a slower member's barrier without the member that never came
+        if err.load(Ordering::Relaxed) != 0 {
+            return Ok(());
+        }
         let hdr = |p: u32, s: usize| MM_OFF_HDR + 8 * ((p as usize * MAX_BLOCKS + b) * 8 + s);
         if let Some(p) = parity {
             for &m in &peers {
@@ -661,11 +666,12 @@ fn run_mm(
         }
         barrier(b as usize, c.wrapping_add(2), None)?;
         // counters in step, and the absent blocks' arrival words too (additive: this rank's
-        // two arrivals on every member)
+        // two arrivals on every member; none once my error word is set, as at the barriers)
+        let failed = err.load(Ordering::Relaxed) != 0;
         let mut j = b as usize;
         while j < MAX_BLOCKS {
             u32_at(uc + MM_OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
-            if j != b as usize {
+            if j != b as usize && !failed {
                 for t in targets(mc + MM_OFF_SIG + 4 * j, 4)? {
                     u32_at(t).fetch_add(2, Ordering::Relaxed);
                 }

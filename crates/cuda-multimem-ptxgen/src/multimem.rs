@@ -39,7 +39,9 @@ fn mm_store(f: &Flavor, addr: &str) -> String {
     format!("\tmultimem.st.relaxed.sys.global.v4.{ty} [{addr}], {{%r30, %r31, %r32, %r33}};\n")
 }
 
-/// The barrier of block b at `val`; with `check_header`, thread 0 first stores the call header
+/// The barrier of block b at `val`. Thread 0 arrives (adds 1 on every member) only while this
+/// rank's error word is clear: a rank whose barrier failed must not complete anyone's later
+/// barrier (docs/design/allreduce.md). With `check_header`, thread 0 first stores the call header
 /// (%rd7) into slot `[parity %r8][b][rank]` of every member through the unicast addresses, and
 /// after arriving compares every member's slot of its own memory with its own header.
 fn barrier(label: &str, val: &str, check_header: bool) -> String {
@@ -99,6 +101,11 @@ $L_{label}_cend:
 	bar.sync 0;
 	setp.ne.u32 %p10, %r1, 0;
 	@%p10 bra $L_{label}_done;
+	// arrive only while my error word is clear: after a failed barrier my arrivals would
+	// complete a slower member's barrier without the member that never came
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{err}];
+	setp.ne.u32 %p12, %r44, 0;
+	@%p12 bra $L_{label}_done;
 {hdr_store}	mul.wide.u32 %rd40, %r2, 4;
 	add.u64 %rd41, %rd2, %rd40;
 	add.u64 %rd42, %rd1, %rd40;
@@ -256,10 +263,14 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
 
 /// Counters c + 2 into slots b + i*G (as the peer-to-peer epilogue), and for the slots of
 /// blocks that did not run (j != b) this rank's two arrivals, added to every member's arrival
-/// word: additive words stay in step with the counters whatever the grid.
+/// word: additive words stay in step with the counters whatever the grid. Like the barriers, it
+/// adds nothing once this rank's error word is set.
 fn epilogue() -> String {
     format!(
-        r#"	// ---- counters and absent blocks' arrivals
+        r#"	// ---- counters and absent blocks' arrivals (only while my error word is clear, as at
+	// the barriers)
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{err}];
+	setp.ne.u32 %p4, %r44, 0;
 	add.u32 %r9, %r7, 2;
 	mad.lo.u32 %r10, %r1, %r4, %r2;
 	mul.lo.u32 %r11, %r3, %r4;
@@ -269,7 +280,7 @@ $L_ctr_loop:
 	mul.wide.u32 %rd9, %r10, 4;
 	add.u64 %rd10, %rd1, %rd9;
 	st.global.u32 [%rd10+{ctr}], %r9;
-	setp.eq.u32 %p3, %r10, %r2;
+	setp.eq.or.u32 %p3, %r10, %r2, %p4;
 	@%p3 bra $L_ctr_next;
 	add.u64 %rd10, %rd2, %rd9;
 	multimem.red.relaxed.sys.global.add.u32 [%rd10+{sig}], 2;
@@ -283,6 +294,7 @@ $L_exit:
         mb = MAX_BLOCKS,
         ctr = MM_OFF_CTR,
         sig = MM_OFF_SIG,
+        err = MM_OFF_ERR,
     )
 }
 

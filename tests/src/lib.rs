@@ -154,3 +154,28 @@ pub fn fail_each_call<T, E: std::fmt::Display>(
     }
     unreachable!("the rounds end with a clean one")
 }
+
+/// Where a sum of `n` ranks' elements of `dtype` reduced in some order other than rank order
+/// (`got`, raw little-endian) is further from the rank-order reference `want` than reordering
+/// allows for inputs in [-1, 1) scaled by at most 2^11: the f32 accumulation's rounding (n²
+/// ulps of the largest partial sum) plus one rounding step of the stored type. `None` when every
+/// element is within it.
+pub fn first_beyond_sum_tolerance(
+    dtype: cuda_multimem_collectives::DType,
+    n: usize,
+    got: &[u8],
+    want: &[u8],
+) -> Option<String> {
+    use cuda_multimem_collectives::{half, DType};
+    let ulp_of_type = match dtype {
+        DType::F32 => f32::EPSILON,
+        DType::F16 => 1.0 / 1024.0,
+        DType::Bf16 => 1.0 / 128.0,
+    };
+    (0..want.len() / dtype.size()).find_map(|i| {
+        let (g, w) = (half::load(dtype, got, i), half::load(dtype, want, i));
+        let tol = n as f32 * n as f32 * f32::EPSILON * 2048.0 + w.abs() * ulp_of_type;
+        (g.is_nan() != w.is_nan() || (g - w).abs() > tol)
+            .then(|| format!("element {i}: got {g} want {w} (tolerance {tol})"))
+    })
+}

@@ -515,8 +515,9 @@ fn run_ll(
     Ok(())
 }
 
-/// The multimem kernels' equivalent: `ld_reduce` reads every bound member's copy, `multimem.st`
-/// writes every copy, the barrier adds 1 to every member's arrival word with `Release` and spins
+/// The multimem kernels' equivalent: `ld_reduce` reads every bound member's copy and reduces
+/// them in an order that is neither rank nor device order ([`switch_order`]; the scalar tails
+/// go through unicast loads in rank order, as in the PTX), `multimem.st` writes every copy, the barrier adds 1 to every member's arrival word with `Release` and spins
 /// `Acquire` on its own.
 fn run_mm(
     k: crate::kernels::multimem::MmKernel,
@@ -631,10 +632,17 @@ fn run_mm(
                 }
                 MmKernel::TwoShot => targets(mc + out_off + off, len)?,
             };
+            // the switch reduces the members' copies in an order of its own: never rank (or
+            // device) order here, a different one per call, 16-byte unit and reducing rank, so
+            // code that assumes rank-order sums on this path fails on the simulator
+            let mut order: Vec<usize> = (0..srcs.len()).collect();
             for i in 0..(e1 - e0) {
-                let mut acc = ld(d, srcs[0], i);
-                for s in &srcs[1..] {
-                    acc = op.apply(acc, ld(d, *s, i));
+                if i % v == 0 {
+                    switch_order(&mut order, c, lo + i / v, rank);
+                }
+                let mut acc = ld(d, srcs[order[0]], i);
+                for &s in &order[1..] {
+                    acc = op.apply(acc, ld(d, srcs[s], i));
                 }
                 for t in &dsts {
                     st(d, *t, i, acc);
@@ -680,4 +688,32 @@ fn run_mm(
         }
     }
     Ok(())
+}
+
+/// The order in which the simulated switch reduces the members' copies of one 16-byte unit
+/// (`multimem.ld_reduce`): a rotation or a reversal of the members, never the identity (for two
+/// or more members), drawn deterministically from the block's call counter `c`, the unit and the
+/// reducing rank. Real NVSwitch hardware promises no order at all.
+fn switch_order(order: &mut [usize], c: u32, unit: u64, rank: usize) {
+    let n = order.len();
+    let mut z = (c as u64) ^ unit.rotate_left(21) ^ ((rank as u64) << 56);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    if n < 2 {
+        return;
+    }
+    if z & 1 == 0 {
+        // forward from member k != 0
+        let k = 1 + (z >> 1) as usize % (n - 1);
+        for (i, o) in order.iter_mut().enumerate() {
+            *o = (k + i) % n;
+        }
+    } else {
+        // backward from any member
+        let k = (z >> 1) as usize % n;
+        for (i, o) in order.iter_mut().enumerate() {
+            *o = (k + n - i) % n;
+        }
+    }
 }

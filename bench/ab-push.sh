@@ -2,6 +2,8 @@
 # A/B of the write-only two-shot on the GPU machine (bundle/ carried): the committed kernels
 # against the PTX in bundle/oldptx (loaded through CUDA_MULTIMEM_PTX_DIR), interleaved, same
 # process settings; 16 MiB .. 1 GiB, bf16 sum in place, checked up to 64 MiB. Logs under $OUT.
+# CUDA_MULTIMEM_PTX_DIR is read only by binaries built with cuda-multimem-collectives' feature
+# `ptx-override`: `cargo xtask bundle` builds the examples and benchmarks with it.
 set -u
 out=${OUT:-hw-logs}; mkdir -p "$out"
 b=bundle/bin/bench-allreduce

@@ -35,6 +35,7 @@ pub fn env() -> Env {
     };
     match options {
         Some(o) => {
+            cuda_multimem_collectives::sim::install();
             let sim = Simulator::start(SimConfig::parse(&o).expect("valid simulator options"))
                 .expect("simulator starts");
             let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
@@ -52,6 +53,7 @@ pub fn env() -> Env {
 
 /// A simulated machine started for one test, whatever `CUDA_MULTIMEM_DRIVER` says.
 pub fn sim(config: SimConfig) -> Env {
+    cuda_multimem_collectives::sim::install();
     let sim = Simulator::start(config).expect("simulator starts");
     let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
     Env {
@@ -151,4 +153,29 @@ pub fn fail_each_call<T, E: std::fmt::Display>(
         }
     }
     unreachable!("the rounds end with a clean one")
+}
+
+/// Where a sum of `n` ranks' elements of `dtype` reduced in some order other than rank order
+/// (`got`, raw little-endian) is further from the rank-order reference `want` than reordering
+/// allows for inputs in [-1, 1) scaled by at most 2^11: the f32 accumulation's rounding (n²
+/// ulps of the largest partial sum) plus one rounding step of the stored type. `None` when every
+/// element is within it.
+pub fn first_beyond_sum_tolerance(
+    dtype: cuda_multimem_collectives::DType,
+    n: usize,
+    got: &[u8],
+    want: &[u8],
+) -> Option<String> {
+    use cuda_multimem_collectives::DType;
+    let ulp_of_type = match dtype {
+        DType::F32 => f32::EPSILON,
+        DType::F16 => 1.0 / 1024.0,
+        DType::Bf16 => 1.0 / 128.0,
+    };
+    (0..want.len() / dtype.size()).find_map(|i| {
+        let (g, w) = (dtype.load(got, i), dtype.load(want, i));
+        let tol = n as f32 * n as f32 * f32::EPSILON * 2048.0 + w.abs() * ulp_of_type;
+        (g.is_nan() != w.is_nan() || (g - w).abs() > tol)
+            .then(|| format!("element {i}: got {g} want {w} (tolerance {tol})"))
+    })
 }

@@ -126,7 +126,89 @@ pub fn parse_typedefs(text: &str) -> Vec<Pfn> {
     out
 }
 
+/// What to tell a person whose machine has no libclang.
+const NO_LIBCLANG: &str = "bindgen needs libclang and none was found: install it (`apt-get install libclang-dev`), or set LIBCLANG_PATH to the folder that holds libclang.so";
+
+/// Whether `name` is a libclang shared library (`libclang.so`, `libclang-18.so.1`, ...).
+fn is_libclang(name: &str) -> bool {
+    name.starts_with("libclang")
+        && name.contains(".so")
+        && !name.starts_with("libclang_rt")
+        && !name.starts_with("libclang-cpp")
+}
+
+fn dir_has_libclang(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten()
+            .any(|e| is_libclang(&e.file_name().to_string_lossy()))
+    })
+}
+
+/// Look for libclang where bindgen (through clang-sys) looks: `LIBCLANG_PATH`, the dynamic
+/// linker's cache (`ldconfig -p`), `llvm-config --libdir`, and the distributions' LLVM folders.
+/// Ordinary builds never need it; only `cargo xtask bindgen` does.
+fn find_libclang() -> Result<()> {
+    if let Some(p) = std::env::var_os("LIBCLANG_PATH") {
+        let p = PathBuf::from(p);
+        if p.is_file() || dir_has_libclang(&p) {
+            return Ok(());
+        }
+        return Err(format!(
+            "LIBCLANG_PATH={} holds no libclang.so; {NO_LIBCLANG}",
+            p.display()
+        )
+        .into());
+    }
+    let ldconfig = ["ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"]
+        .iter()
+        .find_map(|c| Command::new(c).arg("-p").output().ok());
+    if ldconfig.is_some_and(|o| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .any(|l| l.split_whitespace().next().is_some_and(is_libclang))
+    }) {
+        return Ok(());
+    }
+    let llvm_libdir = Command::new("llvm-config")
+        .arg("--libdir")
+        .output()
+        .ok()
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    let mut dirs: Vec<PathBuf> = llvm_libdir.into_iter().collect();
+    for root in ["/usr/lib", "/usr/local/lib", "/usr/lib64"] {
+        dirs.push(PathBuf::from(root));
+        dirs.push(PathBuf::from(root).join("x86_64-linux-gnu"));
+        if let Ok(rd) = std::fs::read_dir(root) {
+            dirs.extend(
+                rd.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("llvm"))
+                    .map(|e| e.path().join("lib")),
+            );
+        }
+    }
+    if dirs.iter().any(|d| dir_has_libclang(d)) {
+        return Ok(());
+    }
+    Err(NO_LIBCLANG.into())
+}
+
 fn bindings(include: &Path) -> Result<String> {
+    // bindgen panics when it cannot load libclang after all (a library the probe took for
+    // libclang that does not load): turn that into the same advice.
+    match std::panic::catch_unwind(|| bindings_unchecked(include)) {
+        Ok(r) => r,
+        Err(p) => {
+            let what = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("bindgen panicked ({what}); {NO_LIBCLANG}").into())
+        }
+    }
+}
+
+fn bindings_unchecked(include: &Path) -> Result<String> {
     let wrapper = format!(
         "#include \"{}\"\n#include \"{}\"\n",
         include.join("cuda.h").display(),
@@ -219,6 +301,7 @@ fn result_names(bindings: &str) -> Vec<String> {
 
 /// Regenerate into `out` (the committed folder, or a temporary one for `--check`).
 fn generate_into(out: &Path) -> Result<()> {
+    find_libclang()?;
     let include = headers()?;
     let typedefs = std::fs::read_to_string(include.join("cudaTypedefs.h"))?;
     let pfns = parse_typedefs(&typedefs);

@@ -72,7 +72,8 @@ pub fn bundle() -> Result<PathBuf> {
         })
         .ok_or("no suite test binary was built")?;
     copy_into(suite, &out.join("bin"), "suite")?;
-    // Examples and benchmarks of every crate that has them.
+    // Examples and benchmarks of every crate that has them, with the run-time PTX override
+    // (`CUDA_MULTIMEM_PTX_DIR`, feature `ptx-override`) that the A/B scripts in bench/ use.
     let exes = cargo_json(&[
         "build",
         "--release",
@@ -81,6 +82,8 @@ pub fn bundle() -> Result<PathBuf> {
         "--bins",
         "--exclude",
         "xtask",
+        "--features",
+        "cuda-multimem-collectives/ptx-override",
     ])?;
     for e in &exes {
         let name = e

@@ -1,6 +1,8 @@
 //! `cargo xtask`: the workspace's developer commands.
 //!
 //! - `bindgen [--check]`: regenerate (or verify) the committed bindings of cuda-multimem-sys.
+//! - `ptx [--check]`: regenerate (or verify) the committed PTX kernels of
+//!   cuda-multimem-collectives (generator: cuda-multimem-ptxgen).
 //! - `test`: the whole workspace on the simulated driver at each driver version.
 //! - `test-hw`: the suite against the real driver (builds a bundle first unless run from one).
 //! - `bench-hw memory|allreduce`: benchmarks on the real driver, side by side with the reference.
@@ -11,6 +13,7 @@
 mod bindgen_cmd;
 mod hw;
 mod info;
+mod ptx_cmd;
 mod test_cmd;
 
 use std::path::PathBuf;
@@ -32,6 +35,12 @@ enum Cmd {
     /// Regenerate the committed bindings of cuda-multimem-sys from the pinned CUDA 13.5 headers.
     Bindgen {
         /// Regenerate into a temporary folder and fail on any difference.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Regenerate the committed PTX kernels of cuda-multimem-collectives (cuda-multimem-ptxgen).
+    Ptx {
+        /// Regenerate in memory and fail naming every committed file that differs.
         #[arg(long)]
         check: bool,
     },
@@ -96,6 +105,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Bindgen { check } => bindgen_cmd::bindgen(check),
+        Cmd::Ptx { check } => ptx_cmd::ptx(check),
         Cmd::Test {
             versions,
             devices,

@@ -98,6 +98,9 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
                 "--workspace",
                 "--exclude",
                 "cuda-multimem-tests",
+                // the collectives' doc example runs on the simulator (sim::install)
+                "--features",
+                "cuda-multimem-collectives/sim",
                 "--",
                 "--nocapture",
             ])

@@ -437,34 +437,8 @@ impl Communicator {
         inner.ranks.usable()?;
         let mut worst: Option<Error> = None;
         for l in &inner.ranks.locals {
-            let mut words = vec![(Path::PeerToPeer, inner.p2p.error_word(l.rank)?)];
-            if let Some(mm) = &inner.mm {
-                words.push((Path::Multimem, mm.error_word(l.rank)?));
-            }
-            for (path, w) in words {
-                if w == 0 {
-                    continue;
-                }
-                let calls = l.calls.load(Ordering::Relaxed);
-                let e = if w == ERR_MISMATCH {
-                    Error::RanksDisagree {
-                        what: format!(
-                            "rank {} (device {}) met a peer whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank)",
-                            l.rank,
-                            l.device.ordinal()
-                        ),
-                    }
-                } else {
-                    Error::Timeout {
-                        what: format!(
-                            "a {path} barrier of rank {} (device {}): a peer did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank)",
-                            l.rank,
-                            l.device.ordinal()
-                        ),
-                        after: inner.config.timeout,
-                    }
-                };
-                if worst.is_none() || w == ERR_MISMATCH {
+            if let Some(e) = inner.rank_error(l)? {
+                if worst.is_none() || matches!(e, Error::RanksDisagree { .. }) {
                     worst = Some(e);
                 }
             }
@@ -486,6 +460,38 @@ fn no_scratch(bytes: usize, one_shot: usize) -> Error {
 }
 
 impl Inner {
+    /// What the error words of local rank `l` say (a disagreement before a timeout).
+    fn rank_error(&self, l: &Local) -> Result<Option<Error>> {
+        let mut words = vec![(Path::PeerToPeer, self.p2p.error_word(l.rank)?)];
+        if let Some(mm) = &self.mm {
+            words.push((Path::Multimem, mm.error_word(l.rank)?));
+        }
+        let calls = l.calls.load(Ordering::Relaxed);
+        let mut found = None;
+        for (path, w) in words {
+            if w == ERR_MISMATCH {
+                return Ok(Some(Error::RanksDisagree {
+                    what: format!(
+                        "rank {} (device {}) met a peer whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank)",
+                        l.rank,
+                        l.device.ordinal()
+                    ),
+                }));
+            }
+            if w != 0 && found.is_none() {
+                found = Some(Error::Timeout {
+                    what: format!(
+                        "a {path} barrier of rank {} (device {}): a peer did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank)",
+                        l.rank,
+                        l.device.ordinal()
+                    ),
+                    after: self.config.timeout,
+                });
+            }
+        }
+        Ok(found)
+    }
+
     fn mm_for(&self, dtype: DType, op: ReduceOp, bytes: usize) -> Option<&Mm> {
         let mm = self.mm.as_ref()?;
         let wanted = match self.policy {
@@ -528,6 +534,18 @@ impl<'a> RankHandle<'a> {
     /// Its device.
     pub fn device(&self) -> &'a Device {
         &self.local.device
+    }
+
+    /// Report a timeout or a disagreement seen by this rank's earlier calls (synchronise its
+    /// stream first), as [`Communicator::check`] does for every rank of this process: for a
+    /// thread per rank. This rank's own failure comes first; without one, an earlier failure of
+    /// the team is [`Error::Unusable`]. After an error the team refuses further calls.
+    pub fn check(&self) -> Result<()> {
+        let inner = &*self.comm.inner;
+        match inner.rank_error(self.local)? {
+            Some(e) => Err(inner.ranks.break_with(e)),
+            None => inner.ranks.usable(),
+        }
     }
 
     /// Allreduce `input` into `output` with `op`, queued on `stream` (a stream of this rank's

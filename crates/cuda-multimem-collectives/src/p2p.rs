@@ -19,7 +19,10 @@ pub(crate) fn load_kernels(
 ) -> Result<HashMap<(Kernel, DType, ReduceOp), cuda_multimem::Function>> {
     let mut functions = HashMap::new();
     for k in Kernel::ALL {
-        let m = Module::load_ptx(device, k.ptx())?;
+        let text = k
+            .load_text()
+            .map_err(|e| Error::os("read PTX from CUDA_MULTIMEM_PTX_DIR", e))?;
+        let m = Module::load_ptx(device, &text)?;
         for dt in DType::ALL {
             for op in ReduceOp::ALL {
                 functions.insert((k, dt, op), m.function(&k.entry(dt, op))?);

@@ -1,15 +1,23 @@
-//! Host-side equivalents of the PTX kernels, registered with the simulated driver. They follow
-//! the kernels' protocol step by step — the same work split per block and per rank, the same
-//! barrier (release stores to peers' signal slots, acquire loads of one's own, a timeout that
-//! sets the error word), the same counters and header parity — so a protocol bug shows on the
-//! simulator. The simulator runs one stream worker per device: the blocks of one launch run one
-//! after the other on that thread, and every device's thread runs concurrently.
+//! Host-side equivalents of the PTX kernels, for the simulated driver (`cuda-multimem-sim`):
+//! [`install`] registers them. They follow the kernels' protocol step by step — the same work
+//! split per block and per rank, the same barrier (release stores to peers' signal slots,
+//! acquire loads of one's own, a timeout that sets the error word), the same counters and header
+//! parity — so a protocol bug shows on the simulator. The simulator runs one stream worker per
+//! device: the blocks of one launch run one after the other on that thread, and every device's
+//! thread runs concurrently.
+//!
+//! Nothing registers them behind the caller's back: a program (or test harness) that runs the
+//! collectives on a simulated driver calls [`install`] once, before its first launch. A launch
+//! of an entry without a registered equivalent fails, and the simulator names the entry.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
+
+use crate::kernels::*;
+use crate::{DType, ReduceOp as Op};
 
 fn decode(d: DType, bits: u32) -> f32 {
     d.decode(bits)
@@ -18,24 +26,28 @@ fn decode(d: DType, bits: u32) -> f32 {
 fn encode(d: DType, v: f32) -> u32 {
     d.encode(v)
 }
-use crate::kernels::*;
-use crate::{DType, ReduceOp as Op};
 
-/// Register the host equivalents of every kernel (peer-to-peer and multimem) with the
-/// simulated driver, once per process: call it before building a communicator on a simulator.
+/// Register the host-side equivalent of every kernel of this crate — the peer-to-peer families
+/// and the multimem ones — with the simulated driver, under the PTX entry names. Process-wide
+/// and idempotent: later calls do nothing. Call it before launching the collectives on a
+/// simulated driver; on a real driver it is never consulted.
 pub fn install() {
-    register();
-    register_multimem();
-}
-
-/// Register every kernel's equivalent (once per process).
-pub(crate) fn register() {
+    use crate::kernels::multimem::{supported, MmKernel};
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         for k in Kernel::ALL {
             for d in DType::ALL {
                 for o in Op::ALL {
                     register_kernel(&k.entry(d, o), move |a| run(k, d, o, a));
+                }
+            }
+        }
+        for k in MmKernel::ALL {
+            for d in DType::ALL {
+                for o in Op::ALL {
+                    if supported(d, o) {
+                        register_kernel(&k.entry(d, o), move |a| run_mm(k, d, o, a));
+                    }
                 }
             }
         }
@@ -510,26 +522,10 @@ fn run_ll(
     Ok(())
 }
 
-/// The multimem kernels' equivalents: `ld_reduce` reads every bound member's copy (lowest
-/// device first, as the simulator's multicast object orders them), `multimem.st` writes every
-/// copy, the barrier adds 1 to every member's arrival word with `Release` and spins `Acquire`
-/// on its own.
-pub(crate) fn register_multimem() {
-    use crate::kernels::multimem::{supported, MmKernel};
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        for k in MmKernel::ALL {
-            for d in DType::ALL {
-                for o in Op::ALL {
-                    if supported(d, o) {
-                        register_kernel(&k.entry(d, o), move |a| run_mm(k, d, o, a));
-                    }
-                }
-            }
-        }
-    });
-}
-
+/// The multimem kernels' equivalent: `ld_reduce` reads every bound member's copy and reduces
+/// them in an order that is neither rank nor device order ([`switch_order`]; the scalar tails
+/// go through unicast loads in rank order, as in the PTX), `multimem.st` writes every copy, the barrier adds 1 to every member's arrival word with `Release` and spins
+/// `Acquire` on its own.
 fn run_mm(
     k: crate::kernels::multimem::MmKernel,
     d: DType,
@@ -565,6 +561,11 @@ fn run_mm(
     // compare every member's slot in my memory with mine after arriving (as the PTX)
     let barrier = |b: usize, val: u32, parity: Option<u32>| -> Result<(), KernelError> {
         a.jitter();
+        // arrive only while my error word is clear (as the PTX): after a failed barrier my
+        // arrivals would complete a slower member's barrier without the member that never came
+        if err.load(Ordering::Relaxed) != 0 {
+            return Ok(());
+        }
         let hdr = |p: u32, s: usize| MM_OFF_HDR + 8 * ((p as usize * MAX_BLOCKS + b) * 8 + s);
         if let Some(p) = parity {
             for &m in &peers {
@@ -638,10 +639,17 @@ fn run_mm(
                 }
                 MmKernel::TwoShot => targets(mc + out_off + off, len)?,
             };
+            // the switch reduces the members' copies in an order of its own: never rank (or
+            // device) order here, a different one per call, 16-byte unit and reducing rank, so
+            // code that assumes rank-order sums on this path fails on the simulator
+            let mut order: Vec<usize> = (0..srcs.len()).collect();
             for i in 0..(e1 - e0) {
-                let mut acc = ld(d, srcs[0], i);
-                for s in &srcs[1..] {
-                    acc = op.apply(acc, ld(d, *s, i));
+                if i % v == 0 {
+                    switch_order(&mut order, c, lo + i / v, rank);
+                }
+                let mut acc = ld(d, srcs[order[0]], i);
+                for &s in &order[1..] {
+                    acc = op.apply(acc, ld(d, srcs[s], i));
                 }
                 for t in &dsts {
                     st(d, *t, i, acc);
@@ -673,11 +681,12 @@ fn run_mm(
         }
         barrier(b as usize, c.wrapping_add(2), None)?;
         // counters in step, and the absent blocks' arrival words too (additive: this rank's
-        // two arrivals on every member)
+        // two arrivals on every member; none once my error word is set, as at the barriers)
+        let failed = err.load(Ordering::Relaxed) != 0;
         let mut j = b as usize;
         while j < MAX_BLOCKS {
             u32_at(uc + MM_OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
-            if j != b as usize {
+            if j != b as usize && !failed {
                 for t in targets(mc + MM_OFF_SIG + 4 * j, 4)? {
                     u32_at(t).fetch_add(2, Ordering::Relaxed);
                 }
@@ -686,4 +695,32 @@ fn run_mm(
         }
     }
     Ok(())
+}
+
+/// The order in which the simulated switch reduces the members' copies of one 16-byte unit
+/// (`multimem.ld_reduce`): a rotation or a reversal of the members, never the identity (for two
+/// or more members), drawn deterministically from the block's call counter `c`, the unit and the
+/// reducing rank. Real NVSwitch hardware promises no order at all.
+fn switch_order(order: &mut [usize], c: u32, unit: u64, rank: usize) {
+    let n = order.len();
+    let mut z = (c as u64) ^ unit.rotate_left(21) ^ ((rank as u64) << 56);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    if n < 2 {
+        return;
+    }
+    if z & 1 == 0 {
+        // forward from member k != 0
+        let k = 1 + (z >> 1) as usize % (n - 1);
+        for (i, o) in order.iter_mut().enumerate() {
+            *o = (k + i) % n;
+        }
+    } else {
+        // backward from any member
+        let k = (z >> 1) as usize % n;
+        for (i, o) in order.iter_mut().enumerate() {
+            *o = (k + n - i) % n;
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! Modules and kernel launches. A module is PTX text (`cuModuleLoadData`); its `.entry`
 //! declarations name the kernels and give their parameter layout. A kernel runs on the simulator
-//! when a host-side equivalent is registered under the same name ([`register_kernel`]): a launch
-//! copies the parameters (as the driver does), queues the equivalent on the stream's worker thread
+//! when a host-side equivalent is registered under the same name ([`register_kernel`]; a launch
+//! without one fails with `CUDA_ERROR_NOT_FOUND` and says so on stderr, naming the entry: see
+//! [`missing_kernel_message`]): a launch copies the parameters (as the driver does), queues the equivalent on the stream's worker thread
 //! and runs it there with the grid and block dimensions, so kernels of different devices run
 //! concurrently and captured graphs replay them.
 
@@ -83,6 +84,28 @@ pub fn kernel_registered(name: &str) -> bool {
 
 fn registered(name: &str) -> Option<KernelFn> {
     KERNELS.read().as_ref()?.get(name).cloned()
+}
+
+/// What a launch of an entry without a registered equivalent says (on stderr, once per entry:
+/// a launch status cannot carry text) before it fails with `CUDA_ERROR_NOT_FOUND`.
+pub fn missing_kernel_message(name: &str) -> String {
+    format!(
+        "cuda-multimem-sim: cannot launch `{name}`: no host-side equivalent of this PTX entry is registered with the simulator. Register one with cuda_multimem_sim::register_kernel before launching; for the kernels of cuda-multimem-collectives call cuda_multimem_collectives::sim::install() (feature `sim`)"
+    )
+}
+
+/// The equivalent registered for `name`, or the launch's failure, said once per entry.
+fn registered_for_launch(name: &str) -> SimResult<KernelFn> {
+    if let Some(k) = registered(name) {
+        return Ok(k);
+    }
+    static SAID: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut said = SAID.lock();
+    if !said.iter().any(|n| n == name) {
+        said.push(name.to_string());
+        eprintln!("{}", missing_kernel_message(name));
+    }
+    Err(CUresult::CUDA_ERROR_NOT_FOUND)
 }
 
 /// Random per-launch delays (for protocol tests): each launch, and each [`LaunchArgs::jitter`]
@@ -240,7 +263,6 @@ struct Function {
     device: i32,
     name: String,
     entry: Entry,
-    kernel: KernelFn,
     attrs: Mutex<HashMap<i32, c_int>>,
 }
 
@@ -379,15 +401,13 @@ sim_api! {
             let m = m.get(&h).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
             (m.device, m.entries.get(&name).cloned().ok_or(CUresult::CUDA_ERROR_NOT_FOUND)?)
         };
-        // Declared in the PTX, but the simulator can run it only with a host equivalent.
-        let kernel = registered(&name).ok_or(CUresult::CUDA_ERROR_NOT_FOUND)?;
         let mut fs = k.functions.lock();
         // The same name in the same module is the same function handle.
         if let Some((fh, _)) = fs.iter().find(|(_, f)| f.module == h && f.name == name) {
             return out(hfunc, *fh as CUfunction);
         }
         let fh = new_handle(Kind::Function);
-        fs.insert(fh, Arc::new(Function { module: h, device, name, entry, kernel, attrs: Mutex::new(HashMap::new()) }));
+        fs.insert(fh, Arc::new(Function { module: h, device, name, entry, attrs: Mutex::new(HashMap::new()) }));
         out(hfunc, fh as CUfunction)
     }
     cuFuncSetAttribute @ 9000 as PFN_cuFuncSetAttribute_v9000 => fn func_set_attribute(st, f: CUfunction, attrib: CUfunction_attribute, value: c_int) {
@@ -419,6 +439,9 @@ sim_api! {
     }
     cuLaunchKernel @ 4000 as PFN_cuLaunchKernel_v4000 => fn launch_kernel(st, f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) {
         let f = function(st, f)?;
+        // Declared in the PTX, but the simulator runs it only with a host equivalent, looked up
+        // at the launch (so it may be registered after the module was loaded).
+        let kernel = registered_for_launch(&f.name)?;
         if gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0
             || gy > 65535 || gz > 65535
             || (bx as u64) * (by as u64) * (bz as u64) > 1024 || bz > 64
@@ -455,7 +478,6 @@ sim_api! {
             params: copied,
             state: st.clone(),
         });
-        let kernel = f.kernel.clone();
         crate::stream::implicit_order(st, &s)?;
         s.enqueue(Arc::new(move || {
             args.jitter();

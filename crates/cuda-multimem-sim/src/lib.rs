@@ -41,7 +41,9 @@ mod vmm;
 
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use dispatch::implemented;
-pub use kernel::{kernel_registered, register_kernel, KernelError, KernelFn, LaunchArgs};
+pub use kernel::{
+    kernel_registered, missing_kernel_message, register_kernel, KernelError, KernelFn, LaunchArgs,
+};
 pub use managed::DISCARD_POISON;
 pub use state::{FailurePlan, Simulator, StartError};
 

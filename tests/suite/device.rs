@@ -591,6 +591,17 @@ fn add_kernel(e: &Env) -> Module {
 }
 
 #[test]
+fn handles_of_the_safe_layer_can_be_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Module>();
+    send_sync::<cuda_multimem::Function>();
+    send_sync::<DeviceBuffer<f32>>();
+    send_sync::<StreamRef<'static>>();
+    send_sync::<cuda_multimem::Graph>();
+    send_sync::<cuda_multimem::GraphExec>();
+}
+
+#[test]
 fn a_ptx_kernel_is_loaded_and_launched_on_a_stream() {
     let e = env();
     let d = e.driver.device(0).unwrap();

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use cuda_multimem::{Driver, Stream};
+use cuda_multimem::Stream;
 use cuda_multimem_collectives::{
     half, reference, AllReduceConfig, Communicator, DType, MpiBootstrap, Op,
 };

@@ -449,7 +449,7 @@ fn result_line(fields: serde_json::Value) -> Res<()> {
 
 fn bench<T: Element + Default>(args: &Args) -> Res<bool> {
     cuda_multimem_collectives::sim::install();
-    let driver = cuda_multimem::Driver::from_env()?;
+    let driver = cuda_multimem_sim::driver_from_env()?;
     let devices = driver.devices();
     if devices.len() < args.ranks {
         return Err(format!("{} ranks asked, {} devices", args.ranks, devices.len()).into());

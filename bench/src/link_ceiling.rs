@@ -305,7 +305,10 @@ fn run() -> Res<()> {
         }
     }
     bytes = bytes.next_multiple_of(1 << 16);
-    let driver = Driver::from_env()?;
+    // `CUDA_MULTIMEM_DRIVER=sim...` selects the simulator (the copies and kernels are then
+    // host work: the numbers mean nothing).
+    cuda_multimem_collectives::sim::install();
+    let driver = cuda_multimem_sim::driver_from_env()?;
     let devices = driver.devices();
     if devices.len() < 2 {
         return Err("needs 2 devices".into());

@@ -11,7 +11,9 @@ pub type Res<T> = Result<T, Box<dyn std::error::Error>>;
 /// equivalents installed.
 pub fn simulated(devices: usize, version: i32) -> Res<Driver> {
     cuda_multimem_collectives::sim::install();
-    Ok(Driver::simulated(SimConfig::new(devices, version))?)
+    Ok(cuda_multimem_sim::simulated_driver(SimConfig::new(
+        devices, version,
+    ))?)
 }
 
 /// The driver `CUDA_MULTIMEM_DRIVER` names when it is set; else the real driver with at least
@@ -21,7 +23,7 @@ pub fn pick_driver(min_devices: usize, sim_devices: usize) -> Res<(Driver, Strin
     if let Ok(v) = std::env::var(cuda_multimem::DRIVER_ENV) {
         if v.trim().starts_with("sim") {
             cuda_multimem_collectives::sim::install();
-            let d = Driver::from_selection(&v)?;
+            let d = cuda_multimem_sim::driver_from_selection(&v)?;
             let what = format!(
                 "{} simulated GPU(s), driver {} ({}={v})",
                 d.device_count(),

@@ -38,7 +38,7 @@ pub fn env() -> Env {
             cuda_multimem_collectives::sim::install();
             let sim = Simulator::start(SimConfig::parse(&o).expect("valid simulator options"))
                 .expect("simulator starts");
-            let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
+            let driver = cuda_multimem_sim::driver_over(&sim).expect("driver over the simulator");
             Env {
                 driver,
                 sim: Some(sim),
@@ -55,7 +55,7 @@ pub fn env() -> Env {
 pub fn sim(config: SimConfig) -> Env {
     cuda_multimem_collectives::sim::install();
     let sim = Simulator::start(config).expect("simulator starts");
-    let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
+    let driver = cuda_multimem_sim::driver_over(&sim).expect("driver over the simulator");
     Env {
         driver,
         sim: Some(sim),

@@ -25,11 +25,34 @@ fn a_malformed_driver_selection_is_an_error_naming_what_was_wrong() {
         ("sim:colour=blue", "unknown simulator option `colour`"),
         ("sim:multicast=maybe", "multicast"),
     ] {
-        match Driver::from_selection(value) {
+        match cuda_multimem_sim::driver_from_selection(value) {
             Err(Error::Config(msg)) => assert!(msg.contains(needle), "{value}: {msg}"),
             other => panic!("{value}: expected a configuration error, got {other:?}"),
         }
     }
+}
+
+/// The library does not link the simulator: selecting it through `cuda_multimem::Driver` is a
+/// configuration error that says where the simulated driver is selected.
+#[test]
+fn the_library_refuses_to_select_the_simulator_and_says_where_it_is_selected() {
+    for value in ["sim", "sim:devices=2", " sim:version=13000 "] {
+        match Driver::from_selection(value) {
+            Err(Error::Config(msg)) => assert!(
+                msg.contains("cuda_multimem_sim::driver_from_env()"),
+                "{value}: {msg}"
+            ),
+            other => panic!("{value}: expected a configuration error, got {other:?}"),
+        }
+    }
+    for value in ["bogus", "simulator"] {
+        match Driver::from_selection(value) {
+            Err(Error::Config(msg)) => assert!(msg.contains("expected `cuda`"), "{value}: {msg}"),
+            other => panic!("{value}: expected a configuration error, got {other:?}"),
+        }
+    }
+    let d = cuda_multimem_sim::driver_from_selection("sim:devices=3,version=12080").unwrap();
+    assert!(d.is_simulated() && d.device_count() == 3 && d.version() == 12080);
 }
 
 #[test]
@@ -420,7 +443,7 @@ fn a_capture_forks_into_a_second_stream_and_must_join_it_back() {
 /// A second driver value over the same driver (or simulator) as `e`'s.
 fn another_driver_value(e: &Env) -> Driver {
     match &e.sim {
-        Some(s) => Driver::from_simulator(s).unwrap(),
+        Some(s) => cuda_multimem_sim::driver_over(s).unwrap(),
         None => Driver::load().unwrap(),
     }
 }
@@ -588,6 +611,17 @@ fn add_kernel(e: &Env) -> Module {
         });
     }
     Module::load_ptx(&e.driver.device(0).unwrap(), ADD_PTX).unwrap()
+}
+
+#[test]
+fn handles_of_the_safe_layer_can_be_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Module>();
+    send_sync::<cuda_multimem::Function>();
+    send_sync::<DeviceBuffer<f32>>();
+    send_sync::<StreamRef<'static>>();
+    send_sync::<cuda_multimem::Graph>();
+    send_sync::<cuda_multimem::GraphExec>();
 }
 
 #[test]

@@ -531,7 +531,7 @@ fn export_and_import_in_one_process_give_the_same_object() {
 fn a_device_of_another_driver_value_is_not_added_to_a_multicast_object() {
     let e = sim(SimConfig::new(2, 13010));
     let s = e.sim.as_ref().unwrap();
-    let other = Driver::from_simulator(s).unwrap();
+    let other = cuda_multimem_sim::driver_over(s).unwrap();
     let o = MulticastObject::new(&e.driver, &MulticastSpec::new(2, 2 * MIB)).unwrap();
     o.add_device(&e.driver.device(0).unwrap()).unwrap();
     let err = o.add_device(&other.device(1).unwrap()).unwrap_err();

@@ -128,7 +128,7 @@ fn bad_teams_are_rejected_before_the_driver() {
 fn devices_of_two_driver_values_are_refused_as_such_not_as_other_cliques() {
     let e = sim(SimConfig::new(2, 13010));
     let s = e.sim.as_ref().unwrap();
-    let other = cuda_multimem::Driver::from_simulator(s).unwrap();
+    let other = cuda_multimem_sim::driver_over(s).unwrap();
     let (a, b) = (e.driver.devices(), other.devices());
     for members in [[a[0].clone(), b[1].clone()], [a[0].clone(), b[0].clone()]] {
         let err = Team::new(&members, 2 * MIB).unwrap_err();

@@ -107,7 +107,7 @@ pub fn report(driver: &Driver) -> Result<Value> {
 
 /// Entry point of `cargo xtask info`.
 pub fn info(as_json: bool) -> Result<()> {
-    let driver = Driver::from_env().map_err(|e| {
+    let driver = cuda_multimem_sim::driver_from_env().map_err(|e| {
         format!("{e}\nno CUDA driver could be used; set CUDA_MULTIMEM_DRIVER=sim (e.g. sim:devices=8,version=13030) to inspect the simulated driver")
     })?;
     let r = report(&driver)?;

@@ -36,7 +36,8 @@ fn mpi_rank() {
     use cuda_multimem_collectives::Bootstrap as _;
     let (rank, n) = (boot.rank(), boot.size());
     cuda_multimem_collectives::sim::install();
-    let driver = Driver::simulated(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();
+    let driver =
+        cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();
     let device = driver.device(rank).unwrap();
     let comm = Communicator::with_bootstrap(
         &device,

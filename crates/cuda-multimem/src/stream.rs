@@ -206,7 +206,10 @@ impl<'a> StreamRef<'a> {
         if !self.device.driver().same_as(want.driver()) {
             return Err(Error::invalid(
                 arg,
-                format!("a stream from another Driver value; {what}"),
+                format!(
+                    "a stream from another Driver value; {what} device {} of a different one",
+                    want.ordinal()
+                ),
             ));
         }
         if self.device.ordinal() != want.ordinal() {

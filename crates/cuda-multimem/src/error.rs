@@ -138,7 +138,7 @@ pub(crate) fn check_within(size: u64, offset: u64, total: u64, what: &str) -> Re
 
 /// `v` must be a multiple of `unit` (the `unit_name`, e.g. "allocation granularity"):
 /// otherwise an [`Error::InvalidArgument`] on `arg`, before any driver call.
-// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+// `is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
 #[allow(clippy::manual_is_multiple_of)]
 pub(crate) fn check_multiple(arg: &'static str, v: u64, unit: u64, unit_name: &str) -> Result<()> {
     if v % unit != 0 {

@@ -149,7 +149,7 @@ fn human(b: usize) -> String {
 
 fn main() {
     let reps = arg("--reps", 21);
-    let driver = match Driver::from_env() {
+    let driver = match cuda_multimem_sim::driver_from_env() {
         Ok(d) => d,
         Err(e) => {
             eprintln!("bench-memory: {e}");

@@ -37,7 +37,7 @@ pub fn env() -> Env {
         Some(o) => {
             let sim = Simulator::start(SimConfig::parse(&o).expect("valid simulator options"))
                 .expect("simulator starts");
-            let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
+            let driver = cuda_multimem_sim::driver_over(&sim).expect("driver over the simulator");
             Env {
                 driver,
                 sim: Some(sim),
@@ -53,7 +53,7 @@ pub fn env() -> Env {
 /// A simulated machine started for one test, whatever `CUDA_MULTIMEM_DRIVER` says.
 pub fn sim(config: SimConfig) -> Env {
     let sim = Simulator::start(config).expect("simulator starts");
-    let driver = Driver::from_simulator(&sim).expect("driver over the simulator");
+    let driver = cuda_multimem_sim::driver_over(&sim).expect("driver over the simulator");
     Env {
         driver,
         sim: Some(sim),

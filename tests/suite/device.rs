@@ -1,10 +1,14 @@
 //! Driver selection, devices, attributes, peer access for ordinary allocations, streams and
 //! events — the foundation every other module stands on.
 
+use std::time::{Duration, Instant};
+
 use cuda_multimem::sys::CUresult;
-use cuda_multimem::{Driver, Error, Event, Stream};
-use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{env, sim, skip, Rng};
+use cuda_multimem::{
+    CaptureMode, DeviceBuffer, Driver, Error, Event, LaunchConfig, Module, Stream, StreamRef,
+};
+use cuda_multimem_sim::{KernelError, LaunchArgs, SimConfig};
+use cuda_multimem_tests::{env, sim, skip, Env, Rng};
 
 #[test]
 fn a_malformed_driver_selection_is_an_error_naming_what_was_wrong() {
@@ -20,11 +24,34 @@ fn a_malformed_driver_selection_is_an_error_naming_what_was_wrong() {
         ("sim:colour=blue", "unknown simulator option `colour`"),
         ("sim:multicast=maybe", "multicast"),
     ] {
-        match Driver::from_selection(value) {
+        match cuda_multimem_sim::driver_from_selection(value) {
             Err(Error::Config(msg)) => assert!(msg.contains(needle), "{value}: {msg}"),
             other => panic!("{value}: expected a configuration error, got {other:?}"),
         }
     }
+}
+
+/// The library does not link the simulator: selecting it through `cuda_multimem::Driver` is a
+/// configuration error that says where the simulated driver is selected.
+#[test]
+fn the_library_refuses_to_select_the_simulator_and_says_where_it_is_selected() {
+    for value in ["sim", "sim:devices=2", " sim:version=13000 "] {
+        match Driver::from_selection(value) {
+            Err(Error::Config(msg)) => assert!(
+                msg.contains("cuda_multimem_sim::driver_from_env()"),
+                "{value}: {msg}"
+            ),
+            other => panic!("{value}: expected a configuration error, got {other:?}"),
+        }
+    }
+    for value in ["bogus", "simulator"] {
+        match Driver::from_selection(value) {
+            Err(Error::Config(msg)) => assert!(msg.contains("expected `cuda`"), "{value}: {msg}"),
+            other => panic!("{value}: expected a configuration error, got {other:?}"),
+        }
+    }
+    let d = cuda_multimem_sim::driver_from_selection("sim:devices=3,version=12080").unwrap();
+    assert!(d.is_simulated() && d.device_count() == 3 && d.version() == 12080);
 }
 
 #[test]
@@ -388,4 +415,341 @@ fn a_capture_forks_into_a_second_stream_and_must_join_it_back() {
         sys.cuMemFree_v3020().unwrap()(a);
         sys.cuMemFree_v3020().unwrap()(b);
     }
+}
+
+/// A second driver value over the same driver (or simulator) as `e`'s.
+fn another_driver_value(e: &Env) -> Driver {
+    match &e.sim {
+        Some(s) => cuda_multimem_sim::driver_over(s).unwrap(),
+        None => Driver::load().unwrap(),
+    }
+}
+
+fn is_invalid(r: Result<(), Error>, arg: &str) -> String {
+    match r {
+        Err(Error::InvalidArgument { arg: a, reason }) if a == arg => reason,
+        other => panic!("expected an invalid `{arg}`, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_device_buffer_round_trips_random_data_at_every_offset() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let mut rng = Rng::new(41);
+    let data: Vec<u32> = (0..4099).map(|_| rng.next_u64() as u32).collect();
+    let mut b = DeviceBuffer::from_host(&d, &data).unwrap();
+    assert_eq!((b.len(), b.is_empty(), b.device()), (4099, false, &d));
+    assert_eq!(b.to_vec().unwrap(), data);
+    let patch: Vec<u32> = (0..100).map(|_| rng.next_u64() as u32).collect();
+    b.copy_from_host(3999, &patch).unwrap();
+    let mut want = data.clone();
+    want[3999..].copy_from_slice(&patch);
+    assert_eq!(b.to_vec().unwrap(), want);
+    let mut part = vec![0u32; 7];
+    b.copy_to_host(3995, &mut part).unwrap();
+    assert_eq!(part, want[3995..4002]);
+    let z = DeviceBuffer::<f64>::zeroed(&d, 513).unwrap();
+    assert!(z.to_vec().unwrap().iter().all(|v| v.to_bits() == 0));
+}
+
+#[test]
+fn device_buffer_ranges_are_checked_before_any_driver_call_and_empty_copies_succeed() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    assert!(is_invalid(DeviceBuffer::<u8>::zeroed(&d, 0).map(drop), "len").contains("0 elements"));
+    assert!(
+        is_invalid(DeviceBuffer::<u64>::zeroed(&d, usize::MAX).map(drop), "len")
+            .contains("overflow")
+    );
+    assert!(matches!(
+        DeviceBuffer::<f32>::from_host(&d, &[]),
+        Err(Error::InvalidArgument { arg: "data", .. })
+    ));
+    let mut b = DeviceBuffer::<u16>::zeroed(&d, 10).unwrap();
+    let mut out = [0u16; 4];
+    is_invalid(b.copy_from_host(7, &[1, 2, 3, 4]), "src");
+    is_invalid(b.copy_to_host(7, &mut out), "dst");
+    is_invalid(b.copy_from_host(11, &[]), "offset");
+    is_invalid(b.copy_to_host(usize::MAX, &mut out), "offset");
+    is_invalid(b.copy_from_host(usize::MAX, &[1]), "offset");
+    // Zero-length copies are no-ops, at any offset up to the end.
+    b.copy_from_host(10, &[]).unwrap();
+    b.copy_to_host(10, &mut []).unwrap();
+    b.copy_from_host(0, &[]).unwrap();
+    assert_eq!(b.to_vec().unwrap(), [0; 10]);
+    let src = DeviceBuffer::<u16>::from_host(&d, &[5; 10]).unwrap();
+    let s = Stream::new(&d).unwrap();
+    is_invalid(b.copy_from_async(0, &src, 8, 3, &s), "len");
+    is_invalid(b.copy_from_async(0, &src, usize::MAX, 1, &s), "src_offset");
+    is_invalid(b.copy_from_async(9, &src, 0, usize::MAX, &s), "len");
+    b.copy_from_async(10, &src, 10, 0, &s).unwrap();
+    b.copy_from_async(2, &src, 4, 6, &s).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(b.to_vec().unwrap(), [0, 0, 5, 5, 5, 5, 5, 5, 0, 0]);
+}
+
+#[test]
+fn stream_ordered_memsets_and_copies_run_in_order() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let a = DeviceBuffer::<u8>::zeroed(&d, 1 << 16).unwrap();
+    let b = DeviceBuffer::<u8>::zeroed(&d, 1 << 16).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let r = StreamRef::from(&s);
+    // SAFETY: both ranges lie in live buffers of this device, synchronised before they go.
+    unsafe {
+        r.memset_d8_async(a.device_ptr(), 0xab, 1 << 16).unwrap();
+        r.copy_dtod_async(b.device_ptr() + 8, a.device_ptr(), 100)
+            .unwrap();
+        r.memset_d8_async(a.device_ptr(), 0, 0).unwrap();
+    }
+    r.synchronize().unwrap();
+    let got = b.to_vec().unwrap();
+    assert!(got[..8].iter().all(|&v| v == 0));
+    assert!(got[8..108].iter().all(|&v| v == 0xab));
+    assert!(got[108..].iter().all(|&v| v == 0));
+}
+
+const ADD_PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry cmm_test_add_u32(
+	.param .u64 p_ptr,
+	.param .u64 p_value,
+	.param .u64 p_n
+)
+{
+	.reg .pred %p;
+	.reg .b32 %r<7>;
+	.reg .b64 %rd<8>;
+	ld.param.u64 %rd1, [p_ptr];
+	ld.param.u64 %rd2, [p_value];
+	ld.param.u64 %rd3, [p_n];
+	mov.u32 %r1, %ctaid.x;
+	mov.u32 %r2, %ntid.x;
+	mov.u32 %r3, %tid.x;
+	mad.lo.u32 %r4, %r1, %r2, %r3;
+	cvt.u64.u32 %rd4, %r4;
+	setp.ge.u64 %p, %rd4, %rd3;
+	@%p bra DONE;
+	cvta.to.global.u64 %rd5, %rd1;
+	shl.b64 %rd6, %rd4, 2;
+	add.u64 %rd7, %rd5, %rd6;
+	ld.global.u32 %r5, [%rd7];
+	cvt.u32.u64 %r6, %rd2;
+	add.u32 %r5, %r5, %r6;
+	st.global.u32 [%rd7], %r5;
+DONE:
+	ret;
+}
+
+.visible .entry cmm_test_spin(
+	.param .u64 p_ns
+)
+{
+	.reg .pred %p;
+	.reg .b64 %rd<5>;
+	ld.param.u64 %rd1, [p_ns];
+	mov.u64 %rd2, %globaltimer;
+SPIN:
+	mov.u64 %rd3, %globaltimer;
+	sub.u64 %rd4, %rd3, %rd2;
+	setp.lt.u64 %p, %rd4, %rd1;
+	@%p bra SPIN;
+	ret;
+}
+"#;
+
+/// The simulator's equivalent of `cmm_test_add_u32`: every element below n (and below the
+/// grid's thread count) gets value added.
+fn add_u32_on_the_host(a: &LaunchArgs) -> Result<(), KernelError> {
+    let (ptr, value, n) = (a.u64(0)? as usize, a.u64(1)? as u32, a.u64(2)? as usize);
+    let threads = (a.grid.0 * a.block.0) as usize;
+    let n = n.min(threads);
+    a.check(ptr, 4 * n, true)?;
+    for i in 0..n {
+        let p = (ptr + 4 * i) as *mut u32;
+        // SAFETY: checked above: device memory (host memory in the simulator) the kernel may
+        // write, aligned as the launch's caller promised.
+        unsafe { p.write(p.read().wrapping_add(value)) };
+    }
+    Ok(())
+}
+
+fn add_kernel(e: &Env) -> Module {
+    if e.sim.is_some() {
+        cuda_multimem_sim::register_kernel("cmm_test_add_u32", add_u32_on_the_host);
+        cuda_multimem_sim::register_kernel("cmm_test_spin", |a| {
+            std::thread::sleep(Duration::from_nanos(a.u64(0)?));
+            Ok(())
+        });
+    }
+    Module::load_ptx(&e.driver.device(0).unwrap(), ADD_PTX).unwrap()
+}
+
+#[test]
+fn a_ptx_kernel_is_loaded_and_launched_on_a_stream() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let f = add_kernel(&e).function("cmm_test_add_u32").unwrap();
+    assert_eq!((f.name(), f.device()), ("cmm_test_add_u32", &d));
+    let n = 1000usize;
+    let data: Vec<u32> = (0..n as u32).collect();
+    let b = DeviceBuffer::from_host(&d, &data).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let f2 = f.clone();
+    std::thread::spawn(move || drop(f2)).join().unwrap();
+    // SAFETY: three .u64 parameters; the kernel writes the n elements of `b`, which outlives
+    // the synchronisation below.
+    unsafe {
+        f.launch_u64(
+            &LaunchConfig::linear(4, 256),
+            &s,
+            &[b.device_ptr(), 7, n as u64],
+        )
+        .unwrap()
+    };
+    s.synchronize().unwrap();
+    let want: Vec<u32> = data.iter().map(|v| v + 7).collect();
+    assert_eq!(b.to_vec().unwrap(), want);
+}
+
+#[test]
+fn launches_are_checked_before_the_driver_sees_them() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let module = add_kernel(&e);
+    assert!(matches!(
+        module.function("cmm_test_add_u32\0x"),
+        Err(Error::InvalidArgument { arg: "name", .. })
+    ));
+    assert!(module.function("no_such_kernel").is_err());
+    assert!(matches!(
+        Module::load_ptx(&d, "bad\0ptx"),
+        Err(Error::InvalidArgument { arg: "ptx", .. })
+    ));
+    assert!(Module::load_ptx(&d, "this is not PTX").is_err());
+    let f = module.function("cmm_test_add_u32").unwrap();
+    let s = Stream::new(&d).unwrap();
+    let launch = |c: LaunchConfig, s: StreamRef<'_>| {
+        // SAFETY: every one of these is refused before the driver call.
+        unsafe { f.launch_u64(&c, s, &[0, 0, 0]) }
+    };
+    for (c, needle) in [
+        (LaunchConfig::linear(0, 32), "grid"),
+        (LaunchConfig::linear(1, 0), "block"),
+        (LaunchConfig::linear(1, 1025), "1025 threads"),
+        (
+            LaunchConfig {
+                grid: [1, 1, 1],
+                block: [64, 32, 2],
+                shared_mem_bytes: 0,
+            },
+            "4096 threads",
+        ),
+    ] {
+        let why = is_invalid(launch(c, s.as_stream_ref()), "config");
+        assert!(why.contains(needle), "{why}");
+    }
+    let other = another_driver_value(&e);
+    let d_other = other.device(0).unwrap();
+    let s_other = Stream::new(&d_other).unwrap();
+    let why = is_invalid(
+        launch(LaunchConfig::linear(1, 1), (&s_other).into()),
+        "stream",
+    );
+    assert!(why.contains("another Driver value"), "{why}");
+    let ev = Event::new(&d, false).unwrap();
+    let why = is_invalid(ev.record(&s_other), "stream");
+    assert!(why.contains("another Driver value"), "{why}");
+    assert!(d.driver().same_as(&e.driver) && !other.same_as(&e.driver));
+    if e.driver.device_count() > 1 {
+        let s1 = Stream::new(&e.driver.device(1).unwrap()).unwrap();
+        let why = is_invalid(launch(LaunchConfig::linear(1, 1), (&s1).into()), "stream");
+        assert!(
+            why.contains("a stream of device 1; the function is loaded on device 0"),
+            "{why}"
+        );
+        let why = is_invalid(ev.record(&s1), "stream");
+        assert!(why.contains("a stream of device 1"), "{why}");
+    }
+}
+
+#[test]
+fn a_captured_memset_and_copy_replay_from_the_graph() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let n = 4096;
+    let a = DeviceBuffer::<u8>::zeroed(&d, n).unwrap();
+    let mut b = DeviceBuffer::<u8>::zeroed(&d, n).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let r = s.as_stream_ref();
+    assert!(!r.is_capturing().unwrap());
+    r.begin_capture(CaptureMode::Global).unwrap();
+    assert!(r.is_capturing().unwrap());
+    // SAFETY: ranges inside live buffers that outlive every replay (synchronised below).
+    unsafe {
+        r.memset_d8_async(a.device_ptr(), 0x5a, n).unwrap();
+        r.copy_dtod_async(b.device_ptr(), a.device_ptr(), n / 2)
+            .unwrap();
+    }
+    let g = r.end_capture().unwrap();
+    assert!(!r.is_capturing().unwrap());
+    assert!(
+        b.to_vec().unwrap().iter().all(|&v| v == 0),
+        "captured work does not run"
+    );
+    let exec = g.instantiate().unwrap();
+    drop(g);
+    for round in 0..3 {
+        b.copy_from_host(0, &vec![round; n]).unwrap();
+        exec.launch(&s).unwrap();
+        s.synchronize().unwrap();
+        let got = b.to_vec().unwrap();
+        assert!(got[..n / 2].iter().all(|&v| v == 0x5a), "round {round}");
+        assert!(got[n / 2..].iter().all(|&v| v == round), "round {round}");
+    }
+    let other = another_driver_value(&e);
+    let s_other = Stream::new(&other.device(0).unwrap()).unwrap();
+    assert!(matches!(
+        exec.launch(&s_other),
+        Err(Error::InvalidArgument { arg: "stream", .. })
+    ));
+    // SAFETY: the legacy default stream of device 0.
+    let legacy = unsafe { StreamRef::from_raw(&d, std::ptr::null_mut()) };
+    assert!(matches!(
+        legacy.begin_capture(CaptureMode::Relaxed),
+        Err(Error::InvalidArgument { arg: "stream", .. })
+    ));
+}
+
+#[test]
+fn a_stream_reports_idle_and_a_bounded_wait_times_out_on_a_running_kernel() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let s = Stream::new(&d).unwrap();
+    assert!(s.is_idle().unwrap());
+    s.wait_idle(Duration::from_millis(10)).unwrap();
+    let r: StreamRef<'_> = (&s).into();
+    assert_eq!(r.device(), &d);
+    assert_eq!(r.raw(), s.raw());
+    let spin = add_kernel(&e).function("cmm_test_spin").unwrap();
+    // SAFETY: one .u64 parameter; the kernel touches no memory.
+    unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), r, &[400_000_000]) }.unwrap();
+    assert!(!s.is_idle().unwrap(), "a 400 ms kernel is still running");
+    let t = Instant::now();
+    match s.wait_idle(Duration::from_millis(20)) {
+        Err(Error::Timeout { after, .. }) => assert_eq!(after, Duration::from_millis(20)),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(20) && waited < Duration::from_millis(300),
+        "bounded: {waited:?}"
+    );
+    s.wait_idle(Duration::from_secs(60)).unwrap();
+    assert!(s.is_idle().unwrap());
 }

@@ -661,7 +661,7 @@ fn bad_many_input_is_rejected_before_any_driver_call() {
 fn ranges_of_another_driver_are_rejected() {
     let e = sim(SimConfig::new(1, 13000));
     let d = device0(&e);
-    let other = cuda_multimem::Driver::from_simulator(e.sim.as_ref().unwrap()).unwrap();
+    let other = cuda_multimem_sim::driver_over(e.sim.as_ref().unwrap()).unwrap();
     let s = Stream::new(&other.device(0).unwrap()).unwrap();
     let buf = ManagedBuffer::new(&d, 2 * MIB).unwrap();
     assert!(is_invalid(

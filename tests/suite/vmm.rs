@@ -96,9 +96,9 @@ fn data_written_through_a_mapping_reads_back() {
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     assert_eq!(m.access(Location::Device(0)).unwrap(), Access::ReadWrite);
     let data = random(2 * g, 1);
-    htod(&e.driver, m.device_ptr(), &data).unwrap();
+    m.write(0, &data).unwrap();
     let mut back = vec![0u8; 2 * g];
-    dtoh(&e.driver, &mut back, m.device_ptr()).unwrap();
+    m.read(0, &mut back).unwrap();
     assert!(back == data, "data read back differs");
 }
 
@@ -113,9 +113,9 @@ fn two_mappings_of_one_allocation_see_the_same_bytes() {
     let m2 = Mapping::map_whole(&a, &rw0()).unwrap();
     assert_ne!(m1.device_ptr(), m2.device_ptr());
     let data = random(g, 2);
-    htod(&e.driver, m1.device_ptr(), &data).unwrap();
+    m1.write(0, &data).unwrap();
     let mut back = vec![0u8; g];
-    dtoh(&e.driver, &mut back, m2.device_ptr()).unwrap();
+    m2.read(0, &mut back).unwrap();
     assert!(back == data);
 }
 
@@ -131,12 +131,12 @@ fn a_new_mapping_has_no_access_until_set_and_read_only_refuses_writes() {
     assert_eq!(m.access(Location::Device(0)).unwrap(), Access::None);
     m.set_access(&rw0()).unwrap();
     let data = random(g, 3);
-    htod(&e.driver, m.device_ptr(), &data).unwrap();
+    m.write(0, &data).unwrap();
     m.set_access(&[(Location::Device(0), Access::ReadOnly)])
         .unwrap();
     assert_eq!(m.access(Location::Device(0)).unwrap(), Access::ReadOnly);
     let mut back = vec![0u8; g];
-    dtoh(&e.driver, &mut back, m.device_ptr()).unwrap();
+    m.read(0, &mut back).unwrap();
     assert!(back == data);
     if e.sim.is_some() {
         // On the real driver a host-to-device copy into read-only memory may go through a
@@ -200,9 +200,9 @@ fn the_allocation_outlives_its_last_handle_while_mapped() {
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     drop(a); // the mapping keeps it
     let data = random(g, 4);
-    htod(&e.driver, m.device_ptr(), &data).unwrap();
+    m.write(0, &data).unwrap();
     let mut back = vec![0u8; g];
-    dtoh(&e.driver, &mut back, m.device_ptr()).unwrap();
+    m.read(0, &mut back).unwrap();
     assert!(back == data);
     if let Some(s) = &e.sim {
         assert_eq!(s.live_resources().get("vmm allocations"), Some(&1));
@@ -613,11 +613,11 @@ fn fabric_handles_round_trip_and_garbage_is_rejected() {
     let h = a.export_fabric().unwrap();
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     let data = random(g, 11);
-    htod(d, m.device_ptr(), &data).unwrap();
+    m.write(0, &data).unwrap();
     let b = PhysicalAllocation::import_fabric(d, h.as_bytes(), g).unwrap();
     let m2 = Mapping::map_whole(&b, &rw0()).unwrap();
     let mut back = vec![0u8; g];
-    dtoh(d, &mut back, m2.device_ptr()).unwrap();
+    m2.read(0, &mut back).unwrap();
     assert!(back == data);
     // Truncated, too long, garbage, and a claimed size larger than the allocation.
     assert!(matches!(
@@ -707,7 +707,7 @@ fn peer_reads_through_its_own_access_descriptor() {
     assert_eq!(m1.access(Location::Device(1)).unwrap(), Access::ReadOnly);
     assert_eq!(m1.access(Location::Device(0)).unwrap(), Access::None);
     let data = random(g, 13);
-    htod(d, m0.device_ptr(), &data).unwrap();
+    m0.write(0, &data).unwrap();
     // Read through device 1's mapping, with device 1's context current.
     d1.bind().unwrap();
     let f = d.sys().cuMemcpyDtoH().unwrap();
@@ -740,9 +740,9 @@ fn host_numa_allocations_work_where_the_driver_has_host_numa_vmm() {
     let a = r.unwrap();
     let m = Mapping::map_whole(&a, &[(Location::Device(0), Access::ReadWrite)]).unwrap();
     let data = random(a.size(), 14);
-    htod(d, m.device_ptr(), &data).unwrap();
+    m.write(0, &data).unwrap();
     let mut back = vec![0u8; a.size()];
-    dtoh(d, &mut back, m.device_ptr()).unwrap();
+    m.read(0, &mut back).unwrap();
     assert!(back == data);
     assert!(matches!(
         PhysicalAllocation::builder(d, Location::HostNuma(0))
@@ -875,7 +875,7 @@ fn share_with_a_child_process(name: &str, share: Share) {
     };
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     let seed = 0x5eed_u64 + share as u64;
-    htod(d, m.device_ptr(), &random(size, seed)).unwrap();
+    m.write(0, &random(size, seed)).unwrap();
     let mut msg = [0u8; 80];
     msg[..8].copy_from_slice(&(size as u64).to_le_bytes());
     msg[8..16].copy_from_slice(&seed.to_le_bytes());
@@ -936,7 +936,7 @@ fn share_with_a_child_process(name: &str, share: Share) {
     // The child wrote the complement of what it read.
     let expected: Vec<u8> = random(size, seed).iter().map(|b| !b).collect();
     let mut back = vec![0u8; size];
-    dtoh(d, &mut back, m.device_ptr()).unwrap();
+    m.read(0, &mut back).unwrap();
     assert!(
         back == expected,
         "the child's writes are not visible to the parent"
@@ -990,16 +990,16 @@ fn shareable_handle_child_process() {
     };
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     let mut got = vec![0u8; size];
-    dtoh(d, &mut got, m.device_ptr()).unwrap();
+    m.read(0, &mut got).unwrap();
     assert!(
         got == random(size, seed),
         "the child does not see the parent's data"
     );
     let flipped: Vec<u8> = got.iter().map(|b| !b).collect();
-    htod(d, m.device_ptr(), &flipped).unwrap();
+    m.write(0, &flipped).unwrap();
     // Make sure the writes landed before telling the parent.
     let mut again = vec![0u8; size];
-    dtoh(d, &mut again, m.device_ptr()).unwrap();
+    m.read(0, &mut again).unwrap();
     assert!(again == flipped);
     drop((m, a));
     sock.write_all(b"ok").unwrap();
@@ -1228,9 +1228,9 @@ fn host_allocations_are_mapped_for_a_device_and_cannot_be_exported() {
     assert_eq!(a.spec().location, Location::Host);
     let m = Mapping::map_whole(&a, &rw0()).unwrap();
     let data = random(a.size(), 15);
-    htod(d, m.device_ptr(), &data).unwrap();
+    m.write(0, &data).unwrap();
     let mut back = vec![0u8; a.size()];
-    dtoh(d, &mut back, m.device_ptr()).unwrap();
+    m.read(0, &mut back).unwrap();
     assert!(back == data);
     assert!(matches!(
         PhysicalAllocation::builder(d, Location::Host)
@@ -1263,4 +1263,42 @@ fn an_imported_allocation_reports_what_the_exporter_created() {
     let c = PhysicalAllocation::import_fabric(d, a.export_fabric().unwrap().as_bytes(), 2 * MIB)
         .unwrap();
     assert_eq!(c.spec(), a.spec());
+}
+
+#[test]
+fn typed_mapping_reads_and_writes_check_range_and_alignment_and_empty_ones_succeed() {
+    let e = env();
+    let d = &e.driver;
+    let g = gran(d);
+    let a = PhysicalAllocation::builder(d, Location::Device(0))
+        .create(g)
+        .unwrap();
+    let m = Mapping::map_whole(&a, &rw0()).unwrap();
+    let words: Vec<u64> = (0..16).map(|i| i * 0x0101_0101_0101).collect();
+    m.write(8, &words).unwrap();
+    let mut back = vec![0u64; 16];
+    m.read(8, &mut back).unwrap();
+    assert_eq!(back, words);
+    let mut bytes = [0u8; 8];
+    m.read(16, &mut bytes).unwrap();
+    assert_eq!(bytes, words[1].to_le_bytes());
+    for (r, arg) in [
+        (m.write(4, &[1u64]), "offset_bytes"),
+        (m.write(g - 8, &[1u64, 2]), "data"),
+        (m.write(usize::MAX - 7, &[1u64]), "data"),
+        (m.read(g + 1, &mut [0u8; 0]), "out"),
+        (m.read(usize::MAX, &mut [0u8; 1]), "out"),
+    ] {
+        assert!(
+            matches!(r, Err(Error::InvalidArgument { arg: a, .. }) if a == arg),
+            "{arg}: {r:?}"
+        );
+    }
+    m.write::<u32>(g, &[]).unwrap();
+    m.read::<u32>(0, &mut []).unwrap();
+    let none = Mapping::map_whole(&a, &[]).unwrap();
+    assert!(matches!(
+        none.write(0, &[1u8]),
+        Err(Error::InvalidArgument { arg: "data", .. })
+    ));
 }

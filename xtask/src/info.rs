@@ -605,7 +605,7 @@ fn cell(p: &Value) -> String {
 
 /// Entry point of `cargo xtask info`.
 pub fn info(as_json: bool) -> Result<()> {
-    let driver = Driver::from_env().map_err(|e| {
+    let driver = cuda_multimem_sim::driver_from_env().map_err(|e| {
         format!("{e}\nno CUDA driver could be used; set CUDA_MULTIMEM_DRIVER=sim (e.g. sim:devices=8,version=13030) to inspect the simulated driver")
     })?;
     let r = report(&driver)?;
@@ -622,7 +622,8 @@ mod tests {
     use super::*;
 
     fn simulated(options: &str) -> Driver {
-        Driver::from_selection(&format!("sim:{options}")).expect("simulated driver")
+        cuda_multimem_sim::driver_from_selection(&format!("sim:{options}"))
+            .expect("simulated driver")
     }
 
     #[test]

@@ -17,7 +17,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 fn pick_driver() -> Res<(Driver, String)> {
     if std::env::var(cuda_multimem::DRIVER_ENV).is_ok_and(|v| v.starts_with("sim")) {
         return Ok((
-            Driver::from_env()?,
+            cuda_multimem_sim::driver_from_env()?,
             "simulated (CUDA_MULTIMEM_DRIVER)".into(),
         ));
     }
@@ -37,7 +37,7 @@ fn pick_driver() -> Res<(Driver, String)> {
         ),
         Err(e) => println!("note: no usable CUDA driver ({e}); using the simulator"),
     }
-    let d = Driver::simulated(cuda_multimem_sim::SimConfig::new(2, 13000))?;
+    let d = cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(2, 13000))?;
     Ok((d, "a simulated two-GPU NVLink system".into()))
 }
 

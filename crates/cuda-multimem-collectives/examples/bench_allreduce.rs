@@ -181,6 +181,10 @@ fn main() -> ExitCode {
 
 fn run() -> Res<bool> {
     let args = parse()?;
+    // With the `sim` feature (the default) `CUDA_MULTIMEM_DRIVER=sim...` selects the simulator.
+    #[cfg(feature = "sim")]
+    let driver = cuda_multimem_sim::driver_from_env()?;
+    #[cfg(not(feature = "sim"))]
     let driver = Driver::from_env()?;
     let devices = driver.devices();
     if devices.len() < args.ranks {

@@ -304,6 +304,10 @@ fn run() -> Res<()> {
         }
     }
     bytes = bytes.next_multiple_of(1 << 16);
+    // With the `sim` feature (the default) `CUDA_MULTIMEM_DRIVER=sim...` selects the simulator.
+    #[cfg(feature = "sim")]
+    let driver = cuda_multimem_sim::driver_from_env()?;
+    #[cfg(not(feature = "sim"))]
     let driver = Driver::from_env()?;
     let devices = driver.devices();
     if devices.len() < 2 {

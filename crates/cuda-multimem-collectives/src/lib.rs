@@ -11,7 +11,7 @@
 //! # #[cfg(feature = "sim")] {
 //! use cuda_multimem::{Driver, Stream};
 //! use cuda_multimem_collectives::{Communicator, DType, Op};
-//! let driver = Driver::simulated(cuda_multimem_sim::SimConfig::new(2, 13000))?;
+//! let driver = cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(2, 13000))?;
 //! let devices = driver.devices();
 //! let comm = Communicator::new(&devices)?;
 //! let buf = comm.alloc(1024 * 4)?;

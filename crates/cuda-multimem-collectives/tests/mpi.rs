@@ -35,7 +35,8 @@ fn mpi_rank() {
     let boot = MpiBootstrap::new(universe.world());
     use cuda_multimem_collectives::Bootstrap as _;
     let (rank, n) = (boot.rank(), boot.size());
-    let driver = Driver::simulated(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();
+    let driver =
+        cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();
     let device = driver.device(rank).unwrap();
     let comm = Communicator::with_bootstrap(
         &device,

@@ -21,6 +21,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! A program that uses the safe layer takes a `cuda_multimem::Driver` from [`simulated_driver`],
+//! [`driver_over`] or [`driver_from_env`] (`CUDA_MULTIMEM_DRIVER=sim:...`): `cuda-multimem`
+//! does not depend on this crate, so only a program that links it can select the simulator.
+//!
 //! Only one simulated machine is live per process at a time; a second [`Simulator::start`] from
 //! another thread waits for the first to be dropped.
 
@@ -34,6 +38,7 @@ mod kernel;
 mod managed;
 mod memory;
 pub mod multicast;
+mod select;
 mod shared;
 mod state;
 mod stream;
@@ -43,6 +48,7 @@ pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use dispatch::implemented;
 pub use kernel::{kernel_registered, register_kernel, KernelError, KernelFn, LaunchArgs};
 pub use managed::DISCARD_POISON;
+pub use select::{driver_from_env, driver_from_selection, driver_over, simulated_driver};
 pub use state::{FailurePlan, Simulator, StartError};
 
 /// Every simulated area's exports.

@@ -19,7 +19,7 @@ const SIMULATED: &str = "sim:devices=1,version=13000";
 
 fn driver() -> Result<Driver, Error> {
     if std::env::var_os(DRIVER_ENV).is_some() {
-        return Driver::from_env();
+        return cuda_multimem_sim::driver_from_env();
     }
     match Driver::load() {
         Ok(d) if d.device_count() > 0 => Ok(d),
@@ -27,11 +27,11 @@ fn driver() -> Result<Driver, Error> {
             println!(
                 "the CUDA driver reports no device; running on the simulated driver ({SIMULATED})"
             );
-            Driver::from_selection(SIMULATED)
+            cuda_multimem_sim::driver_from_selection(SIMULATED)
         }
         Err(e) => {
             println!("no CUDA driver could be loaded ({e}); running on the simulated driver ({SIMULATED})");
-            Driver::from_selection(SIMULATED)
+            cuda_multimem_sim::driver_from_selection(SIMULATED)
         }
     }
 }

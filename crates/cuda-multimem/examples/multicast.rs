@@ -24,12 +24,12 @@ const SIMULATED: &str = "sim:devices=2,version=13010";
 
 fn simulated(why: &str) -> Result<Driver, Error> {
     println!("{why}; running on the simulated driver ({SIMULATED})");
-    Driver::from_selection(SIMULATED)
+    cuda_multimem_sim::driver_from_selection(SIMULATED)
 }
 
 fn driver() -> Result<Driver, Error> {
     let d = if std::env::var_os(DRIVER_ENV).is_some() {
-        Driver::from_env()?
+        cuda_multimem_sim::driver_from_env()?
     } else {
         match Driver::load() {
             Ok(d) => d,

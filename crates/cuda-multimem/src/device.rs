@@ -22,7 +22,7 @@ impl std::fmt::Debug for Device {
 
 impl PartialEq for Device {
     fn eq(&self, o: &Self) -> bool {
-        self.ordinal == o.ordinal && std::sync::Arc::ptr_eq(&self.driver.inner, &o.driver.inner)
+        self.ordinal == o.ordinal && self.driver.same_as(&o.driver)
     }
 }
 impl Eq for Device {}
@@ -102,6 +102,31 @@ impl Device {
         unsafe { cu!(self.driver, cuMemsetD8_v3020(dst, value, len)) }?;
         // SAFETY: the legacy default stream of the current context.
         unsafe { cu!(self.driver, cuStreamSynchronize(std::ptr::null_mut())) }
+    }
+
+    /// Copy `dst.len()` bytes from device memory at `src` to host memory (`cuMemcpyDtoH`). A
+    /// device-to-host copy to pageable memory returns once the bytes are in `dst`; it waits
+    /// for the legacy and blocking streams' earlier work, not for kernels on non-blocking streams
+    /// (synchronise those first). An empty `dst` is a no-op.
+    ///
+    /// # Safety
+    /// `src .. src + dst.len()` is device memory (or a mapping) this device may read.
+    pub unsafe fn copy_to_host(
+        &self,
+        src: cuda_multimem_sys::CUdeviceptr,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller promises the source; `dst` is valid for `dst.len()` writes.
+        unsafe {
+            cu!(
+                self.driver,
+                cuMemcpyDtoH_v3020(dst.as_mut_ptr().cast(), src, dst.len())
+            )
+        }
     }
 
     /// The raw primary context (retained on first use).

@@ -1,4 +1,5 @@
-//! The driver value a program holds: loaded from libcuda, or simulated when asked for.
+//! The driver value a program holds: loaded from libcuda, or made by `cuda-multimem-sim` over a
+//! simulated machine ([`Driver::from_sys`]).
 
 use std::sync::{Arc, OnceLock};
 
@@ -9,7 +10,8 @@ use crate::error::{cu, Error, Result};
 use crate::Device;
 
 /// The environment variable that selects the driver: unset or `cuda` for the real driver,
-/// `sim` or `sim:<options>` for the simulated one (e.g. `sim:devices=8,version=13030`).
+/// `sim` or `sim:<options>` for the simulated one (e.g. `sim:devices=8,version=13030`), which
+/// only programs that link `cuda-multimem-sim` can select (`cuda_multimem_sim::driver_from_env`).
 pub const DRIVER_ENV: &str = "CUDA_MULTIMEM_DRIVER";
 
 /// A loaded CUDA driver (or an explicitly chosen simulated one). Cheap to clone; every object
@@ -69,8 +71,10 @@ impl Driver {
         Driver::from_sys(sys::Driver::load()?, false)
     }
 
-    /// The driver `CUDA_MULTIMEM_DRIVER` selects: the real one when unset or `cuda`; the
-    /// simulated one for `sim[:options]` (needs the `sim` feature). Anything else is an error.
+    /// The driver `CUDA_MULTIMEM_DRIVER` selects: the real one when unset or `cuda`. This
+    /// library does not link the simulator, so `sim[:options]` is an [`Error::Config`] pointing
+    /// to `cuda_multimem_sim::driver_from_env()`, which programs (tests, examples) that link it
+    /// call instead. Anything else is an error too.
     pub fn from_env() -> Result<Driver> {
         match std::env::var(DRIVER_ENV) {
             Err(std::env::VarError::NotPresent) => Driver::load(),
@@ -81,59 +85,28 @@ impl Driver {
         }
     }
 
-    /// Interpret a `CUDA_MULTIMEM_DRIVER` value.
+    /// Interpret a `CUDA_MULTIMEM_DRIVER` value: empty or `cuda` loads the real driver; `sim` or
+    /// `sim:<options>` is an [`Error::Config`] (see [`Driver::from_env`]); anything else is an
+    /// [`Error::Config`] saying what is expected.
     pub fn from_selection(value: &str) -> Result<Driver> {
         let v = value.trim();
         if v.is_empty() || v == "cuda" {
             return Driver::load();
         }
-        if let Some(rest) = v.strip_prefix("sim") {
-            let options = match rest.strip_prefix(':') {
-                Some(o) => o,
-                None if rest.is_empty() => "",
-                None => {
-                    return Err(Error::Config(format!(
-                        "{DRIVER_ENV}={value}: expected `cuda` or `sim[:key=value,...]`"
-                    )))
-                }
-            };
-            return Driver::simulated_from_options(options);
+        if v == "sim" || v.starts_with("sim:") {
+            return Err(Error::Config(format!(
+                "{DRIVER_ENV}={value} selects the simulated driver, which this program does not \
+                 link: the library never uses the simulator; a program that links \
+                 cuda-multimem-sim selects it with cuda_multimem_sim::driver_from_env()"
+            )));
         }
         Err(Error::Config(format!(
             "{DRIVER_ENV}={value}: expected `cuda` or `sim[:key=value,...]`"
         )))
     }
 
-    #[cfg(feature = "sim")]
-    fn simulated_from_options(options: &str) -> Result<Driver> {
-        let cfg = cuda_multimem_sim::SimConfig::parse(options)
-            .map_err(|e| Error::Config(format!("{DRIVER_ENV}: {e}")))?;
-        Driver::simulated(cfg)
-    }
-
-    #[cfg(not(feature = "sim"))]
-    fn simulated_from_options(_options: &str) -> Result<Driver> {
-        Err(Error::Config(format!(
-            "{DRIVER_ENV}=sim needs cuda-multimem's `sim` feature"
-        )))
-    }
-
-    /// Start a simulated machine and a driver over it (the simulator lives as long as the driver).
-    #[cfg(feature = "sim")]
-    pub fn simulated(config: cuda_multimem_sim::SimConfig) -> Result<Driver> {
-        let sim = cuda_multimem_sim::Simulator::start(config)
-            .map_err(|e| Error::Config(e.to_string()))?;
-        Driver::from_simulator(&sim)
-    }
-
-    /// A driver over a running simulator.
-    #[cfg(feature = "sim")]
-    pub fn from_simulator(sim: &cuda_multimem_sim::Simulator) -> Result<Driver> {
-        Driver::from_sys(sim.driver()?, true)
-    }
-
     /// Wrap a loaded `cuda_multimem_sys::Driver` and call `cuInit`. `simulated` is reported by
-    /// [`Driver::is_simulated`].
+    /// [`Driver::is_simulated`] (`cuda_multimem_sim::driver_over` passes `true`).
     pub fn from_sys(sys: sys::Driver, simulated: bool) -> Result<Driver> {
         let mut inner = Inner {
             sys,
@@ -151,6 +124,12 @@ impl Driver {
         Ok(Driver {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Whether `other` is this same driver value (a clone of it), not merely a driver over the
+    /// same library: handles made through one are refused by the other's checks.
+    pub fn same_as(&self, other: &Driver) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// The raw loader, for calls this crate does not wrap.

@@ -16,6 +16,14 @@ pub enum Error {
         /// Its status, printed with its name.
         code: CUresult,
     },
+    /// The driver could not load a module: its status and the JIT compiler's log.
+    #[error("cuModuleLoadData failed: {code}; JIT log:\n{log}")]
+    ModuleLoad {
+        /// The status of the load.
+        code: CUresult,
+        /// The compiler's error (and info) log.
+        log: String,
+    },
     /// The driver lacks a function (too old, or the platform does not support it).
     #[error("`{symbol}` needs CUDA driver {needed} or newer; this driver is {driver} ({reason})")]
     Unsupported {
@@ -113,7 +121,7 @@ impl Error {
     /// The driver status, if this is a failed driver call.
     pub fn code(&self) -> Option<CUresult> {
         match self {
-            Error::Driver { code, .. } => Some(*code),
+            Error::Driver { code, .. } | Error::ModuleLoad { code, .. } => Some(*code),
             _ => None,
         }
     }

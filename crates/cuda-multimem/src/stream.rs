@@ -1,8 +1,11 @@
-//! Streams and events.
+//! Streams and events: an owned [`Stream`], a borrowed [`StreamRef`] (what `BorrowedFd` is to
+//! `OwnedFd`), and [`Event`]. Stream capture into graphs is in `graph.rs`.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use cuda_multimem_sys::{CUevent, CUevent_flags_enum, CUstream, CUstream_flags_enum};
+use cuda_multimem_sys::{
+    CUdeviceptr, CUevent, CUevent_flags_enum, CUresult, CUstream, CUstream_flags_enum,
+};
 
 use crate::driver::Raw;
 use crate::error::{cu, Error, Result};
@@ -43,6 +46,14 @@ impl Stream {
         })
     }
 
+    /// This stream, borrowed: what launches, copies and captures take.
+    pub fn as_stream_ref(&self) -> StreamRef<'_> {
+        StreamRef {
+            device: &self.device,
+            raw: self.raw,
+        }
+    }
+
     /// The device.
     pub fn device(&self) -> &Device {
         &self.device
@@ -55,13 +66,217 @@ impl Stream {
 
     /// Wait for all queued work.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: a live stream.
-        unsafe { cu!(self.device.driver(), cuStreamSynchronize(self.raw.0)) }
+        self.as_stream_ref().synchronize()
+    }
+
+    /// Whether all queued work has completed (`cuStreamQuery`).
+    pub fn is_idle(&self) -> Result<bool> {
+        self.as_stream_ref().is_idle()
+    }
+
+    /// Wait for all queued work, at most `timeout` (see [`StreamRef::wait_idle`]).
+    pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        self.as_stream_ref().wait_idle(timeout)
     }
 
     /// Make later work on this stream wait for `event`.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        // SAFETY: live stream and event.
+        self.as_stream_ref().wait(event)
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: we own the stream; nothing uses the handle after this (borrows have ended).
+        let _ = unsafe { cu!(self.device.driver(), cuStreamDestroy_v4000(self.raw.0)) };
+    }
+}
+
+impl<'a> From<&'a Stream> for StreamRef<'a> {
+    fn from(s: &'a Stream) -> StreamRef<'a> {
+        s.as_stream_ref()
+    }
+}
+
+/// A borrowed stream of one device: a [`Stream`] of ours, a stream of another library
+/// ([`StreamRef::from_raw`], `StreamRef::from_cudarc` with the `cudarc` feature) or the legacy default stream (a null
+/// handle). Copy; the lifetime keeps the stream's owner alive while it is used.
+#[derive(Clone, Copy)]
+pub struct StreamRef<'a> {
+    device: &'a Device,
+    raw: Raw<CUstream>,
+}
+
+impl std::fmt::Debug for StreamRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "StreamRef(device {}, {:p})",
+            self.device.ordinal(),
+            self.raw.0
+        )
+    }
+}
+
+impl<'a> StreamRef<'a> {
+    /// Borrow a raw stream handle of `device`.
+    ///
+    /// # Safety
+    /// `raw` is null (the legacy default stream of `device`'s primary context) or a live stream
+    /// created in `device`'s primary context through the same driver library as
+    /// `device.driver()`, and it stays live for `'a`.
+    pub unsafe fn from_raw(device: &'a Device, raw: CUstream) -> StreamRef<'a> {
+        StreamRef {
+            device,
+            raw: Raw(raw),
+        }
+    }
+
+    /// Borrow a stream of the `cudarc` crate (feature `cudarc`). Refused for a simulated
+    /// driver (cudarc cannot talk to the simulator), for a stream of another device, and for a
+    /// stream whose context is not `device`'s primary context.
+    #[cfg(feature = "cudarc")]
+    pub fn from_cudarc(
+        device: &'a Device,
+        stream: &'a cudarc::driver::CudaStream,
+    ) -> Result<StreamRef<'a>> {
+        if device.driver().is_simulated() {
+            return Err(Error::invalid(
+                "stream",
+                "a cudarc stream, but this device belongs to the simulated driver, which cudarc cannot use",
+            ));
+        }
+        let ordinal = stream.context().ordinal();
+        if ordinal != device.ordinal() as usize {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "a cudarc stream of device {ordinal}; expected device {}",
+                    device.ordinal()
+                ),
+            ));
+        }
+        let ours = device.primary_context()?;
+        let theirs = stream.context().cu_ctx();
+        if !std::ptr::eq(theirs.cast::<std::ffi::c_void>(), ours.cast()) {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "a cudarc stream of context {theirs:p}; device {}'s primary context is {ours:p}",
+                    device.ordinal()
+                ),
+            ));
+        }
+        // SAFETY: a live cudarc stream of `device`'s primary context in this process (checked
+        // above), borrowed for 'a; cudarc's CUstream is the driver's opaque stream pointer.
+        Ok(unsafe { StreamRef::from_raw(device, stream.cu_stream() as CUstream) })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &'a Device {
+        self.device
+    }
+
+    /// The raw handle (valid for `'a`).
+    pub fn raw(&self) -> CUstream {
+        self.raw.0
+    }
+
+    /// The legacy default stream needs its context current; other streams carry theirs.
+    fn bind_if_default(&self) -> Result<()> {
+        if self.raw.0.is_null() {
+            self.device.bind()?;
+        }
+        Ok(())
+    }
+
+    /// Refuse the legacy default stream (a null handle) where the driver does.
+    pub(crate) fn check_not_default(&self, what: &str) -> Result<()> {
+        if self.raw.0.is_null() {
+            return Err(Error::invalid(
+                "stream",
+                format!("the legacy default stream (a null handle) cannot {what}; use a Stream"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuse a stream of another device or another driver value, naming both.
+    pub(crate) fn check_device(&self, arg: &'static str, want: &Device, what: &str) -> Result<()> {
+        if !self.device.driver().same_as(want.driver()) {
+            return Err(Error::invalid(
+                arg,
+                format!("a stream from another Driver value; {what}"),
+            ));
+        }
+        if self.device.ordinal() != want.ordinal() {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "a stream of device {}; {what} device {}",
+                    self.device.ordinal(),
+                    want.ordinal()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Wait for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind_if_default()?;
+        // SAFETY: a live stream (or the legacy stream of the current context).
+        unsafe { cu!(self.device.driver(), cuStreamSynchronize(self.raw.0)) }
+    }
+
+    /// Whether all queued work has completed (`cuStreamQuery`: `CUDA_ERROR_NOT_READY` is
+    /// `false`).
+    pub fn is_idle(&self) -> Result<bool> {
+        self.bind_if_default()?;
+        // SAFETY: a live stream (or the legacy stream of the current context).
+        match unsafe { cu!(self.device.driver(), cuStreamQuery(self.raw.0)) } {
+            Ok(()) => Ok(true),
+            Err(Error::Driver { code, .. }) if code == CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Wait for all queued work, polling, at most `timeout`: [`Error::Timeout`] with the
+    /// timeout when work is still queued then (a hung kernel does not hang the caller).
+    pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(5);
+        loop {
+            if self.is_idle()? {
+                return Ok(());
+            }
+            let spent = start.elapsed();
+            if spent >= timeout {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "the work queued on stream {:p} of device {}",
+                        self.raw.0,
+                        self.device.ordinal()
+                    ),
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(pause.min(timeout - spent));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Make later work on this stream wait for `event` (of any device of the same driver
+    /// value).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        if !self.device.driver().same_as(event.device.driver()) {
+            return Err(Error::invalid(
+                "event",
+                "an event from another Driver value than the stream's",
+            ));
+        }
+        self.bind_if_default()?;
+        // SAFETY: live stream and event of the same driver value.
         unsafe {
             cu!(
                 self.device.driver(),
@@ -69,12 +284,51 @@ impl Stream {
             )
         }
     }
-}
 
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // SAFETY: we own the stream; nothing uses the handle after this.
-        let _ = unsafe { cu!(self.device.driver(), cuStreamDestroy_v4000(self.raw.0)) };
+    /// Queue a copy of `bytes` bytes from `src` to `dst`, both device memory (or mappings),
+    /// on this stream (`cuMemcpyDtoDAsync`). Zero bytes is a no-op.
+    ///
+    /// # Safety
+    /// `src .. src + bytes` is readable and `dst .. dst + bytes` writable by this stream's
+    /// device when the copy runs, the ranges do not overlap, and both stay allocated until it
+    /// has run.
+    pub unsafe fn copy_dtod_async(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: as the caller promises; a live stream of the current context.
+        unsafe {
+            cu!(
+                self.device.driver(),
+                cuMemcpyDtoDAsync_v3020(dst, src, bytes, self.raw.0)
+            )
+        }
+    }
+
+    /// Queue setting `bytes` bytes at `dst` to `value` on this stream (`cuMemsetD8Async`).
+    /// Zero bytes is a no-op.
+    ///
+    /// # Safety
+    /// `dst .. dst + bytes` is device memory (or a mapping) writable by this stream's device
+    /// when the memset runs, and stays allocated until it has run.
+    pub unsafe fn memset_d8_async(&self, dst: CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: as the caller promises; a live stream of the current context.
+        unsafe {
+            cu!(
+                self.device.driver(),
+                cuMemsetD8Async_v3020(dst, value, bytes, self.raw.0)
+            )
+        }
     }
 }
 
@@ -102,24 +356,22 @@ impl Event {
         })
     }
 
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The raw handle.
     pub fn raw(&self) -> CUevent {
         self.raw.0
     }
 
-    /// Record on `stream`.
-    pub fn record(&self, stream: &Stream) -> Result<()> {
-        if stream.device() != &self.device {
-            return Err(Error::invalid(
-                "stream",
-                format!(
-                    "stream of device {} cannot record an event of device {}",
-                    stream.device().ordinal(),
-                    self.device.ordinal()
-                ),
-            ));
-        }
-        // SAFETY: live event and stream of the same device.
+    /// Record on `stream` (a stream of this event's device and driver value).
+    pub fn record<'s>(&self, stream: impl Into<StreamRef<'s>>) -> Result<()> {
+        let stream = stream.into();
+        stream.check_device("stream", &self.device, "the event belongs to")?;
+        stream.bind_if_default()?;
+        // SAFETY: live event and stream of the same device and driver value.
         unsafe {
             cu!(
                 self.device.driver(),
@@ -139,17 +391,19 @@ impl Event {
         // SAFETY: a live event.
         match unsafe { cu!(self.device.driver(), cuEventQuery(self.raw.0)) } {
             Ok(()) => Ok(true),
-            Err(Error::Driver { code, .. })
-                if code == cuda_multimem_sys::CUresult::CUDA_ERROR_NOT_READY =>
-            {
-                Ok(false)
-            }
+            Err(Error::Driver { code, .. }) if code == CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             Err(e) => Err(e),
         }
     }
 
     /// Time from `start` to this event (both recorded and complete).
     pub fn elapsed_since(&self, start: &Event) -> Result<Duration> {
+        if !self.device.driver().same_as(start.device.driver()) {
+            return Err(Error::invalid(
+                "start",
+                "an event from another Driver value",
+            ));
+        }
         let mut ms = 0f32;
         // SAFETY: live events; one float written.
         unsafe {

@@ -18,7 +18,7 @@
 //! use cuda_multimem::managed::{self, Location, ManagedBuffer};
 //! use cuda_multimem::{Driver, Stream};
 //!
-//! let driver = Driver::from_selection("sim:devices=1,version=13000")?; // or Driver::load()
+//! let driver = cuda_multimem_sim::driver_from_selection("sim:devices=1,version=13000")?; // or Driver::load()
 //! let gpu = driver.device(0)?;
 //! let stream = Stream::new(&gpu)?;
 //! let mut buf = ManagedBuffer::new(&gpu, 4 << 20)?;

@@ -8,7 +8,7 @@ use cuda_multimem_sys::{CUdeviceptr, CUmemAccessDesc, CUmemAccess_flags};
 
 use super::{Location, PhysicalAllocation, Reservation};
 use crate::error::cu;
-use crate::{Error, Result};
+use crate::{Device, DeviceRepr, Error, Result};
 
 /// Access a location has to a mapping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -145,6 +145,93 @@ impl Mapping {
             x if x == CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ.0 => Access::ReadOnly,
             _ => Access::None,
         })
+    }
+
+    /// Copy `data` to the mapping at `offset_bytes` and return once it is in memory (visible to
+    /// kernels on any stream; see [`crate::Device::copy_from_host_blocking`]). The copy goes
+    /// through a device with read-write access to the mapping (the allocation's own device
+    /// first). The range is checked, overflow included, and `offset_bytes` must be a multiple
+    /// of `T`'s alignment; an empty `data` is a no-op.
+    pub fn write<T: DeviceRepr>(&self, offset_bytes: usize, data: &[T]) -> Result<()> {
+        self.check_typed::<T>("data", offset_bytes, std::mem::size_of_val(data))?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let device = self.device_with(true)?;
+        // SAFETY: the range lies in this live mapping (checked), which `device` may write.
+        unsafe {
+            device.copy_from_host_blocking(
+                self.ptr + offset_bytes as CUdeviceptr,
+                crate::memory::as_bytes(data),
+            )
+        }
+    }
+
+    /// Copy `out.len()` values from the mapping at `offset_bytes` into `out`, through a device
+    /// with access to the mapping (the allocation's own device first). The same checks as
+    /// [`Mapping::write`]. Kernels on non-blocking streams are not waited for.
+    pub fn read<T: DeviceRepr>(&self, offset_bytes: usize, out: &mut [T]) -> Result<()> {
+        self.check_typed::<T>("out", offset_bytes, std::mem::size_of_val(out))?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let device = self.device_with(false)?;
+        // SAFETY: the range lies in this live mapping (checked), which `device` may read.
+        unsafe {
+            device.copy_to_host(
+                self.ptr + offset_bytes as CUdeviceptr,
+                crate::memory::as_bytes_mut(out),
+            )
+        }
+    }
+
+    fn check_typed<T: DeviceRepr>(
+        &self,
+        arg: &'static str,
+        offset_bytes: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        crate::error::check_multiple(
+            "offset_bytes",
+            offset_bytes as u64,
+            std::mem::align_of::<T>() as u64,
+            "alignment of the element type",
+        )?;
+        crate::error::check_within(
+            bytes as u64,
+            offset_bytes as u64,
+            self.size as u64,
+            "mapping",
+        )
+        .map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => Error::invalid(arg, reason),
+            e => e,
+        })
+    }
+
+    /// A device through which to copy: the allocation's own device if it has the access, else
+    /// the first device that has.
+    fn device_with(&self, write: bool) -> Result<Device> {
+        let driver = self.allocation.driver();
+        let own = match self.allocation.spec().location {
+            Location::Device(o) => Some(o),
+            _ => None,
+        };
+        let others = (0..driver.device_count() as i32).filter(|&o| Some(o) != own);
+        for o in own.into_iter().chain(others) {
+            let a = self.access(Location::Device(o))?;
+            if a == Access::ReadWrite || (!write && a == Access::ReadOnly) {
+                return driver.device(o as usize);
+            }
+        }
+        Err(Error::invalid(
+            if write { "data" } else { "out" },
+            format!(
+                "no device has {} access to the mapping at {:#x}; grant it with set_access",
+                if write { "read-write" } else { "read" },
+                self.ptr
+            ),
+        ))
     }
 
     /// The mapped address.

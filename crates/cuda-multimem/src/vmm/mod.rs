@@ -13,7 +13,7 @@
 //! };
 //! use cuda_multimem::Driver;
 //!
-//! let driver = Driver::from_selection("sim:devices=2,version=13000")?; // or Driver::load()
+//! let driver = cuda_multimem_sim::driver_from_selection("sim:devices=2,version=13000")?; // or Driver::load()
 //! // Physical memory on device 0, exportable to other processes as a POSIX fd.
 //! let alloc = PhysicalAllocation::builder(&driver, Location::Device(0))
 //!     .handle_types(HandleTypes::POSIX_FD)

@@ -1,0 +1,330 @@
+//! Modules of PTX text loaded on one device, their functions, and kernel launches.
+
+use std::ffi::{c_uint, c_void, CString};
+use std::sync::Arc;
+
+use cuda_multimem_sys::{CUfunction, CUjit_option, CUmodule};
+
+use crate::driver::Raw;
+use crate::error::{cu, Error, Result};
+use crate::{Device, StreamRef};
+
+/// The most threads one block may have on every device this library supports.
+pub const MAX_THREADS_PER_BLOCK: u32 = 1024;
+
+/// A module loaded on one device from PTX text (`cuModuleLoadData`); unloaded when it and every
+/// [`Function`] of it are dropped.
+#[derive(Clone)]
+pub struct Module {
+    inner: Arc<ModuleInner>,
+}
+
+struct ModuleInner {
+    device: Device,
+    raw: Raw<CUmodule>,
+}
+
+impl std::fmt::Debug for Module {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Module(device {}, {:p})",
+            self.inner.device.ordinal(),
+            self.inner.raw.0
+        )
+    }
+}
+
+/// Bytes of each JIT log buffer asked for when a load fails.
+const LOG_BYTES: usize = 8 << 10;
+
+impl Module {
+    /// Load PTX text on `device`. The driver compiles it for the device (JIT); when that fails
+    /// and the driver offers `cuModuleLoadDataEx`, the error carries the compiler's log.
+    pub fn load_ptx(device: &Device, ptx: &str) -> Result<Module> {
+        let text = CString::new(ptx).map_err(|e| {
+            Error::invalid(
+                "ptx",
+                format!(
+                    "PTX text contains a NUL byte at offset {} of {}",
+                    e.nul_position(),
+                    ptx.len()
+                ),
+            )
+        })?;
+        device.bind()?;
+        let mut m: CUmodule = std::ptr::null_mut();
+        // SAFETY: NUL-terminated PTX text; out-pointer valid; the device's context is current.
+        let loaded = unsafe {
+            cu!(
+                device.driver(),
+                cuModuleLoadData(&mut m, text.as_ptr() as *const c_void)
+            )
+        };
+        match loaded {
+            Ok(()) => Ok(Module {
+                inner: Arc::new(ModuleInner {
+                    device: device.clone(),
+                    raw: Raw(m),
+                }),
+            }),
+            Err(Error::Driver { code, .. }) => Err(match jit_log(device, &text) {
+                Some(log) => Error::ModuleLoad { code, log },
+                None => Error::Driver {
+                    call: "cuModuleLoadData",
+                    code,
+                },
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The device it is loaded on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The raw handle (valid while `self` lives).
+    pub fn raw(&self) -> CUmodule {
+        self.inner.raw.0
+    }
+
+    /// The kernel `name` (a PTX `.entry`) of this module (`cuModuleGetFunction`).
+    pub fn function(&self, name: &str) -> Result<Function> {
+        let c = CString::new(name)
+            .map_err(|_| Error::invalid("name", format!("{name:?} contains a NUL byte")))?;
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: live module, NUL-terminated name, valid out-pointer.
+        unsafe {
+            cu!(
+                self.inner.device.driver(),
+                cuModuleGetFunction(&mut f, self.inner.raw.0, c.as_ptr())
+            )
+        }?;
+        Ok(Function {
+            module: self.clone(),
+            raw: Raw(f),
+            name: name.into(),
+        })
+    }
+}
+
+/// Load `text` again through `cuModuleLoadDataEx` to collect the JIT compiler's log; `None` when
+/// the driver lacks the call, the second load succeeds, or the log is empty.
+fn jit_log(device: &Device, text: &CString) -> Option<String> {
+    let mut error_log = vec![0u8; LOG_BYTES];
+    let mut info_log = vec![0u8; LOG_BYTES];
+    let mut options = [
+        CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+        CUjit_option::CU_JIT_INFO_LOG_BUFFER,
+        CUjit_option::CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+    ];
+    // The size options are passed by value in the pointer slot, as the driver documents.
+    let mut values: [*mut c_void; 4] = [
+        error_log.as_mut_ptr().cast(),
+        LOG_BYTES as *mut c_void,
+        info_log.as_mut_ptr().cast(),
+        LOG_BYTES as *mut c_void,
+    ];
+    let mut m: CUmodule = std::ptr::null_mut();
+    // SAFETY: NUL-terminated text; 4 options with their values (buffers valid for LOG_BYTES
+    // writes, sizes by value); the device's context is current (bound by the caller).
+    let r = unsafe {
+        cu!(
+            device.driver(),
+            cuModuleLoadDataEx(
+                &mut m,
+                text.as_ptr() as *const c_void,
+                options.len() as c_uint,
+                options.as_mut_ptr(),
+                values.as_mut_ptr()
+            )
+        )
+    };
+    if r.is_ok() {
+        // SAFETY: the module just loaded; nothing else knows it.
+        let _ = unsafe { cu!(device.driver(), cuModuleUnload(m)) };
+        return None;
+    }
+    let text_of = |b: &[u8]| {
+        let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+        String::from_utf8_lossy(&b[..end]).trim().to_string()
+    };
+    let log = [text_of(&error_log), text_of(&info_log)]
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    (!log.is_empty()).then_some(log)
+}
+
+impl Drop for ModuleInner {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: we own the module and no Function of it is left (they hold the Arc).
+            let _ = unsafe { cu!(self.device.driver(), cuModuleUnload(self.raw.0)) };
+        }
+    }
+}
+
+/// A kernel of a loaded [`Module`]; keeps the module loaded. Cheap to clone.
+#[derive(Clone)]
+pub struct Function {
+    module: Module,
+    raw: Raw<CUfunction>,
+    name: Arc<str>,
+}
+
+impl std::fmt::Debug for Function {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Function({}, device {})",
+            self.name,
+            self.module.device().ordinal()
+        )
+    }
+}
+
+/// The shape of a launch: grid and block dimensions and dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z (at most 1024 in all).
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A one-dimensional grid of `blocks` blocks of `threads` threads, no dynamic shared memory.
+    pub fn linear(blocks: u32, threads: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid: [blocks, 1, 1],
+            block: [threads, 1, 1],
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.grid.contains(&0) {
+            return Err(Error::invalid(
+                "config",
+                format!("grid {:?} has a zero dimension", self.grid),
+            ));
+        }
+        if self.block.contains(&0) {
+            return Err(Error::invalid(
+                "config",
+                format!("block {:?} has a zero dimension", self.block),
+            ));
+        }
+        let threads = self.block.iter().map(|&b| b as u64).product::<u64>();
+        if threads > MAX_THREADS_PER_BLOCK as u64 {
+            return Err(Error::invalid(
+                "config",
+                format!(
+                    "block {:?} has {threads} threads; at most {MAX_THREADS_PER_BLOCK}",
+                    self.block
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Function {
+    /// The kernel's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device its module is loaded on.
+    pub fn device(&self) -> &Device {
+        self.module.device()
+    }
+
+    /// The module.
+    pub fn module(&self) -> &Module {
+        &self.module
+    }
+
+    /// The raw handle (valid while `self` lives).
+    pub fn raw(&self) -> CUfunction {
+        self.raw.0
+    }
+
+    /// Queue the kernel on `stream` (`cuLaunchKernel`). Checked first: the stream is of the
+    /// function's device and driver value, no dimension is zero, a block has at most 1024
+    /// threads.
+    ///
+    /// # Safety
+    /// `params` has one pointer per parameter of the kernel's PTX entry, each to a value of that
+    /// parameter's size (read before this returns); what the kernel does with them (memory it
+    /// reads and writes) is valid for the device when it runs, and that memory stays allocated
+    /// until it has run.
+    pub unsafe fn launch<'s>(
+        &self,
+        config: &LaunchConfig,
+        stream: impl Into<StreamRef<'s>>,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let stream = stream.into();
+        stream.check_device("stream", self.device(), "the function is loaded on")?;
+        config.validate()?;
+        let d = self.device();
+        d.bind()?;
+        let [gx, gy, gz] = config.grid;
+        let [bx, by, bz] = config.block;
+        let p = if params.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            params.as_mut_ptr()
+        };
+        // SAFETY: a live function and a live stream of its device (checked); the parameters as
+        // the caller promises; `extra` is null.
+        unsafe {
+            cu!(
+                d.driver(),
+                cuLaunchKernel(
+                    self.raw.0,
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    config.shared_mem_bytes,
+                    stream.raw(),
+                    p,
+                    std::ptr::null_mut()
+                )
+            )
+        }
+    }
+
+    /// [`Function::launch`] for kernels whose parameters are all `.u64` (device pointers and
+    /// counts): `args` are their values, in order.
+    ///
+    /// # Safety
+    /// The kernel's PTX entry declares exactly `args.len()` parameters, all 8 bytes; what it
+    /// does with them is valid for the device when it runs, and the memory it uses stays
+    /// allocated until it has run.
+    pub unsafe fn launch_u64<'s>(
+        &self,
+        config: &LaunchConfig,
+        stream: impl Into<StreamRef<'s>>,
+        args: &[u64],
+    ) -> Result<()> {
+        // cuLaunchKernel reads each parameter through a pointer to it before it returns.
+        let mut values = args.to_vec();
+        let mut params: Vec<*mut c_void> = values
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: as the caller promises; `values` outlives the call.
+        unsafe { self.launch(config, stream, &mut params) }
+    }
+}

@@ -20,7 +20,7 @@ use crate::Result;
 pub struct Feature {
     /// Whether a program can use it.
     pub available: bool,
-    /// Why not (empty when available); also a note when available with a caveat.
+    /// Why not; when available, an empty string or a note (the NUMA node, a caveat).
     pub reason: String,
 }
 
@@ -37,11 +37,13 @@ impl Feature {
             reason: reason.into(),
         }
     }
+    /// `{"available": true}`, `{"available": true, "note": ...}` (host NUMA: "node 0"; a caveat),
+    /// or `{"available": false, "reason": ...}`.
     fn json(&self) -> Value {
-        if self.reason.is_empty() {
-            json!({ "available": self.available })
-        } else {
-            json!({ "available": self.available, "reason": self.reason })
+        match (self.available, self.reason.is_empty()) {
+            (_, true) => json!({ "available": self.available }),
+            (true, false) => json!({ "available": true, "note": self.reason }),
+            (false, false) => json!({ "available": false, "reason": self.reason }),
         }
     }
 }
@@ -484,7 +486,7 @@ pub fn render(r: &Value) -> String {
             let mut row = vec![format!("GPU{}", d["ordinal"])];
             for (k, _) in keys {
                 let f = &d["features"][k];
-                let why = f["reason"].as_str().unwrap_or("");
+                let why = f["reason"].as_str().or(f["note"].as_str()).unwrap_or("");
                 row.push(match (f["available"].as_bool().unwrap_or(false), why) {
                     (true, "") => "yes".into(),
                     (true, w) if k == "host_numa" => w.to_string(),

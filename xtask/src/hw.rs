@@ -1,4 +1,5 @@
-//! Hardware commands: `bundle`, `test-hw`, `bench-hw`, `ptx-check`.
+//! Hardware commands: `bundle`, `test-hw`, `bench-hw`, `ptx-check`. `test-hw` and `bench-hw`
+//! show their progress (see `progress`).
 //!
 //! The GPU machines have no Rust toolchain, so everything that runs there is built here, in
 //! release, stripped, into `bundle/` (git-ignored, well under 64 MiB): this xtask binary, the suite's
@@ -9,7 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::test_cmd::{run_capture, Tally};
+use crate::progress::{libtest_start, run_with_progress, Progress};
+use crate::test_cmd::Tally;
 use crate::{workspace_root, Result};
 
 /// Marker file that says "this folder is a bundle".
@@ -167,18 +169,53 @@ fn bundle_dir() -> Result<PathBuf> {
 /// Entry point of `cargo xtask test-hw`: the suite against the real driver. Never creates a
 /// multicast object: the library refuses while NCCL_NVLS_ENABLE=0 or
 /// CUDA_MULTIMEM_DISABLE_MULTICAST=1 is set, and this command sets the latter for its children.
+/// Shows progress: one step per test (the suite runs them one at a time).
 pub fn test_hw(filter: &[String]) -> Result<()> {
     let b = bundle_dir()?;
-    let mut tally = Tally::default();
-    println!("== suite on the real driver (CUDA_MULTIMEM_DRIVER=cuda)");
-    let (ok, out) = run_capture(
-        Command::new(b.join("bin/suite"))
-            .args(["--test-threads=1", "--nocapture"])
-            .args(filter)
-            .env("CUDA_MULTIMEM_DRIVER", "cuda")
+    let suite = |c: &mut Command| {
+        c.env("CUDA_MULTIMEM_DRIVER", "cuda")
             .env("CUDA_MULTIMEM_DISABLE_MULTICAST", "1")
-            .env("RUST_BACKTRACE", "1"),
-    )?;
+            .env("RUST_BACKTRACE", "1");
+    };
+    // How many tests the filter selects, for "[i/n]".
+    let mut list = Command::new(b.join("bin/suite"));
+    list.args(["--list", "--format=terse"]).args(filter);
+    suite(&mut list);
+    let total = list
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.ends_with(": test"))
+                .count()
+        })
+        .unwrap_or(0);
+    let mut tally = Tally::default();
+    println!("== suite on the real driver (CUDA_MULTIMEM_DRIVER=cuda), {total} tests");
+    let progress = Progress::new(total);
+    let mut cmd = Command::new(b.join("bin/suite"));
+    cmd.args(["--test-threads=1", "--nocapture"]).args(filter);
+    suite(&mut cmd);
+    let mut current: Option<String> = None;
+    let (ok, out) = run_with_progress(&mut cmd, &progress, |line| {
+        if let Some(name) = libtest_start(line) {
+            current = Some(name.to_string());
+            progress.step(name);
+        }
+        // libtest's verdict ends the line that started the test, or (with --nocapture, after
+        // the test's own output) stands on a line of its own.
+        if current.is_some() {
+            let l = line.trim_end();
+            let verdict = ["ok", "FAILED", "ignored"]
+                .into_iter()
+                .find(|v| l == *v || l.ends_with(&format!(" ... {v}")));
+            if let Some(v) = verdict {
+                progress.finish(v);
+                current = None;
+            }
+        }
+    })?;
+    drop(progress);
     tally.read(&out, "hw");
     tally.report();
     if ok && tally.failed == 0 {
@@ -188,25 +225,45 @@ pub fn test_hw(filter: &[String]) -> Result<()> {
     }
 }
 
-/// One `RESULT {json}` line of a benchmark.
-fn results(output: &str) -> Vec<serde_json::Value> {
-    output
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("RESULT "))
-        .filter_map(|j| serde_json::from_str(j).ok())
-        .collect()
-}
-
-fn human_bytes(b: u64) -> String {
-    match b {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
-        b => format!("{b} B"),
+/// Where hardware runs keep their logs: `hw-logs/` beside the bundle on the GPU machine, in the
+/// workspace otherwise (git-ignored).
+pub fn logs_dir() -> PathBuf {
+    match running_bundle().and_then(|b| b.parent().map(Path::to_path_buf)) {
+        Some(p) => p.join("hw-logs"),
+        None => workspace_root().join("hw-logs"),
     }
 }
 
-/// Entry point of `cargo xtask bench-hw <what>`.
+/// A free file name `hw-logs/<bench>-<date>.jsonl` (`-2`, `-3`, ... for later runs that day).
+fn log_file(dir: &Path, bench: &str, date: &str) -> PathBuf {
+    let mut p = dir.join(format!("{bench}-{date}.jsonl"));
+    let mut n = 2;
+    while p.exists() {
+        p = dir.join(format!("{bench}-{date}-{n}.jsonl"));
+        n += 1;
+    }
+    p
+}
+
+/// "2 x NVIDIA H200" for the devices of a run, from the real driver (the hostname if it cannot
+/// be asked).
+fn machine_name(ranks: u32) -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    match cuda_multimem::Driver::load()
+        .ok()
+        .and_then(|d| d.device(0).ok()?.name().ok())
+    {
+        Some(name) => format!("{ranks} x {name}"),
+        None if !host.is_empty() => host,
+        None => "unnamed machine".into(),
+    }
+}
+
+/// Entry point of `cargo xtask bench-hw <what>`: run the benchmark (and, for the collectives, the
+/// reference in the same run), save its RESULT lines to `hw-logs/<bench>-<date>.jsonl`, print
+/// the nccl-tests style table and write the charts beside the log (`hw-logs/charts/`).
 pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     let b = bundle_dir()?;
     let bin = match what {
@@ -218,81 +275,75 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     if !path.is_file() {
         return Err(format!("{} is not in the bundle", path.display()).into());
     }
-    let (ok, ours) = run_capture(
-        Command::new(path)
-            .args(args)
-            .env("CUDA_MULTIMEM_DRIVER", "cuda")
-            .env("CUDA_MULTIMEM_DISABLE_MULTICAST", "1")
-            .env("CUDA_MULTIMEM_BUNDLE", &b),
-    )?;
-    if !ok {
-        return Err(format!("{bin} failed").into());
+    let collective = what != "memory";
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    // (step name, command, must succeed)
+    let mut steps: Vec<(String, Command, bool)> = Vec::new();
+    let mut ours = Command::new(&path);
+    ours.args(args)
+        .env("CUDA_MULTIMEM_DRIVER", "cuda")
+        .env("CUDA_MULTIMEM_DISABLE_MULTICAST", "1")
+        .env("CUDA_MULTIMEM_BUNDLE", &b);
+    steps.push((bin.to_string(), ours, true));
+    if collective {
+        // The reference in the same run: NCCL through torch, graph-captured, multicast off.
+        let mut nccl = Command::new(&python);
+        nccl.arg(b.join("scripts/nccl_allreduce.py"))
+            .env("NCCL_NVLS_ENABLE", "0")
+            .env("PYTHONUNBUFFERED", "1");
+        steps.push((
+            "reference: NCCL (graph-captured, NCCL_NVLS_ENABLE=0)".into(),
+            nccl,
+            false,
+        ));
     }
-    if what != "allreduce" {
+    let progress = Progress::new(steps.len());
+    let mut output = String::new();
+    let mut failed_reference = false;
+    for (name, mut cmd, required) in steps {
+        progress.step(&name);
+        let (ok, out) = run_with_progress(&mut cmd, &progress, |_| {})?;
+        progress.finish(if ok { "ok" } else { "FAILED" });
+        if !ok && required {
+            return Err(format!("{name} failed").into());
+        }
+        failed_reference |= !ok;
+        output += &out;
+    }
+    drop(progress);
+
+    let dir = logs_dir();
+    std::fs::create_dir_all(&dir)?;
+    let date = crate::bench::today();
+    let log = log_file(&dir, what, &date);
+    if !collective {
+        let lines: String = output
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("RESULT "))
+            .map(|j| format!("{j}\n"))
+            .collect();
+        std::fs::write(&log, lines)?;
+        println!("\nsaved {}", log.display());
         return Ok(());
     }
-    // The reference in the same run: NCCL through torch, graph-captured, multicast off.
-    println!("== reference: NCCL (graph-captured, NCCL_NVLS_ENABLE=0)");
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let (nccl_ok, nccl) = run_capture(
-        Command::new(python)
-            .arg(b.join("scripts/nccl_allreduce.py"))
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env("PYTHONUNBUFFERED", "1"),
-    )?;
-    let ours = results(&ours);
-    let theirs = results(&nccl);
-    println!(
-        "\n{:>9} {:>10} {:>9} {:>9} {:>24} {:>7} | {:>10} {:>9} {:>9} {:>7} | {:>7}",
-        "bytes",
-        "time_us",
-        "algbw",
-        "busbw",
-        "path",
-        "correct",
-        "nccl_us",
-        "algbw",
-        "busbw",
-        "correct",
-        "speedup"
-    );
-    for o in &ours {
-        let bytes = o["bytes"].as_u64().unwrap_or(0);
-        let n = theirs.iter().find(|t| t["bytes"].as_u64() == Some(bytes));
-        let t_ours = o["time_us"].as_f64().unwrap_or(f64::NAN);
-        // a number, or "-" where NCCL did not run that size
-        let num = |v: Option<f64>, w: usize, p: usize| match v {
-            Some(x) if x.is_finite() => format!("{x:>w$.p$}"),
-            _ => format!("{:>w$}", "-"),
-        };
-        let t_nccl = n.and_then(|n| n["time_us"].as_f64());
-        println!(
-            "{:>9} {:>10.2} {:>9.1} {:>9.1} {:>24} {:>7} | {} {} {} {:>7} | {}",
-            human_bytes(bytes),
-            t_ours,
-            o["algbw"].as_f64().unwrap_or(f64::NAN),
-            o["busbw"].as_f64().unwrap_or(f64::NAN),
-            o["path"].as_str().unwrap_or("?"),
-            o["correct"],
-            num(t_nccl, 10, 2),
-            num(n.and_then(|n| n["algbw"].as_f64()), 9, 1),
-            num(n.and_then(|n| n["busbw"].as_f64()), 9, 1),
-            n.map(|n| n["correct"].to_string())
-                .unwrap_or_else(|| "-".into()),
-            match t_nccl {
-                Some(t) => format!("{:>6.2}x", t / t_ours),
-                None => format!("{:>7}", "-"),
-            },
-        );
+    let ms = crate::bench::parse(&output)?;
+    std::fs::write(&log, crate::bench::to_jsonl(&ms))?;
+    println!("\n{}", crate::bench::table(&ms));
+    println!("saved {}", log.display());
+    let ranks = ms.iter().map(|m| m.ranks).max().unwrap_or(0);
+    if !ms.is_empty() {
+        for f in crate::bench::charts(&ms, &dir.join("charts"), &machine_name(ranks), &date)? {
+            println!("wrote {}", f.display());
+        }
     }
-    if !nccl_ok {
-        println!("(the NCCL reference failed; see its output above)");
+    if failed_reference {
+        println!("(a reference failed; see its output above)");
     }
-    if ours
+    if ms
         .iter()
-        .any(|o| o["correct"] != serde_json::Value::Bool(true))
+        .any(|m| m.implementation == crate::bench::OURS && m.correct == Some(false))
     {
-        return Err("an allreduce result did not match the host reference".into());
+        return Err("a result of ours did not match the host reference".into());
     }
     Ok(())
 }

@@ -7,12 +7,16 @@
 //! - `test-hw`: the suite against the real driver (builds a bundle first unless run from one).
 //! - `bench-hw memory|allreduce`: benchmarks on the real driver, side by side with the reference.
 //! - `ptx-check`: assemble every PTX kernel with ptxas for sm_90 (where ptxas exists).
-//! - `info [--json]`: what the selected driver and its devices can do.
+//! - `info [--json]`: what the selected driver and its devices can do, and the peer matrix.
+//! - `chart <results> [--out-dir docs/charts] [--date D --machine M]`: table and SVG charts of a
+//!   benchmark run's RESULT lines (`bench-hw` saves them in `hw-logs/` and charts them itself).
 //! - `bundle`: build what the GPU machines run (they have no Rust toolchain) into `bundle/`.
 
+mod bench;
 mod bindgen_cmd;
 mod hw;
 mod info;
+mod progress;
 mod ptx_cmd;
 mod test_cmd;
 
@@ -80,6 +84,21 @@ enum Cmd {
     },
     /// Build the binaries the GPU machines run into bundle/.
     Bundle,
+    /// Print the nccl-tests style table of a benchmark run and write its SVG charts
+    /// (`<bench>-time.svg`, `<bench>-bandwidth.svg` per collective).
+    Chart {
+        /// The run's results: a `hw-logs/<bench>-<date>.jsonl`, or captured benchmark output.
+        results: PathBuf,
+        /// Where the charts go (default: docs/charts).
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+        /// The run's date, YYYY-MM-DD, for the titles (default: today).
+        #[arg(long)]
+        date: Option<String>,
+        /// The machine, for the titles (e.g. "2 x H200, NV18").
+        #[arg(long)]
+        machine: Option<String>,
+    },
 }
 
 /// The workspace root: beside a bundled xtask, its bundle; else the parent of this crate.
@@ -123,6 +142,12 @@ fn main() {
         Cmd::PtxCheck => hw::ptx_check(),
         Cmd::Info { json } => info::info(json),
         Cmd::Bundle => hw::bundle().map(|_| ()),
+        Cmd::Chart {
+            results,
+            out_dir,
+            date,
+            machine,
+        } => bench::chart_cmd(&results, out_dir, date, machine),
     };
     if let Err(e) = r {
         eprintln!("xtask: {e}");

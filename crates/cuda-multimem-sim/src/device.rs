@@ -212,6 +212,65 @@ fn attribute(st: &State, attr: CUdevice_attribute, dev: i32) -> SimResult<c_int>
     })
 }
 
+/// `cuDeviceGetP2PAttribute`'s answer for the pair (`src` != `dst`, both valid): peers are the
+/// devices of one NVLink clique, with native atomics and array access over the link, performance
+/// rank 0 (the best); devices of different cliques report no access and rank 0.
+fn p2p_attribute(st: &State, attr: CUdevice_P2PAttribute, src: i32, dst: i32) -> SimResult<c_int> {
+    use CUdevice_P2PAttribute as P;
+    let peers = same_clique(st, src, dst) as c_int;
+    Ok(match attr {
+        P::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK => 0,
+        P::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED
+        | P::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+        | P::CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED => peers,
+        P::CU_DEVICE_P2P_ATTRIBUTE_ONLY_PARTIAL_NATIVE_ATOMIC_SUPPORTED => 0,
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    })
+}
+
+/// The fabric cliques of device `dev`, sorted by type as the driver sorts them: the unicast
+/// pointer clique (every device with fabric handles), the multicast pointer clique (with
+/// multicast), and the logical-endpoint cliques (with logical endpoints, which 13.3+ drivers
+/// report). The id is the configured NVLink clique. A device without fabric handles is not on a
+/// fabric: `CUDA_ERROR_NOT_SUPPORTED`.
+fn cliques(st: &State, dev: i32) -> SimResult<Vec<CUcliqueInfo>> {
+    use CUcliqueType as T;
+    let d = st.device(dev)?;
+    if !d.fabric_handle {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let mut v = vec![T::CU_CLIQUE_TYPE_UNICAST_POINTER];
+    if d.multicast {
+        v.push(T::CU_CLIQUE_TYPE_MULTICAST_POINTER);
+    }
+    if d.logical_endpoint_unicast {
+        v.push(T::CU_CLIQUE_TYPE_UNICAST_LOGICAL_ENDPOINT);
+    }
+    if d.logical_endpoint_multicast {
+        v.push(T::CU_CLIQUE_TYPE_MULTICAST_LOGICAL_ENDPOINT);
+    }
+    Ok(v.into_iter()
+        .map(|type_| CUcliqueInfo {
+            type_,
+            id: d.clique,
+        })
+        .collect())
+}
+
+/// The fabric cluster of device `dev`: one UUID per configured clique (the simulated machine's
+/// cliques are its NVLink domains).
+fn fabric_cluster_uuid(st: &State, dev: i32) -> SimResult<CUuuid> {
+    let d = st.device(dev)?;
+    if !d.fabric_handle {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let mut u = CUuuid::default();
+    for (i, b) in u.bytes.iter_mut().enumerate() {
+        *b = (0xc1 ^ (d.clique as u8).wrapping_mul(17) ^ (i as u8).wrapping_mul(3)) as c_char;
+    }
+    Ok(u)
+}
+
 sim_api! {
     cuDeviceGetCount @ 2000 as PFN_cuDeviceGetCount_v2000 => fn device_get_count(st, count: *mut c_int) {
         out(count, st.device_count() as c_int)
@@ -245,6 +304,36 @@ sim_api! {
     cuDeviceGetAttribute @ 2000 as PFN_cuDeviceGetAttribute_v2000 => fn device_get_attribute(st, pi: *mut c_int, attrib: CUdevice_attribute, dev: CUdevice) {
         let v = attribute(st, attrib, dev)?;
         out(pi, v)
+    }
+    cuDeviceGetP2PAttribute @ 8000 as PFN_cuDeviceGetP2PAttribute_v8000 => fn device_get_p2p_attribute(st, value: *mut c_int, attrib: CUdevice_P2PAttribute, src: CUdevice, dst: CUdevice) {
+        st.device(src)?;
+        st.device(dst)?;
+        if src == dst {
+            return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+        }
+        let v = p2p_attribute(st, attrib, src, dst)?;
+        out(value, v)
+    }
+    cuDeviceGetFabricClusterUuid @ 13040 as PFN_cuDeviceGetFabricClusterUuid_v13040 => fn device_get_fabric_cluster_uuid(st, uuid: *mut CUuuid, dev: CUdevice) {
+        let u = fabric_cluster_uuid(st, dev)?;
+        out(uuid, u)
+    }
+    cuDeviceGetCliqueCount @ 13040 as PFN_cuDeviceGetCliqueCount_v13040 => fn device_get_clique_count(st, count: *mut usize, dev: CUdevice) {
+        let n = cliques(st, dev)?.len();
+        out(count, n)
+    }
+    cuDeviceGetCliqueInfo @ 13040 as PFN_cuDeviceGetCliqueInfo_v13040 => fn device_get_clique_info(st, info: *mut CUcliqueInfo, count: *mut usize, dev: CUdevice) {
+        let all = cliques(st, dev)?;
+        // `count` is the array's size going in, the entries written coming out.
+        let cap = crate::state::read(count)?;
+        if info.is_null() && cap > 0 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let n = cap.min(all.len());
+        for (i, c) in all.iter().take(n).enumerate() {
+            info.add(i).write(*c);
+        }
+        out(count, n)
     }
     cuDeviceCanAccessPeer @ 4000 as PFN_cuDeviceCanAccessPeer_v4000 => fn device_can_access_peer(st, can: *mut c_int, dev: CUdevice, peer: CUdevice) {
         st.device(dev)?;

@@ -33,7 +33,7 @@
 //!   polling, for [`SHARED_BLOCK_LIMIT`]), and a store through any process's multicast mapping
 //!   reaches every process's bound memory (views of other processes' memfds are opened through
 //!   `/proc`).
-// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+// `is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
 #![allow(clippy::manual_is_multiple_of)]
 
 use std::collections::{BTreeMap, HashMap};

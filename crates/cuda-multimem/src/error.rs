@@ -177,7 +177,7 @@ pub(crate) fn check_within(size: usize, offset: usize, total: usize, what: &str)
 
 /// `v` must be a multiple of `unit` (the `unit_name`, e.g. "allocation granularity"):
 /// otherwise an [`Error::InvalidArgument`] on `arg`, before any driver call.
-// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+// `is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
 #[allow(clippy::manual_is_multiple_of)]
 pub(crate) fn check_multiple(
     arg: &'static str,

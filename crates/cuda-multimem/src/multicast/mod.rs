@@ -11,7 +11,7 @@
 //! Creating or importing an object checks the multicast guard first ([`multicast_allowed_for`]):
 //! with `NCCL_NVLS_ENABLE=0` or `CUDA_MULTIMEM_DISABLE_MULTICAST=1` it is [`Error::Disabled`]
 //! before any driver call.
-// `is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+// `is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
 #![allow(clippy::manual_is_multiple_of)]
 
 pub(crate) mod guard;

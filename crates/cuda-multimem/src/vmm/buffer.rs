@@ -1,5 +1,5 @@
 //! A growable buffer of VMM memory (cuda.core's `VirtualMemoryResource` is the model).
-// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+// `usize::is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
 #![allow(clippy::manual_is_multiple_of)]
 
 use std::sync::Arc;

@@ -1,5 +1,5 @@
 //! Mappings of physical allocations into reservations, and access per location.
-// `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
+// `usize::is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
 #![allow(clippy::manual_is_multiple_of)]
 
 use std::sync::Arc;

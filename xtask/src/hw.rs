@@ -106,6 +106,7 @@ pub fn bundle() -> Result<PathBuf> {
     for (src, dst) in [
         ("crates/cuda-multimem-collectives/src/kernels", "ptx"),
         ("bench/scripts", "scripts"),
+        ("bench/native", "scripts"),
     ] {
         let s = root.join(src);
         if let Ok(rd) = std::fs::read_dir(&s) {
@@ -286,16 +287,28 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
         .env("CUDA_MULTIMEM_BUNDLE", &b);
     steps.push((bin.to_string(), ours, true));
     if collective {
-        // The reference in the same run: NCCL through torch, graph-captured, multicast off.
-        let mut nccl = Command::new(&python);
-        nccl.arg(b.join("scripts/nccl_allreduce.py"))
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env("PYTHONUNBUFFERED", "1");
+        // The references in the same run, what a user would pick instead in its best
+        // configuration: NCCL one process per GPU, plain buffers and symmetric windows (the C
+        // program of bench/native, built there), and torch's symmetric-memory allreduces;
+        // NVLink multicast off for all of them.
+        let mut nccl = Command::new("bash");
+        nccl.arg(b.join("scripts/nccl_ref.sh"))
+            .args(["--timeout", "500", "--coll", what])
+            .args(reference_args(args))
+            .env("NCCL_NVLS_ENABLE", "0");
         steps.push((
-            "reference: NCCL (graph-captured, NCCL_NVLS_ENABLE=0)".into(),
+            "reference: NCCL 1 process/GPU, plain + symmetric windows".into(),
             nccl,
             false,
         ));
+        let mut torch = Command::new(&python);
+        torch
+            .arg(b.join("scripts/torch_symm_mem.py"))
+            .args(reference_args(args))
+            .env("NCCL_NVLS_ENABLE", "0")
+            .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+            .env("PYTHONUNBUFFERED", "1");
+        steps.push(("reference: torch symm_mem".into(), torch, false));
     }
     let progress = Progress::new(steps.len());
     let mut output = String::new();
@@ -346,6 +359,26 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
         return Err("a result of ours did not match the host reference".into());
     }
     Ok(())
+}
+
+/// The size arguments of ours that the references take too (`--sizes`, `--min-bytes`,
+/// `--max-bytes`), so every implementation measures the same sizes.
+fn reference_args(args: &[String]) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        for k in ["--sizes", "--min-bytes", "--max-bytes"] {
+            if a == k {
+                if let Some(x) = it.next() {
+                    v.push(a.clone());
+                    v.push(x.clone());
+                }
+            } else if a.starts_with(&format!("{k}=")) {
+                v.push(a.clone());
+            }
+        }
+    }
+    v
 }
 
 /// Entry point of `cargo xtask ptx-check`: assemble every kernel with ptxas for sm_90.

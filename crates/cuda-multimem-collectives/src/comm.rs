@@ -227,13 +227,13 @@ fn build_process(
     })
 }
 
-struct Inner {
-    id: u64,
-    ranks: Ranks,
-    config: CommConfig,
-    policy: MulticastPolicy,
-    p2p: P2p,
-    mm: Option<Mm>,
+pub(crate) struct Inner {
+    pub(crate) id: u64,
+    pub(crate) ranks: Ranks,
+    pub(crate) config: CommConfig,
+    pub(crate) policy: MulticastPolicy,
+    pub(crate) p2p: P2p,
+    pub(crate) mm: Option<Mm>,
     /// Why the multimem path is off (None: it is on).
     mm_status: Option<String>,
     next_buffer: AtomicU64,
@@ -254,7 +254,7 @@ struct Inner {
 /// the team is unusable: drop it and build a new one.
 #[derive(Clone)]
 pub struct Communicator {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -509,8 +509,8 @@ impl Inner {
 /// Every rank makes the same calls (sizes, types, operators, symmetric offsets) in the same order.
 #[derive(Clone, Copy)]
 pub struct RankHandle<'a> {
-    comm: &'a Communicator,
-    local: &'a Local,
+    pub(crate) comm: &'a Communicator,
+    pub(crate) local: &'a Local,
 }
 
 impl std::fmt::Debug for RankHandle<'_> {
@@ -675,7 +675,7 @@ impl<'a> RankHandle<'a> {
         self.all_reduce_in_place(b, op, s)
     }
 
-    fn check_stream(&self, stream: &StreamRef<'_>) -> Result<()> {
+    pub(crate) fn check_stream(&self, stream: &StreamRef<'_>) -> Result<()> {
         let d = &self.local.device;
         if !stream.device().driver().same_as(d.driver()) {
             return Err(Error::invalid(
@@ -723,7 +723,12 @@ impl<'a> RankHandle<'a> {
     }
 
     /// Check an operand for this rank: its communicator or device, its bounds and alignment.
-    fn check_operand(&self, o: &Operand<'_>, arg: &'static str, es: usize) -> Result<u64> {
+    pub(crate) fn check_operand(
+        &self,
+        o: &Operand<'_>,
+        arg: &'static str,
+        es: usize,
+    ) -> Result<u64> {
         let inner = &*self.comm.inner;
         match o.place {
             Place::Sym { buf, offset, only } => {

@@ -724,7 +724,15 @@ impl<'a> RankHandle<'a> {
                         ),
                     ));
                 }
-                Ok(buf.sym.addrs[self.local.rank] + offset as u64)
+                let ptr = buf.sym.addrs[self.local.rank] + offset as u64;
+                // Byte views of a symmetric buffer (`all_reduce_dyn`) can start anywhere.
+                if ptr % es as u64 != 0 {
+                    return Err(Error::invalid(
+                        arg,
+                        format!("byte offset {offset} is not aligned to the {es}-byte element"),
+                    ));
+                }
+                Ok(ptr)
             }
             Place::Local { ptr, device } => {
                 if let Some(d) = device {

@@ -565,6 +565,12 @@ fn run_mm(
     // compare every member's slot in my memory with mine after arriving (as the PTX)
     let barrier = |b: usize, val: u32, parity: Option<u32>| -> Result<(), KernelError> {
         a.jitter();
+        // A rank that gave up (its error word is set) adds no more arrivals: the words are
+        // additive, so its arrival at the next barrier would stand in for the missing rank's
+        // at this one, and a peer still waiting here would pass it.
+        if err.load(Ordering::Relaxed) != 0 {
+            return Ok(());
+        }
         let hdr = |p: u32, s: usize| MM_OFF_HDR + 8 * ((p as usize * MAX_BLOCKS + b) * 8 + s);
         if let Some(p) = parity {
             for &m in &peers {
@@ -675,9 +681,10 @@ fn run_mm(
         // counters in step, and the absent blocks' arrival words too (additive: this rank's
         // two arrivals on every member)
         let mut j = b as usize;
+        let gave_up = err.load(Ordering::Relaxed) != 0;
         while j < MAX_BLOCKS {
             u32_at(uc + MM_OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
-            if j != b as usize {
+            if j != b as usize && !gave_up {
                 for t in targets(mc + MM_OFF_SIG + 4 * j, 4)? {
                     u32_at(t).fetch_add(2, Ordering::Relaxed);
                 }

@@ -10,7 +10,7 @@
 //! use cuda_multimem_collectives::{reference, Communicator, ReduceOp};
 //! use half::bf16;
 //! cuda_multimem_collectives::sim::install();
-//! let driver = cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(2, 13000))?;
+//! let driver = cuda_multimem::Driver::simulated(cuda_multimem_sim::SimConfig::new(2, 13000))?;
 //! let devices = driver.devices();
 //! let comm = Communicator::new(&devices)?;
 //! let mut buf = comm.alloc::<bf16>(1024)?;

@@ -2383,7 +2383,8 @@ fn thread_config() -> CommConfig {
         one_shot_max_bytes: Some(16 << 10),
         stage_bytes: Some(16 << 10),
         scratch_bytes: 64 << 10,
-        timeout: Duration::from_secs(2),
+        // generous: the suite runs many simulated teams at once
+        timeout: Duration::from_secs(20),
         ..Default::default()
     }
 }

@@ -1,7 +1,7 @@
 //! The workspace suite: one test binary (small to carry to a GPU machine) whose modules follow
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce, multimem.
 
-// mod allreduce; (ported on branch h6-tests)
+mod allreduce;
 mod device;
 mod endpoint;
 mod loader;

@@ -756,7 +756,15 @@ impl<'a> RankHandle<'a> {
                         ),
                     ));
                 }
-                Ok(buf.sym.addrs[self.local.rank] + offset as u64)
+                let ptr = buf.sym.addrs[self.local.rank] + offset as u64;
+                // Byte views of a symmetric buffer (`all_reduce_dyn`) can start anywhere.
+                if ptr % es as u64 != 0 {
+                    return Err(Error::invalid(
+                        arg,
+                        format!("byte offset {offset} is not aligned to the {es}-byte element"),
+                    ));
+                }
+                Ok(ptr)
             }
             Place::Local { ptr, device } => {
                 if let Some(d) = device {
@@ -944,9 +952,9 @@ impl<'a> RankHandle<'a> {
             }
         }
         // Join: the caller's stream goes on once every copy out has landed.
-        for slot in 0..2 {
-            if used[slot] {
-                stream.wait(&side.copied[slot])?;
+        for (copied, used) in side.copied.iter().zip(used) {
+            if used {
+                stream.wait(copied)?;
             }
         }
         let mut choice = first.ok_or_else(|| Error::invalid("count", "nothing to stage"))?;

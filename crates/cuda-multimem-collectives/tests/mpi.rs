@@ -7,21 +7,13 @@ use std::time::Duration;
 
 use cuda_multimem::{Driver, Stream};
 use cuda_multimem_collectives::{
-    half, reference, AllReduceConfig, Communicator, DType, MpiBootstrap, Op,
+    random_bytes, reference_bytes, CommConfig, Communicator, DType, MpiBootstrap, ReduceOp,
 };
 
 const CHILD: &str = "CMM_MPI_CHILD";
 
 fn input(call: u64, rank: usize, dtype: DType, count: usize) -> Vec<u8> {
-    let mut x = (call * 7919 + rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::new();
-    for _ in 0..count {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        half::store(dtype, &mut v, (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0);
-    }
-    v
+    random_bytes(dtype, count, &mut (call * 7919 + rank as u64 + 1))
 }
 
 #[test]
@@ -39,36 +31,37 @@ fn mpi_rank() {
     let driver =
         cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();
     let device = driver.device(rank).unwrap();
-    let comm = Communicator::with_bootstrap(
-        &device,
-        Box::new(boot),
-        AllReduceConfig {
+    let comm = Communicator::builder_with_bootstrap(&device, Box::new(boot))
+        .config(CommConfig {
             one_shot_max_bytes: Some(16 << 10),
             timeout: Duration::from_secs(10),
             ..Default::default()
-        },
-    )
-    .unwrap();
-    let buf = comm.alloc(1 << 20).unwrap();
+        })
+        .build()
+        .unwrap();
+    let mut buf = comm.alloc::<u8>(1 << 20).unwrap();
     let stream = Stream::new(&device).unwrap();
     for (c, (count, dtype, op)) in [
-        (777usize, DType::F32, Op::Sum),
-        (50_001, DType::Bf16, Op::Max),
+        (777usize, DType::F32, ReduceOp::Sum),
+        (50_001, DType::Bf16, ReduceOp::Max),
     ]
     .into_iter()
     .enumerate()
     {
-        buf.copy_from_host(rank, &input(c as u64, rank, dtype, count))
+        let len = count * dtype.size();
+        buf.write(rank, 0, &input(c as u64, rank, dtype, count))
             .unwrap();
-        comm.all_reduce(rank, &buf, 0, &buf, 0, count, dtype, op, &stream)
+        comm.rank(rank)
+            .unwrap()
+            .all_reduce_dyn_in_place(dtype, buf.slice_mut(..len).unwrap(), op, &stream)
             .unwrap();
         stream.synchronize().unwrap();
         comm.check().unwrap();
         let inputs: Vec<Vec<u8>> = (0..n).map(|r| input(c as u64, r, dtype, count)).collect();
         let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
-        let want = reference(dtype, op, &refs);
-        let mut got = vec![0u8; want.len()];
-        buf.copy_to_host(rank, &mut got).unwrap();
+        let want = reference_bytes(dtype, op, &refs);
+        let mut got = vec![0u8; len];
+        buf.read(rank, 0, &mut got).unwrap();
         assert!(
             got == want,
             "rank {rank}, call {c}: result differs from the reference"

@@ -33,7 +33,7 @@
 //!
 //! Operands are [`SymmetricBuffer`]s and their views ([`SymSlice`], [`SymSliceMut`]), which run
 //! with no extra copies, or the caller's own memory: a [`cuda_multimem::DeviceBuffer`], a cudarc
-//! `CudaSlice`/`CudaView` (feature `cudarc`, [`RankHandle::all_reduce_cudarc`]), or a raw pointer
+//! `CudaSlice`/`CudaView` (feature `cudarc`, `RankHandle::all_reduce_cudarc`), or a raw pointer
 //! under `unsafe` ([`Src::from_raw`]). Engines with a run-time element type use
 //! [`RankHandle::all_reduce_dyn`] on byte views. The protocol, what each operand kind costs, and
 //! the memory-ordering argument: `docs/design/allreduce.md`.

@@ -42,7 +42,7 @@ pub fn reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<T> {
         .collect()
 }
 
-/// [`reference`] on raw little-endian bytes of `dtype`.
+/// [`reference()`] on raw little-endian bytes of `dtype`.
 pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
     let n = inputs.first().map_or(0, |i| i.len() / dtype.size());
     let mut out = Vec::with_capacity(n * dtype.size());

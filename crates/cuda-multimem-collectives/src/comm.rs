@@ -945,10 +945,8 @@ impl<'a> RankHandle<'a> {
             }
         }
         // Join: the caller's stream goes on once every copy out has landed.
-        for slot in 0..2 {
-            if used[slot] {
-                stream.wait(&side.copied[slot])?;
-            }
+        for (copied, _) in side.copied.iter().zip(used).filter(|(_, u)| *u) {
+            stream.wait(copied)?;
         }
         let mut choice = first.ok_or_else(|| Error::invalid("count", "nothing to stage"))?;
         choice.staged_chunks = chunks as u32;

@@ -318,6 +318,10 @@ fn on_legacy_stream(
     crate::stream::enqueue(st, std::ptr::null_mut(), Arc::new(move || op(&s2)))
 }
 
+/// One copy of a batch: destination, source, length, and the source's bytes as they were
+/// during the call when its access order says so.
+type BatchCopy = (usize, usize, usize, Option<Arc<Vec<u8>>>);
+
 /// `cuMemcpyBatchAsync` at either ABI (`fail_idx`: the 12080 form's out-parameter, null for
 /// the 13000 form). Checks what cuda.h documents, at enqueue time: a non-empty batch with its
 /// three arrays, a stream that is not the legacy default stream (null or `CU_STREAM_LEGACY`),
@@ -391,8 +395,7 @@ unsafe fn memcpy_batch(
     }
     let s = crate::stream::stream(st, h)?;
     let m = st.ext::<Memory>();
-    // (dst, src, len, the source read now when its access order says so)
-    let mut copies: Vec<(usize, usize, usize, Option<Arc<Vec<u8>>>)> = Vec::with_capacity(count);
+    let mut copies: Vec<BatchCopy> = Vec::with_capacity(count);
     for i in 0..count {
         let (d, src, n) = (dsts[i] as usize, srcs[i] as usize, sizes[i]);
         let attr = &attrs[idxs.partition_point(|&k| k <= i) - 1];

@@ -1134,6 +1134,36 @@ fn an_overlapped_copy_on_a_driver_before_12_8_falls_back_and_is_correct() {
     assert_eq!(sim_calls(&e, "cuMemcpyDtoDAsync"), 1);
 }
 
+/// `cuMemcpyBatchAsync` at the newest ABI `sys` offers, in the 13000 signature (the 12080
+/// form's `failIdx` is discarded).
+///
+/// # Safety
+/// As `cuMemcpyBatchAsync` requires: each non-null array valid for `count` (copies) or
+/// `num_attrs` (attribute sets) elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn batch_copy(
+    sys: &cuda_multimem::sys::Driver,
+    dsts: *mut cuda_multimem::sys::CUdeviceptr,
+    srcs: *mut cuda_multimem::sys::CUdeviceptr,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut cuda_multimem::sys::CUmemcpyAttributes,
+    idxs: *mut usize,
+    num_attrs: usize,
+    stream: cuda_multimem::sys::CUstream,
+) -> CUresult {
+    let mut fail = usize::MAX;
+    // SAFETY: as the caller promises; `fail` is valid for one write.
+    unsafe {
+        match sys.cuMemcpyBatchAsync_v13000() {
+            Ok(f) => f(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream),
+            Err(_) => sys.cuMemcpyBatchAsync_v12080().expect("a driver from 12.8")(
+                dsts, srcs, sizes, count, attrs, idxs, num_attrs, &mut fail, stream,
+            ),
+        }
+    }
+}
+
 /// `cuMemcpyBatchAsync` refuses what its documentation (cuda.h) rules out, with
 /// `CUDA_ERROR_INVALID_VALUE` and without copying: an empty batch, a missing array, attribute
 /// indices that do not start at 0, do not increase or reach past the batch, more attribute sets
@@ -1229,7 +1259,6 @@ fn a_batch_copy_refuses_what_its_documentation_rules_out() {
             true,
         ),
     ];
-    let batch = sys.cuMemcpyBatchAsync().unwrap();
     for (what, count, mut attrs, mut idxs, null, legacy) in cases {
         let mut dsts = [dst.device_ptr(), dst.device_ptr() + n as u64];
         let mut srcs = [src.device_ptr(); 2];
@@ -1243,7 +1272,8 @@ fn a_batch_copy_refuses_what_its_documentation_rules_out() {
         // sets) elements, or is null where the case says so; the ranges are live buffers of
         // device 0, so a call the driver did not refuse would copy valid memory.
         let rc = unsafe {
-            batch(
+            batch_copy(
+                sys,
                 if null {
                     std::ptr::null_mut()
                 } else {
@@ -1293,7 +1323,8 @@ fn a_batch_copy_refuses_what_its_documentation_rules_out() {
     let mut idxs = [0, 1];
     // SAFETY: two copies inside live buffers, two attribute sets, a live stream.
     let rc = unsafe {
-        batch(
+        batch_copy(
+            sys,
             dsts.as_mut_ptr(),
             srcs.as_mut_ptr(),
             sizes.as_mut_ptr(),

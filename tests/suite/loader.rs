@@ -178,6 +178,8 @@ fn availability_of_gated_functions_follows_the_driver_version() {
         ("cuMemPrefetchBatchAsync", 13000),
         ("cuMemDiscardBatchAsync", 13000),
         ("cuMemDiscardAndPrefetchBatchAsync", 13000),
+        ("cuMemcpyBatchAsync", 12080),
+        ("cuMemcpyBatchAsync", 13000),
         ("cuMulticastCreate", 12010),
         ("cuMulticastBindMem", 12010),
         ("cuMulticastBindMem", 13010),

@@ -939,9 +939,10 @@ impl<'a> RankHandle<'a> {
                 side.stream.wait(&side.kernel_done[slot])?;
                 // SAFETY: this rank's result of the chunk (complete once the kernel's final
                 // barrier passed, which `kernel_done` follows) into the output (checked), on
-                // the second stream of this device.
+                // the second stream of this device. Asked to overlap the next chunk's kernel,
+                // which holds every SM (an SM-driven copy would wait for it).
                 unsafe {
-                    side.stream.as_stream_ref().copy_dtod_async(
+                    side.stream.as_stream_ref().copy_dtod_async_overlapped(
                         ptr(&o),
                         base + ((1 + slot) * region) as u64,
                         len,

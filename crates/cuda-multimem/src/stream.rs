@@ -4,11 +4,12 @@
 use std::time::{Duration, Instant};
 
 use cuda_multimem_sys::{
-    CUdeviceptr, CUevent, CUevent_flags_enum, CUresult, CUstream, CUstream_flags_enum,
+    CUdeviceptr, CUevent, CUevent_flags_enum, CUmemcpyAttributes, CUmemcpyFlags_enum,
+    CUmemcpySrcAccessOrder_enum, CUresult, CUstream, CUstream_flags_enum,
 };
 
 use crate::driver::Raw;
-use crate::error::{cu, Error, Result};
+use crate::error::{check, cu, Error, Result};
 use crate::Device;
 
 /// A non-blocking stream of one device; destroyed on drop (queued work finishes first).
@@ -311,6 +312,100 @@ impl<'a> StreamRef<'a> {
                 self.device.driver(),
                 cuMemcpyDtoDAsync_v3020(dst, src, bytes, self.raw.0)
             )
+        }
+    }
+
+    /// Queue a copy of `bytes` bytes from `src` to `dst`, both device memory (or mappings), on
+    /// this stream, asking the driver to run it beside compute work: `cuMemcpyBatchAsync` with
+    /// one copy whose attributes say `CU_MEMCPY_SRC_ACCESS_ORDER_STREAM` (the source is read in
+    /// stream order, like [`StreamRef::copy_dtod_async`]) and
+    /// `CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`. The flag is a hint the driver may ignore
+    /// "depending on the platform and other parameters of the copy" (cuda.h): whether the copy
+    /// then overlaps a kernel that holds every SM is for a measurement to say
+    /// (`bench/src/overlap_probe.rs`). Zero bytes is a no-op.
+    ///
+    /// Plain `cuMemcpyDtoDAsync` instead (the same copy, without the hint):
+    /// - on drivers before 12.8, which lack `cuMemcpyBatchAsync` (12.8 and 12.9 get its ABI
+    ///   12080 form, which has a `failIdx` out-parameter; 13.0 and later the ABI 13000 form);
+    /// - on the legacy default stream (a null handle), which `cuMemcpyBatchAsync` refuses;
+    /// - while this stream captures a graph (its own capture or one it joined): the
+    ///   documentation of `cuMemcpyBatchAsync` does not say that it can be captured, and
+    ///   cuda-python's `cuda.core` refuses capturing streams for it, so a capture gets an
+    ///   ordinary memcpy node, which every driver captures.
+    ///
+    /// # Safety
+    /// As [`StreamRef::copy_dtod_async`]: `src .. src + bytes` is readable and
+    /// `dst .. dst + bytes` writable by this stream's device when the copy runs, the ranges do
+    /// not overlap, and both stay allocated until it has run.
+    pub unsafe fn copy_dtod_async_overlapped(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if self.raw.0.is_null() || self.is_capturing()? {
+            // SAFETY: the same contract, promised by the caller.
+            return unsafe { self.copy_dtod_async(dst, src, bytes) };
+        }
+        let sys = self.device.driver().sys();
+        let batch = (
+            sys.cuMemcpyBatchAsync_v13000().ok(),
+            sys.cuMemcpyBatchAsync_v12080().ok(),
+        );
+        self.device.bind()?;
+        let mut dsts = [dst];
+        let mut srcs = [src];
+        let mut sizes = [bytes];
+        let mut attrs = [CUmemcpyAttributes {
+            srcAccessOrder: CUmemcpySrcAccessOrder_enum::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            flags: CUmemcpyFlags_enum::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE.0,
+            // location hints: ignored for device memory (cuda.h), left zero
+            ..CUmemcpyAttributes::default()
+        }];
+        // one set of attributes for every copy, from copy 0 (the first index must be 0)
+        let mut attrs_idxs = [0usize];
+        match batch {
+            (Some(f), _) => {
+                // SAFETY: one copy: the three one-element arrays and the attributes live across
+                // the call (the driver reads them before it returns); the ranges as the caller
+                // promises; a live non-null stream of the current context.
+                let rc = unsafe {
+                    f(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        1,
+                        attrs.as_mut_ptr(),
+                        attrs_idxs.as_mut_ptr(),
+                        1,
+                        self.raw.0,
+                    )
+                };
+                check("cuMemcpyBatchAsync_v13000", rc)
+            }
+            (None, Some(f)) => {
+                let mut fail_idx = usize::MAX;
+                // SAFETY: as above, and `fail_idx` is valid for one write.
+                let rc = unsafe {
+                    f(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        1,
+                        attrs.as_mut_ptr(),
+                        attrs_idxs.as_mut_ptr(),
+                        1,
+                        &mut fail_idx,
+                        self.raw.0,
+                    )
+                };
+                check("cuMemcpyBatchAsync_v12080", rc)
+            }
+            // SAFETY: the same contract, promised by the caller.
+            (None, None) => unsafe { self.copy_dtod_async(dst, src, bytes) },
         }
     }
 

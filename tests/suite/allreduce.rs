@@ -432,8 +432,8 @@ fn calls_on_the_callers_own_memory_go_through_a_small_scratch_in_several_chunks(
         CommConfig {
             one_shot_max_bytes: Some(16 << 10),
             ll_max_bytes: 4 << 10,
-            // two halves of 32 KiB: a chunk is 32 KiB
-            scratch_bytes: 64 << 10,
+            // three regions of 32 KiB (an input region, two output regions): a chunk is 32 KiB
+            scratch_bytes: 96 << 10,
             ..Default::default()
         },
     ) else {

@@ -110,6 +110,7 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         rank,
         device: device.clone(),
         kernels: p2p::load_kernels(device)?,
+        gather: crate::gather::load_kernels(device)?,
         last_stream: Mutex::new(None),
         calls: AtomicU64::new(0),
         side: Mutex::new(crate::ranks::Side::new(device)?),
@@ -944,8 +945,8 @@ impl<'a> RankHandle<'a> {
             }
         }
         // Join: the caller's stream goes on once every copy out has landed.
-        for slot in 0..2 {
-            if used[slot] {
+        for (slot, &u) in used.iter().enumerate() {
+            if u {
                 stream.wait(&side.copied[slot])?;
             }
         }

@@ -45,6 +45,7 @@
 pub mod bootstrap;
 mod comm;
 mod config;
+mod gather;
 pub mod kernels;
 mod memory;
 mod mm;
@@ -64,7 +65,10 @@ pub use config::CommConfig;
 pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};
 pub use operand::{Dst, Src};
-pub use reference::{next_random, random_bytes, random_input, reference, reference_bytes};
+pub use reference::{
+    all_gather_reference, broadcast_reference, next_random, random_bytes, random_input,
+    reduce_scatter_reference, reference, reference_bytes,
+};
 pub use types::{Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
 
 /// The element types, re-exported from the `half` crate.

@@ -612,16 +612,12 @@ fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
     );
     // an allreduce above the low-latency limit (the low-latency protocol has no barrier and no
     // header: a peer that calls something else only makes it time out)
-    expect_disagreement(
-        "all-gather / allreduce",
-        ag(128),
-        |c, s, b| {
-            c.rank(rank_of(c, s))
-                .unwrap()
-                .all_reduce_in_place(b.slice_mut(..30_000).unwrap(), ReduceOp::Sum, s)
-                .unwrap();
-        },
-    );
+    expect_disagreement("all-gather / allreduce", ag(128), |c, s, b| {
+        c.rank(rank_of(c, s))
+            .unwrap()
+            .all_reduce_in_place(b.slice_mut(..30_000).unwrap(), ReduceOp::Sum, s)
+            .unwrap();
+    });
 }
 
 #[test]
@@ -723,10 +719,7 @@ fn bad_lengths_roots_and_overlaps_are_refused_before_any_launch() {
             Dst::<f32>::from_raw(p + 4, 100),
         )
     };
-    assert_eq!(
-        arg_of(h.reduce_scatter(i, o, ReduceOp::Sum, st)),
-        "output"
-    );
+    assert_eq!(arg_of(h.reduce_scatter(i, o, ReduceOp::Sum, st)), "output");
     // lengths whose byte size overflows
     let (i, o) = unsafe {
         (

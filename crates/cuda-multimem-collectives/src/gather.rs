@@ -48,12 +48,9 @@ fn bytes_of<T>(len: usize, recorded: usize, arg: &'static str) -> Result<usize> 
 
 /// `n` chunks of `chunk` bytes, checked.
 fn times(n: usize, chunk: usize, arg: &'static str) -> Result<usize> {
-    chunk.checked_mul(n).ok_or_else(|| {
-        Error::invalid(
-            arg,
-            format!("{n} chunks of {chunk} bytes overflow usize"),
-        )
-    })
+    chunk
+        .checked_mul(n)
+        .ok_or_else(|| Error::invalid(arg, format!("{n} chunks of {chunk} bytes overflow usize")))
 }
 
 /// What a call asks for, before the checks.
@@ -281,7 +278,11 @@ impl<'a> RankHandle<'a> {
             c.max_blocks
         } else {
             // one block per multiprocessor, a power of two of them (as the push two-shot)
-            1 << inner.p2p.multiprocessors.clamp(1, MAX_BLOCKS as u32).ilog2()
+            1 << inner
+                .p2p
+                .multiprocessors
+                .clamp(1, MAX_BLOCKS as u32)
+                .ilog2()
         } as u64;
         let max_threads = c.push_threads as u64;
         let units = chunk_bytes.div_ceil(16) as u64;
@@ -365,7 +366,12 @@ impl<'a> RankHandle<'a> {
             .ok_or_else(|| {
                 Error::invalid(
                     "op",
-                    format!("no {} kernel for {} {}", call.coll.name(), call.dtype, call.op),
+                    format!(
+                        "no {} kernel for {} {}",
+                        call.coll.name(),
+                        call.dtype,
+                        call.op
+                    ),
                 )
             })?;
         let (out_tab, out_id, out_off) = match (direct, call.output.place) {

@@ -6,7 +6,9 @@
 //! `docs/design/collectives.md`.
 
 pub use cuda_multimem_collectives::kernels::gather::*;
-use cuda_multimem_collectives::kernels::{OFF_CTR, OFF_NRANKS, OFF_RANK, OFF_STAGES, OFF_STAGE_HALF};
+use cuda_multimem_collectives::kernels::{
+    OFF_CTR, OFF_NRANKS, OFF_RANK, OFF_STAGES, OFF_STAGE_HALF,
+};
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
 use super::{barrier, epilogue_to, strided, Flavor, BLOCK_RANGE, REGS};
@@ -88,8 +90,12 @@ fn kernel(c: Collective, f: &Flavor) -> String {
         _ => "%rd3",
     };
     let in_place = match c {
-        Collective::AllGather => "\t// in place: my input is chunk r of my output\n\tsetp.eq.u64 %p7, %rd2, %rd62;\n",
-        Collective::Broadcast => "\t// in place: input and output are one range\n\tsetp.eq.u64 %p7, %rd2, %rd3;\n",
+        Collective::AllGather => {
+            "\t// in place: my input is chunk r of my output\n\tsetp.eq.u64 %p7, %rd2, %rd62;\n"
+        }
+        Collective::Broadcast => {
+            "\t// in place: input and output are one range\n\tsetp.eq.u64 %p7, %rd2, %rd3;\n"
+        }
         Collective::ReduceScatter => "\tsetp.ne.u64 %p7, %rd2, %rd2;\n",
     };
     let to_direct = if c == Collective::ReduceScatter {
@@ -309,7 +315,9 @@ fn direct(c: Collective, f: &Flavor) -> String {
     let (es, vl) = (f.es_log2(), f.v_log2());
     // where my data goes in every output: AG chunk r (delta + rank * B), BC the output itself
     let at = match c {
-        Collective::AllGather => "\tmul.lo.u64 %rd27, %rd17, %rd19;\n\tadd.u64 %rd32, %rd32, %rd27;\n",
+        Collective::AllGather => {
+            "\tmul.lo.u64 %rd27, %rd17, %rd19;\n\tadd.u64 %rd32, %rd32, %rd27;\n"
+        }
         _ => "",
     };
     let mut s = format!(
@@ -338,9 +346,15 @@ fn direct(c: Collective, f: &Flavor) -> String {
                 "\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
             )
         } else if f.half() {
-            ("\tld.global.b16 %h1, [%rd24];\n", "\tst.global.b16 [%rd25], %h1;\n")
+            (
+                "\tld.global.b16 %h1, [%rd24];\n",
+                "\tst.global.b16 [%rd25], %h1;\n",
+            )
         } else {
-            ("\tld.global.b32 %r30, [%rd24];\n", "\tst.global.b32 [%rd25], %r30;\n")
+            (
+                "\tld.global.b32 %r30, [%rd24];\n",
+                "\tst.global.b32 [%rd25], %r30;\n",
+            )
         };
         format!(
             "\tadd.u64 %rd24, %rd2, %rd21;\n{ld}\tmov.u32 %r34, 0;\n$L_{l}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{l}_kend;\n\tsetp.eq.u32 %p19, %r34, %r5;\n\tand.pred %p18, %p19, %p7;\n\t@%p18 bra $L_{l}_knext;\n\tmul.wide.u32 %rd27, %r34, 8;\n\tadd.u64 %rd27, %rd5, %rd27;\n\tld.global.nc.u64 %rd25, [%rd27];\n\tadd.u64 %rd25, %rd25, %rd32;\n\tadd.u64 %rd25, %rd25, %rd21;\n{st}$L_{l}_knext:\n\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{l}_k;\n$L_{l}_kend:\n"

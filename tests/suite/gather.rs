@@ -512,8 +512,8 @@ fn captured_collectives_replay_with_new_inputs() {
         let rs = reduce_scatter_reference(ReduceOp::Max, &refs);
         let agr: Vec<&[f32]> = ags.iter().map(|v| v.as_slice()).collect();
         let smr: Vec<&[f32]> = smalls.iter().map(|v| v.as_slice()).collect();
-        for r in 0..n {
-            assert_eq!(rs_out.to_vec(r).unwrap(), rs[r], "replay {replay} rank {r}");
+        for (r, want) in rs.iter().enumerate() {
+            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
             assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
             assert_eq!(ag_small.to_vec(r).unwrap(), all_gather_reference(&smr));
             assert_eq!(bc.to_vec(r).unwrap(), bcs[2], "replay {replay} rank {r}");

@@ -117,7 +117,7 @@ impl<'a> RankHandle<'a> {
     ) -> Result<Choice> {
         let b = buf.into();
         let bytes = bytes_of::<T>(b.len, b.op.bytes, "buf")?;
-        let chunk = self.in_place_chunk::<T>(b.len, bytes, "buf")?;
+        let chunk = self.in_place_chunk(b.len, bytes, "buf")?;
         let all = Operand { bytes, ..b.op };
         self.collective(
             Call {
@@ -182,7 +182,7 @@ impl<'a> RankHandle<'a> {
     ) -> Result<Choice> {
         let b = buf.into();
         let bytes = bytes_of::<T>(b.len, b.op.bytes, "buf")?;
-        let chunk = self.in_place_chunk::<T>(b.len, bytes, "buf")?;
+        let chunk = self.in_place_chunk(b.len, bytes, "buf")?;
         let all = Operand { bytes, ..b.op };
         self.collective(
             Call {
@@ -257,7 +257,7 @@ impl<'a> RankHandle<'a> {
 
     /// Bytes of one chunk of an in-place buffer of `len` elements (`bytes` bytes): a whole
     /// number of elements per rank.
-    fn in_place_chunk<T>(&self, len: usize, bytes: usize, arg: &'static str) -> Result<usize> {
+    fn in_place_chunk(&self, len: usize, bytes: usize, arg: &'static str) -> Result<usize> {
         let n = self.comm.inner.ranks.n;
         if len % n != 0 {
             return Err(Error::invalid(

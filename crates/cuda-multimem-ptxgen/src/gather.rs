@@ -9,7 +9,7 @@ pub use cuda_multimem_collectives::kernels::gather::*;
 use cuda_multimem_collectives::kernels::{
     OFF_CTR, OFF_NRANKS, OFF_RANK, OFF_STAGES, OFF_STAGE_HALF,
 };
-use cuda_multimem_collectives::{DType, ReduceOp as Op};
+use cuda_multimem_collectives::DType;
 
 use super::{barrier, epilogue_to, strided, Flavor, BLOCK_RANGE, REGS};
 
@@ -312,7 +312,7 @@ $L_pk_loop:
 /// of my data stored into every rank's output (the root only, for broadcast), barrier(c+2):
 /// every peer's stores into my output are complete. Counters c + 2.
 fn direct(c: Collective, f: &Flavor) -> String {
-    let (es, vl) = (f.es_log2(), f.v_log2());
+    let vl = f.v_log2();
     // where my data goes in every output: AG chunk r (delta + rank * B), BC the output itself
     let at = match c {
         Collective::AllGather => {
@@ -366,13 +366,13 @@ fn direct(c: Collective, f: &Flavor) -> String {
     s += "\tadd.u32 %r14, %r7, 2;\n";
     s += &barrier("d2", "%r14", false);
     s += "\tmov.u32 %r21, %r14;\n";
-    let _ = es;
     s
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cuda_multimem_collectives::ReduceOp as Op;
 
     #[test]
     fn every_gather_entry_is_declared_once() {

@@ -37,6 +37,10 @@
 //! under `unsafe` ([`Src::from_raw`]). Engines with a run-time element type use
 //! [`RankHandle::all_reduce_dyn`] on byte views. The protocol, what each operand kind costs, and
 //! the memory-ordering argument: `docs/design/allreduce.md`.
+//!
+//! Reduce-scatter, all-gather and broadcast ([`RankHandle::reduce_scatter`],
+//! [`RankHandle::all_gather`], [`RankHandle::broadcast`] and their in-place forms) take the same
+//! operands, peer-to-peer on every team: `docs/design/collectives.md`.
 
 #![deny(missing_docs)]
 // `usize::is_multiple_of` needs Rust 1.87; the code keeps `%` for older toolchains.

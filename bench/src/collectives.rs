@@ -19,7 +19,7 @@ use clap::{Parser, ValueEnum};
 use cuda_multimem::{DeviceBuffer, Event, Stream};
 use cuda_multimem_collectives::{
     all_gather_reference, broadcast_reference, random_input, reduce_scatter_reference, Choice,
-    CommConfig, Communicator, Dst, Element, ReduceOp, Src, SymmetricBuffer,
+    CommConfig, Communicator, Dst, Element, MulticastPolicy, ReduceOp, Src, SymmetricBuffer,
 };
 use half::{bf16, f16};
 use serde_json::json;
@@ -489,8 +489,10 @@ fn bench<T: Element + Default + Copy>(args: &Args) -> Res<bool> {
         return Err(format!("{} ranks asked, {} devices", args.ranks, devices.len()).into());
     }
     let devices = &devices[..args.ranks];
+    // these collectives are peer-to-peer only: never build a multicast team for them
     let comm = Communicator::builder(devices)
         .config(args.config())
+        .multicast(MulticastPolicy::Never)
         .build()?;
     let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
     let n = comm.size();

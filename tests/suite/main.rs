@@ -4,6 +4,7 @@
 mod allreduce;
 mod device;
 mod endpoint;
+mod gather;
 mod loader;
 mod managed;
 mod multicast;

@@ -110,6 +110,7 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         rank,
         device: device.clone(),
         kernels: p2p::load_kernels(device)?,
+        gather: crate::gather::load_kernels(device)?,
         last_stream: Mutex::new(None),
         calls: AtomicU64::new(0),
         side: Mutex::new(crate::ranks::Side::new(device)?),

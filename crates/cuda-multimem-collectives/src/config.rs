@@ -179,6 +179,12 @@ impl CommConfig {
             MAX_FIELD_BYTES,
             "1 TiB",
         )?;
+        if let Some(a @ (Algorithm::PushStaged | Algorithm::PushDirect)) = self.algorithm {
+            return Err(Error::invalid(
+                "config.algorithm",
+                format!("{a}: not an allreduce algorithm (reduce-scatter, all-gather and broadcast choose their own)"),
+            ));
+        }
         if self.timeout.is_zero() {
             return Err(Error::invalid(
                 "config.timeout",

@@ -37,6 +37,10 @@
 //! under `unsafe` ([`Src::from_raw`]). Engines with a run-time element type use
 //! [`RankHandle::all_reduce_dyn`] on byte views. The protocol, what each operand kind costs, and
 //! the memory-ordering argument: `docs/design/allreduce.md`.
+//!
+//! Reduce-scatter, all-gather and broadcast ([`RankHandle::reduce_scatter`],
+//! [`RankHandle::all_gather`], [`RankHandle::broadcast`] and their in-place forms) take the same
+//! operands, peer-to-peer on every team: `docs/design/collectives.md`.
 
 #![deny(missing_docs)]
 // `usize::is_multiple_of` needs Rust 1.87; the code keeps `%` for older toolchains.
@@ -45,6 +49,7 @@
 pub mod bootstrap;
 mod comm;
 mod config;
+mod gather;
 pub mod kernels;
 mod memory;
 mod mm;
@@ -64,7 +69,10 @@ pub use config::CommConfig;
 pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};
 pub use operand::{Dst, Src};
-pub use reference::{next_random, random_bytes, random_input, reference, reference_bytes};
+pub use reference::{
+    all_gather_reference, broadcast_reference, next_random, random_bytes, random_input,
+    reduce_scatter_reference, reference, reference_bytes,
+};
 pub use types::{Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
 
 /// The element types, re-exported from the `half` crate.

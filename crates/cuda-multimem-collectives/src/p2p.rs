@@ -50,7 +50,7 @@ pub(crate) struct P2p {
     lands: Sym,
     land_slot: usize,
     pub(crate) stage_half: usize,
-    multiprocessors: u32,
+    pub(crate) multiprocessors: u32,
     /// Scratch for the caller's own memory above the one-shot limit: three regions.
     pub(crate) scratch: Option<SymBuf>,
 }
@@ -149,6 +149,8 @@ impl P2p {
             Algorithm::TwoShot | Algorithm::TwoShotPush | Algorithm::TwoShotCe => {
                 units.div_ceil(n as u64)
             }
+            // not allreduce algorithms (refused by CommConfig::validate; shapes: src/gather.rs)
+            Algorithm::PushStaged | Algorithm::PushDirect => units,
         };
         let mut blocks = per_rank.div_ceil(max_threads).clamp(1, max_blocks);
         if algorithm == Algorithm::TwoShotPush {
@@ -251,6 +253,7 @@ impl P2p {
             Algorithm::OneShot | Algorithm::OneShotLl => true,
             Algorithm::TwoShotPush | Algorithm::TwoShotCe => sym_out && (sym_in || bytes % 16 == 0),
             Algorithm::TwoShot => sym_in && sym_out,
+            Algorithm::PushStaged | Algorithm::PushDirect => false,
         };
         Ok(ok.then_some(alg))
     }
@@ -312,6 +315,12 @@ impl P2p {
             Algorithm::TwoShot => Kernel::P2pTwoShot,
             Algorithm::TwoShotPush => Kernel::P2pTwoShotPush,
             Algorithm::TwoShotCe => Kernel::P2pTwoShotCe,
+            Algorithm::PushStaged | Algorithm::PushDirect => {
+                return Err(Error::invalid(
+                    "config.algorithm",
+                    format!("{alg} is not an allreduce algorithm"),
+                ))
+            }
         };
         let f = l.kernels.get(&(kernel, dtype, op)).ok_or_else(|| {
             Error::invalid("op", format!("no {kernel:?} kernel for {dtype} {op}"))

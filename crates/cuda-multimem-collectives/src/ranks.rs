@@ -19,6 +19,8 @@ pub(crate) struct Local {
     pub(crate) device: Device,
     /// The peer-to-peer kernels of this device, by algorithm, type and operator.
     pub(crate) kernels: HashMap<(Kernel, DType, ReduceOp), Function>,
+    /// The reduce-scatter, all-gather and broadcast kernels of this device.
+    pub(crate) gather: crate::gather::Kernels,
     /// The stream of the last call (as an integer handle): one stream per rank at a time.
     pub(crate) last_stream: Mutex<Option<usize>>,
     /// Calls queued by this rank so far.

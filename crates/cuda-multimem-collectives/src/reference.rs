@@ -42,6 +42,33 @@ pub fn reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<T> {
         .collect()
 }
 
+/// Reduce-scatter on the host: `inputs[k]` is rank k's input of N chunks (N = `inputs.len()`,
+/// equal lengths, a multiple of N); element r of the result is what rank r's output holds: the
+/// reduction of chunk r of every input, in rank order, as [`reference()`].
+pub fn reduce_scatter_reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<Vec<T>> {
+    let n = inputs.len();
+    let chunk = inputs.first().map_or(0, |i| i.len() / n.max(1));
+    (0..n)
+        .map(|r| {
+            let parts: Vec<&[T]> = inputs
+                .iter()
+                .map(|x| &x[r * chunk..(r + 1) * chunk])
+                .collect();
+            reference(op, &parts)
+        })
+        .collect()
+}
+
+/// All-gather on the host: every rank's output is the inputs one after another, in rank order.
+pub fn all_gather_reference<T: Clone>(inputs: &[&[T]]) -> Vec<T> {
+    inputs.iter().flat_map(|x| x.iter().cloned()).collect()
+}
+
+/// Broadcast on the host: every rank's output is the root's input.
+pub fn broadcast_reference<T: Clone>(inputs: &[&[T]], root: usize) -> Vec<T> {
+    inputs[root].to_vec()
+}
+
 /// [`reference()`] on raw little-endian bytes of `dtype`.
 pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
     let n = inputs.first().map_or(0, |i| i.len() / dtype.size());

@@ -42,6 +42,7 @@ pub fn install() {
                 }
             }
         }
+        gather::register();
         for k in MmKernel::ALL {
             for d in DType::ALL {
                 for o in Op::ALL {
@@ -53,6 +54,11 @@ pub fn install() {
         }
     });
 }
+
+/// The reduce-scatter, all-gather and broadcast equivalents (a child module: they share this
+/// module's barrier, loads and stores).
+#[path = "sim_gather.rs"]
+mod gather;
 
 fn u32_at(addr: usize) -> &'static AtomicU32 {
     // SAFETY: callers pass 4-byte aligned addresses inside a pad checked with `LaunchArgs::check`;

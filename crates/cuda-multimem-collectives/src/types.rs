@@ -238,6 +238,16 @@ pub enum Algorithm {
     /// from [`crate::CommConfig::ce_min_bytes`] up to [`crate::CommConfig::ce_max_bytes`] (off by
     /// default). Needs 16-byte aligned operands; otherwise [`Algorithm::TwoShot`].
     TwoShotCe,
+    /// Reduce-scatter, all-gather and broadcast (not allreduce): each sender pushes its data
+    /// into the receivers' staging slots (posted writes only), one barrier per round through
+    /// the fixed-size slots, then every receiver reduces or copies from its own memory into its
+    /// output. Serves every operand kind with no copies outside the kernel. See
+    /// `docs/design/collectives.md`.
+    PushStaged,
+    /// All-gather and broadcast into a symmetric output: barrier, every sender stores straight
+    /// into every rank's output, barrier. Chosen above the one-shot limit
+    /// ([`crate::CommConfig::one_shot_max_bytes`]) when the output is symmetric.
+    PushDirect,
 }
 
 impl std::fmt::Display for Algorithm {
@@ -248,6 +258,8 @@ impl std::fmt::Display for Algorithm {
             Algorithm::OneShotLl => "one-shot-ll",
             Algorithm::TwoShotPush => "two-shot-push",
             Algorithm::TwoShotCe => "two-shot-ce",
+            Algorithm::PushStaged => "push-staged",
+            Algorithm::PushDirect => "push-direct",
         })
     }
 }

@@ -13,6 +13,7 @@
 use cuda_multimem_collectives::kernels::*;
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
+pub mod gather;
 pub mod multimem;
 
 /// Every committed kernel file: (file name under `crates/cuda-multimem-collectives/src/kernels`,
@@ -22,6 +23,7 @@ pub fn files() -> Vec<(&'static str, String)> {
         .iter()
         .map(|k| (k.file(), generate(*k)))
         .chain([(multimem::FILE, multimem::generate())])
+        .chain(gather::files())
         .collect()
 }
 
@@ -32,6 +34,10 @@ pub fn committed(file: &str) -> Option<&'static str> {
         .find(|k| k.file() == file)
         .map(|k| k.ptx())
         .or((file == multimem::FILE).then_some(multimem::PTX))
+        .or(gather::Collective::ALL
+            .iter()
+            .find(|c| c.file() == file)
+            .map(|c| c.ptx()))
 }
 
 /// Per-dtype/op PTX snippets.
@@ -1036,6 +1042,14 @@ mod tests {
                 for o in Op::ALL {
                     let e = format!(".entry {}(", k.entry(d, o));
                     assert!(k.ptx().contains(&e), "{}: {e} missing", k.file());
+                }
+            }
+        }
+        for c in gather::Collective::ALL {
+            for d in DType::ALL {
+                for &o in c.ops() {
+                    let e = format!(".entry {}(", c.entry(d, o));
+                    assert!(c.ptx().contains(&e), "{}: {e} missing", c.file());
                 }
             }
         }

@@ -26,6 +26,7 @@
 
 use crate::{DType, ReduceOp as Op};
 
+pub mod gather;
 pub mod multimem;
 
 /// Environment variable naming a folder of replacement `.ptx` files (kernel tuning only; read

@@ -1,0 +1,672 @@
+//! Reduce-scatter, all-gather and broadcast benchmark (the lead runs it on the GPU machine;
+//! `cargo xtask bench-hw` style): bf16 (or another type), 1 KiB to 1 GiB, on the first N
+//! devices, on symmetric buffers and on the caller's own memory (`DeviceBuffer`), out of
+//! place. Every size is first checked against the host reference on random data, then timed
+//! as bench-allreduce does: **pipelined** (a CUDA graph of many calls per rank, replayed; rank
+//! 0's time per call, median of `--runs`) and **single** (one call between host barriers, a
+//! thread per rank, the slowest rank's time, median).
+//!
+//! `bytes` is the whole gathered / scattered buffer, as nccl-tests: reduce-scatter's input of N
+//! chunks, all-gather's output of N chunks, broadcast's message. busbw = algbw × (N−1)/N for
+//! reduce-scatter and all-gather, algbw for broadcast. Prints an nccl-tests style table and one
+//! `RESULT {json}` line per measurement, with the schema of bench-allreduce (`bench` =
+//! `reduce_scatter` | `all_gather` | `broadcast`). On the simulated driver times mean nothing.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use clap::{Parser, ValueEnum};
+use cuda_multimem::{DeviceBuffer, Event, Stream};
+use cuda_multimem_collectives::{
+    all_gather_reference, broadcast_reference, random_input, reduce_scatter_reference, Choice,
+    CommConfig, Communicator, Dst, Element, MulticastPolicy, ReduceOp, Src, SymmetricBuffer,
+};
+use half::{bf16, f16};
+use serde_json::json;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Operands {
+    Symmetric,
+    Local,
+    Both,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Mode {
+    Pipelined,
+    Single,
+    Both,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Ty {
+    Bf16,
+    F16,
+    F32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum OpArg {
+    Sum,
+    Min,
+    Max,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Coll {
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    All,
+}
+
+impl Coll {
+    fn name(self) -> &'static str {
+        match self {
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::AllGather => "all_gather",
+            Coll::Broadcast => "broadcast",
+            Coll::All => "all",
+        }
+    }
+}
+
+/// Reduce-scatter, all-gather and broadcast benchmark.
+#[derive(Parser, Debug)]
+#[command(name = "bench-collectives")]
+struct Args {
+    /// Which collective.
+    #[arg(long, value_enum, default_value_t = Coll::All)]
+    collective: Coll,
+    /// Ranks (the first N devices).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Smallest message in bytes (the whole buffer).
+    #[arg(long, default_value_t = 1024)]
+    min_bytes: usize,
+    /// Largest message in bytes.
+    #[arg(long, default_value_t = 1 << 30)]
+    max_bytes: usize,
+    /// Explicit sizes (bytes, comma-separated) instead of powers of two.
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    /// Timed repetitions per size (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Element type.
+    #[arg(long, value_enum, default_value_t = Ty::Bf16)]
+    dtype: Ty,
+    /// Reduce-scatter's operator.
+    #[arg(long, value_enum, default_value_t = OpArg::Sum)]
+    op: OpArg,
+    /// Broadcast's root.
+    #[arg(long, default_value_t = 0)]
+    root: usize,
+    /// Which operands.
+    #[arg(long, value_enum, default_value_t = Operands::Both)]
+    operands: Operands,
+    /// Which timing.
+    #[arg(long, value_enum, default_value_t = Mode::Both)]
+    mode: Mode,
+    /// Sizes above this are timed without the host-reference check.
+    #[arg(long, default_value_t = usize::MAX)]
+    check_max: usize,
+    /// CommConfig::max_blocks.
+    #[arg(long)]
+    blocks: Option<u32>,
+    /// CommConfig::push_threads.
+    #[arg(long)]
+    push_threads: Option<u32>,
+    /// CommConfig::stage_bytes.
+    #[arg(long)]
+    stage_bytes: Option<usize>,
+    /// CommConfig::one_shot_max_bytes (all-gather and broadcast store directly into symmetric
+    /// outputs above it).
+    #[arg(long)]
+    one_shot_max: Option<usize>,
+}
+
+impl Args {
+    fn config(&self) -> CommConfig {
+        let mut c = CommConfig::default();
+        if let Some(v) = self.blocks {
+            c.max_blocks = v;
+        }
+        if let Some(v) = self.push_threads {
+            c.push_threads = v;
+        }
+        c.stage_bytes = self.stage_bytes.or(c.stage_bytes);
+        c.one_shot_max_bytes = self.one_shot_max.or(c.one_shot_max_bytes);
+        c
+    }
+
+    fn op(&self) -> ReduceOp {
+        match self.op {
+            OpArg::Sum => ReduceOp::Sum,
+            OpArg::Min => ReduceOp::Min,
+            OpArg::Max => ReduceOp::Max,
+        }
+    }
+
+    fn sizes(&self) -> Vec<usize> {
+        if !self.sizes.is_empty() {
+            return self.sizes.clone();
+        }
+        let mut v = Vec::new();
+        let mut b = self.min_bytes.max(1);
+        while b <= self.max_bytes {
+            v.push(b);
+            b *= 2;
+        }
+        v
+    }
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("bench-collectives: a result did not match the host reference");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("bench-collectives: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Res<bool> {
+    let args = Args::parse();
+    match args.dtype {
+        Ty::Bf16 => bench::<bf16>(&args),
+        Ty::F16 => bench::<f16>(&args),
+        Ty::F32 => bench::<f32>(&args),
+    }
+}
+
+/// Every rank's input and output.
+enum Bufs<T: Element> {
+    Symmetric(SymmetricBuffer<T>, SymmetricBuffer<T>),
+    Local(Vec<(DeviceBuffer<T>, DeviceBuffer<T>)>),
+}
+
+struct Bench<'a, T: Element> {
+    comm: &'a Communicator,
+    streams: &'a [Stream],
+    bufs: Bufs<T>,
+    coll: Coll,
+    op: ReduceOp,
+    root: usize,
+}
+
+/// Lengths (input, output) per rank for `chunk` elements per rank.
+fn lengths(coll: Coll, n: usize, chunk: usize) -> (usize, usize) {
+    match coll {
+        Coll::ReduceScatter => (n * chunk, chunk),
+        Coll::AllGather => (chunk, n * chunk),
+        _ => (chunk, chunk),
+    }
+}
+
+/// One call of `coll` on rank `r`'s handle.
+fn call<T: Element>(
+    comm: &Communicator,
+    r: usize,
+    (coll, op, root): (Coll, ReduceOp, usize),
+    i: Src<'_, T>,
+    o: Dst<'_, T>,
+    s: &Stream,
+) -> Res<Choice> {
+    let h = comm.rank(r)?;
+    Ok(match coll {
+        Coll::ReduceScatter => h.reduce_scatter(i, o, op, s)?,
+        Coll::AllGather => h.all_gather(i, o, s)?,
+        _ => h.broadcast(i, o, root, s)?,
+    })
+}
+
+impl<T: Element + Default + Copy> Bench<'_, T> {
+    fn what(&self) -> (Coll, ReduceOp, usize) {
+        (self.coll, self.op, self.root)
+    }
+
+    fn call(&mut self, r: usize, chunk: usize) -> Res<Choice> {
+        let n = self.comm.size();
+        let (il, ol) = lengths(self.coll, n, chunk);
+        let what = self.what();
+        let s = &self.streams[r];
+        match &mut self.bufs {
+            Bufs::Symmetric(i, o) => call(
+                self.comm,
+                r,
+                what,
+                i.slice(..il)?.into(),
+                o.slice_mut(..ol)?.into(),
+                s,
+            ),
+            Bufs::Local(v) => {
+                let (i, o) = &mut v[r];
+                call(self.comm, r, what, i.slice_src(il), o.slice_dst(ol), s)
+            }
+        }
+    }
+
+    fn sync(&self) -> Res<()> {
+        for s in self.streams {
+            s.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn check(&mut self, chunk: usize, seed: &mut u64) -> Res<bool> {
+        let n = self.comm.size();
+        let (il, ol) = lengths(self.coll, n, chunk);
+        let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(il, seed)).collect();
+        for (r, d) in inputs.iter().enumerate() {
+            match &mut self.bufs {
+                Bufs::Symmetric(i, _) => i.write(r, 0, d)?,
+                Bufs::Local(v) => v[r].0.copy_from_host(0, d)?,
+            }
+        }
+        for r in 0..n {
+            self.call(r, chunk)?;
+        }
+        self.sync()?;
+        self.comm.check()?;
+        let refs: Vec<&[T]> = inputs.iter().map(|v| &v[..]).collect();
+        let want: Vec<Vec<T>> = match self.coll {
+            Coll::ReduceScatter => reduce_scatter_reference(self.op, &refs),
+            Coll::AllGather => vec![all_gather_reference(&refs); n],
+            _ => vec![broadcast_reference(&refs, self.root); n],
+        };
+        let mut got = vec![T::default(); ol];
+        for (r, w) in want.iter().enumerate() {
+            match &self.bufs {
+                Bufs::Symmetric(_, o) => o.read(r, 0, &mut got)?,
+                Bufs::Local(v) => v[r].1.copy_to_host(0, &mut got)?,
+            }
+            if got
+                .iter()
+                .zip(w)
+                .any(|(g, w)| g.to_f32().to_bits() != w.to_f32().to_bits())
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn pipelined(&mut self, chunk: usize, iters: usize, runs: usize) -> Res<f64> {
+        let n = self.comm.size();
+        let mut execs = Vec::new();
+        for r in 0..n {
+            let s = self.streams[r].as_stream_ref();
+            s.begin_capture(cuda_multimem::CaptureMode::Relaxed)?;
+            let mut failed = None;
+            for _ in 0..iters {
+                if let Err(e) = self.call(r, chunk) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            let g = s.end_capture()?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            execs.push(g.instantiate()?);
+        }
+        let launch = |execs: &[cuda_multimem::GraphExec]| -> Res<()> {
+            for r in (0..n).rev() {
+                execs[r].launch(self.streams[r].as_stream_ref())?;
+            }
+            Ok(())
+        };
+        launch(&execs)?;
+        self.sync()?;
+        let d0 = self.streams[0].device();
+        let (start, stop) = (Event::new(d0, true)?, Event::new(d0, true)?);
+        let mut times = Vec::new();
+        for _ in 0..runs {
+            start.record(&self.streams[0])?;
+            launch(&execs)?;
+            stop.record(&self.streams[0])?;
+            self.sync()?;
+            times.push(stop.elapsed_since(&start)?.as_secs_f64() / iters as f64);
+        }
+        self.comm.check()?;
+        Ok(median(times))
+    }
+
+    fn single(&mut self, chunk: usize, runs: usize) -> Res<f64> {
+        let n = self.comm.size();
+        let (il, ol) = lengths(self.coll, n, chunk);
+        let (comm, streams, what) = (self.comm, self.streams, self.what());
+        let mut times = Vec::new();
+        for run in 0..=runs {
+            let barrier = SpinBarrier::new(n);
+            let timed = |r: usize, f: &dyn Fn(&Stream) -> Res<Choice>| -> Res<f64> {
+                let s = &streams[r];
+                let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
+                barrier.wait();
+                a.record(s)?;
+                f(s)?;
+                z.record(s)?;
+                s.synchronize()?;
+                Ok(z.elapsed_since(&a)?.as_secs_f64())
+            };
+            let per_rank: Vec<Res<f64>> = match &mut self.bufs {
+                Bufs::Symmetric(i, o) => {
+                    let i = &*i;
+                    let parts = o.parts_mut();
+                    std::thread::scope(|sc| {
+                        let hs: Vec<_> = parts
+                            .into_iter()
+                            .map(|mut p| {
+                                let timed = &timed;
+                                sc.spawn(move || -> Res<f64> {
+                                    let r = p.rank();
+                                    let src = i.slice(..il)?;
+                                    let dst = p.slice_mut(..ol)?;
+                                    let cell = std::cell::RefCell::new(Some((src, dst)));
+                                    timed(r, &|s| {
+                                        let (src, dst) =
+                                            cell.borrow_mut().take().ok_or("called twice")?;
+                                        call(comm, r, what, src.into(), dst.into(), s)
+                                    })
+                                })
+                            })
+                            .collect();
+                        hs.into_iter()
+                            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+                            .collect()
+                    })
+                }
+                Bufs::Local(v) => std::thread::scope(|sc| {
+                    let hs: Vec<_> = v
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(r, (i, o))| {
+                            let timed = &timed;
+                            sc.spawn(move || -> Res<f64> {
+                                let (ip, op) = (i.device_ptr(), o.device_ptr());
+                                timed(r, &|s| {
+                                    // SAFETY: this rank's own buffers (`il`, `ol` elements fit:
+                                    // allocated for the largest size), exclusively borrowed by
+                                    // this thread until its stream is synchronised.
+                                    let (src, dst) = unsafe {
+                                        (Src::<T>::from_raw(ip, il), Dst::<T>::from_raw(op, ol))
+                                    };
+                                    call(comm, r, what, src, dst, s)
+                                })
+                            })
+                        })
+                        .collect();
+                    hs.into_iter()
+                        .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+                        .collect()
+                }),
+            };
+            let mut worst = 0f64;
+            for t in per_rank {
+                worst = worst.max(t?);
+            }
+            if run > 0 {
+                times.push(worst);
+            }
+        }
+        comm.check()?;
+        Ok(median(times))
+    }
+}
+
+/// Prefixes of the caller's own buffers as operands.
+trait Prefix<T: Element> {
+    fn slice_src(&self, len: usize) -> Src<'_, T>;
+    fn slice_dst(&mut self, len: usize) -> Dst<'_, T>;
+}
+
+impl<T: Element> Prefix<T> for DeviceBuffer<T> {
+    fn slice_src(&self, len: usize) -> Src<'_, T> {
+        // SAFETY: the first `len` elements of this buffer (allocated for the largest size),
+        // borrowed for the returned lifetime.
+        unsafe { Src::from_raw(self.device_ptr(), len.min(self.len())) }
+    }
+    fn slice_dst(&mut self, len: usize) -> Dst<'_, T> {
+        // SAFETY: as `slice_src`, exclusively borrowed.
+        unsafe { Dst::from_raw(self.device_ptr(), len.min(self.len())) }
+    }
+}
+
+/// A barrier that spins (see bench-allreduce).
+struct SpinBarrier {
+    n: usize,
+    arrived: AtomicUsize,
+}
+
+impl SpinBarrier {
+    fn new(n: usize) -> Self {
+        SpinBarrier {
+            n,
+            arrived: AtomicUsize::new(0),
+        }
+    }
+
+    fn wait(&self) {
+        self.arrived.fetch_add(1, Ordering::AcqRel);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while self.arrived.load(Ordering::Acquire) < self.n {
+            if std::time::Instant::now() > deadline {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn result_line(fields: serde_json::Value) -> Res<()> {
+    for k in ["time_us", "algbw_gbs", "busbw_gbs"] {
+        if !fields[k].as_f64().is_some_and(f64::is_finite) {
+            return Err(format!("a non-finite {k} in {fields}").into());
+        }
+    }
+    println!("RESULT {}", serde_json::to_string(&fields)?);
+    Ok(())
+}
+
+fn bench<T: Element + Default + Copy>(args: &Args) -> Res<bool> {
+    cuda_multimem_collectives::sim::install();
+    let driver = cuda_multimem_sim::driver_from_env()?;
+    let devices = driver.devices();
+    if devices.len() < args.ranks {
+        return Err(format!("{} ranks asked, {} devices", args.ranks, devices.len()).into());
+    }
+    let devices = &devices[..args.ranks];
+    // these collectives are peer-to-peer only: never build a multicast team for them
+    let comm = Communicator::builder(devices)
+        .config(args.config())
+        .multicast(MulticastPolicy::Never)
+        .build()?;
+    let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
+    let n = comm.size();
+    if args.root >= n {
+        return Err(format!("--root {}: the team has {n} ranks", args.root).into());
+    }
+    let es = std::mem::size_of::<T>();
+    let sizes = args.sizes();
+    let max = sizes.iter().copied().max().unwrap_or(es);
+    let op = args.op();
+    let colls: &[Coll] = match args.collective {
+        Coll::All => &[Coll::ReduceScatter, Coll::AllGather, Coll::Broadcast],
+        c => std::slice::from_ref(match c {
+            Coll::ReduceScatter => &Coll::ReduceScatter,
+            Coll::AllGather => &Coll::AllGather,
+            _ => &Coll::Broadcast,
+        }),
+    };
+    let kinds: &[&str] = match args.operands {
+        Operands::Symmetric => &["symmetric"],
+        Operands::Local => &["local"],
+        Operands::Both => &["symmetric", "local"],
+    };
+    let mut all_ok = true;
+    let mut seed = 0x5eed_4321_u64;
+    for &coll in colls {
+        println!(
+            "# {} {}{}, out of place, {n} x {}, driver {}{}; median of {} runs",
+            coll.name(),
+            T::DTYPE,
+            match coll {
+                Coll::ReduceScatter => format!(" {op}"),
+                Coll::Broadcast => format!(" root {}", args.root),
+                _ => String::new(),
+            },
+            devices[0].name()?,
+            driver.version(),
+            if driver.is_simulated() {
+                " (SIMULATED: times mean nothing)"
+            } else {
+                ""
+            },
+            args.runs
+        );
+        println!(
+            "{:>10} {:>10} {:>9} {:>11} {:>9} {:>9} {:>10} {:>9} {:>9}  {:<36} {:>7}",
+            "operands",
+            "bytes",
+            "count",
+            "pipe(us)",
+            "algbw",
+            "busbw",
+            "single(us)",
+            "algbw",
+            "busbw",
+            "path / algorithm",
+            "correct"
+        );
+        // per rank: the largest chunk
+        let per_chunk = |bytes: usize| match coll {
+            Coll::Broadcast => bytes / es,
+            _ => bytes / (n * es),
+        };
+        let max_chunk = per_chunk(max).max(1);
+        let (mil, mol) = lengths(coll, n, max_chunk);
+        for kind in kinds {
+            let bufs = if *kind == "symmetric" {
+                Bufs::Symmetric(comm.alloc::<T>(mil)?, comm.alloc::<T>(mol)?)
+            } else {
+                Bufs::Local(
+                    devices
+                        .iter()
+                        .map(|d| -> Result<_, cuda_multimem::Error> {
+                            Ok((
+                                DeviceBuffer::<T>::zeroed(d, mil)?,
+                                DeviceBuffer::<T>::zeroed(d, mol)?,
+                            ))
+                        })
+                        .collect::<Result<_, _>>()?,
+                )
+            };
+            let mut b = Bench {
+                comm: &comm,
+                streams: &streams,
+                bufs,
+                coll,
+                op,
+                root: args.root,
+            };
+            for &size in &sizes {
+                let chunk = per_chunk(size);
+                if chunk == 0 {
+                    continue;
+                }
+                // the whole buffer, as nccl-tests
+                let bytes = match coll {
+                    Coll::Broadcast => chunk * es,
+                    _ => chunk * n * es,
+                };
+                let checked = bytes <= args.check_max;
+                let ok = !checked || b.check(chunk, &mut seed)?;
+                all_ok &= ok;
+                let iters = if driver.is_simulated() {
+                    2
+                } else {
+                    ((4usize << 30) / bytes).clamp(4, 100)
+                };
+                let runs = if driver.is_simulated() { 1 } else { args.runs };
+                // what ran (the check's calls report it; one more call records it here)
+                let mut choice = None;
+                let pipe = if args.mode != Mode::Single {
+                    Some(b.pipelined(chunk, iters, runs)?)
+                } else {
+                    None
+                };
+                let single = if args.mode != Mode::Pipelined {
+                    Some(b.single(chunk, runs)?)
+                } else {
+                    None
+                };
+                for r in 0..n {
+                    choice = Some(b.call(r, chunk)?);
+                }
+                b.sync()?;
+                comm.check()?;
+                let choice = choice.ok_or("no call")?;
+                let bw = |t: f64| bytes as f64 / t / 1e9;
+                let bus = |t: f64| match coll {
+                    Coll::Broadcast => bw(t),
+                    _ => bw(t) * (n as f64 - 1.0) / n as f64,
+                };
+                let cell = |t: Option<f64>, f: &dyn Fn(f64) -> f64| {
+                    t.map_or("-".to_string(), |t| format!("{:.2}", f(t)))
+                };
+                println!(
+                    "{:>10} {:>10} {:>9} {:>11} {:>9} {:>9} {:>10} {:>9} {:>9}  {:<36} {:>7}",
+                    kind,
+                    bytes,
+                    bytes / es,
+                    cell(pipe, &|t| t * 1e6),
+                    cell(pipe, &bw),
+                    cell(pipe, &bus),
+                    cell(single, &|t| t * 1e6),
+                    cell(single, &bw),
+                    cell(single, &bus),
+                    choice.to_string(),
+                    match (checked, ok) {
+                        (false, _) => "-",
+                        (true, true) => "yes",
+                        (true, false) => "NO",
+                    }
+                );
+                for (mode, t) in [("pipelined", pipe), ("single", single)] {
+                    let Some(t) = t else { continue };
+                    result_line(json!({
+                        "bench": coll.name(),
+                        "impl": "cuda-multimem",
+                        "operand": kind,
+                        "dtype": T::DTYPE.name(),
+                        "op": if coll == Coll::ReduceScatter { op.name() } else { "none" },
+                        "ranks": n,
+                        "bytes": bytes,
+                        "mode": mode,
+                        "time_us": t * 1e6,
+                        "algbw_gbs": bw(t),
+                        "busbw_gbs": bus(t),
+                        "path": choice.path.to_string(),
+                        "algorithm": choice.algorithm.to_string(),
+                        "staged_chunks": choice.staged_chunks,
+                        "correct": if checked { json!(ok) } else { json!(null) },
+                    }))?;
+                }
+            }
+        }
+    }
+    Ok(all_ok)
+}

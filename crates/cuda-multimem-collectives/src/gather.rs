@@ -1,0 +1,419 @@
+//! Reduce-scatter, all-gather and broadcast on a [`RankHandle`]: operand checks, the choice
+//! between the staged and the direct kernel, the launch shape and the call header. Peer-to-peer
+//! on every team (there are no multimem versions yet). Protocol and memory-ordering argument:
+//! `docs/design/collectives.md`.
+
+use std::collections::HashMap;
+
+use cuda_multimem::{Device, Error, Function, LaunchConfig, Module, Result, StreamRef};
+
+use crate::comm::RankHandle;
+use crate::kernels::gather::Collective;
+use crate::kernels::{call_header, MAX_BLOCKS};
+use crate::operand::{Dst, Operand, Place, Src};
+use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
+
+/// The kernels of one device, by collective, type and operator (all-gather and broadcast under
+/// [`ReduceOp::Sum`] only).
+pub(crate) type Kernels = HashMap<(Collective, DType, ReduceOp), Function>;
+
+/// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
+pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
+    let mut functions = HashMap::new();
+    for c in Collective::ALL {
+        let text = c
+            .load_text()
+            .map_err(|e| Error::os("read PTX from CUDA_MULTIMEM_PTX_DIR", e))?;
+        let m = Module::load_ptx(device, &text)?;
+        for dt in DType::ALL {
+            for &op in c.ops() {
+                functions.insert((c, dt, op), m.function(&c.entry(dt, op))?);
+            }
+        }
+    }
+    Ok(functions)
+}
+
+/// `len` elements of `T` as bytes, checked against the operand's recorded byte length.
+fn bytes_of<T>(len: usize, recorded: usize, arg: &'static str) -> Result<usize> {
+    let size = std::mem::size_of::<T>();
+    match len.checked_mul(size) {
+        Some(b) if b == recorded => Ok(b),
+        _ => Err(Error::invalid(
+            arg,
+            format!("{len} elements of {size} bytes: the byte length overflows"),
+        )),
+    }
+}
+
+/// `n` chunks of `chunk` bytes, checked.
+fn times(n: usize, chunk: usize, arg: &'static str) -> Result<usize> {
+    chunk
+        .checked_mul(n)
+        .ok_or_else(|| Error::invalid(arg, format!("{n} chunks of {chunk} bytes overflow usize")))
+}
+
+/// What a call asks for, before the checks.
+struct Call<'o> {
+    coll: Collective,
+    dtype: DType,
+    op: ReduceOp,
+    input: Operand<'o>,
+    output: Operand<'o>,
+    root: usize,
+}
+
+impl<'a> RankHandle<'a> {
+    /// Reduce-scatter: `input` holds N chunks of `count` elements (N the team size), `output`
+    /// `count` elements; rank r's output becomes the reduction with `op` of chunk r of every
+    /// rank's input, in rank order (16-bit types accumulated in f32, rounded once: the same bits
+    /// as [`crate::reduce_scatter_reference`]). Operands: symmetric buffers and views or the
+    /// caller's own memory, either way with no copies outside the kernel. Queued on `stream`, a
+    /// stream of this rank's device; returns what ran.
+    pub fn reduce_scatter<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        let ib = bytes_of::<T>(i.len, i.op.bytes, "input")?;
+        let ob = bytes_of::<T>(o.len, o.op.bytes, "output")?;
+        let n = self.comm.inner.ranks.n;
+        if times(n, ob, "output")? != ib {
+            return Err(Error::invalid(
+                "input",
+                format!(
+                    "{} elements; a reduce-scatter of {} elements per rank over {n} ranks takes {n} x {} = {} (N chunks of the output's length)",
+                    i.len,
+                    o.len,
+                    o.len,
+                    o.len.saturating_mul(n)
+                ),
+            ));
+        }
+        self.collective(
+            Call {
+                coll: Collective::ReduceScatter,
+                dtype: T::DTYPE,
+                op,
+                input: Operand { bytes: ib, ..i.op },
+                output: Operand { bytes: ob, ..o.op },
+                root: 0,
+            },
+            stream.into(),
+        )
+    }
+
+    /// Reduce-scatter in place: `buf` holds N chunks of `count` elements; the result lands in
+    /// chunk r of rank r's `buf` (as NCCL's in-place form, recvbuff = sendbuff + rank·count);
+    /// the other chunks keep this rank's input.
+    pub fn reduce_scatter_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        let bytes = bytes_of::<T>(b.len, b.op.bytes, "buf")?;
+        let chunk = self.in_place_chunk(b.len, bytes, "buf")?;
+        let all = Operand { bytes, ..b.op };
+        self.collective(
+            Call {
+                coll: Collective::ReduceScatter,
+                dtype: T::DTYPE,
+                op,
+                input: all,
+                output: all.sub(self.local.rank * chunk, chunk),
+                root: 0,
+            },
+            stream.into(),
+        )
+    }
+
+    /// All-gather: `input` holds `count` elements, `output` N chunks of `count`; chunk k of
+    /// every rank's output becomes rank k's input. With a symmetric output above the one-shot
+    /// limit the ranks store straight into each other's outputs ([`Algorithm::PushDirect`]);
+    /// otherwise (the caller's own output, or small messages) every rank pushes its input into
+    /// its peers' staging slots and each copies out locally ([`Algorithm::PushStaged`]: one
+    /// extra local write and read of the message, no extra launches).
+    pub fn all_gather<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        let ib = bytes_of::<T>(i.len, i.op.bytes, "input")?;
+        let ob = bytes_of::<T>(o.len, o.op.bytes, "output")?;
+        let n = self.comm.inner.ranks.n;
+        if times(n, ib, "input")? != ob {
+            return Err(Error::invalid(
+                "output",
+                format!(
+                    "{} elements; an all-gather of {} elements per rank over {n} ranks fills {n} x {} = {} (N chunks of the input's length)",
+                    o.len,
+                    i.len,
+                    i.len,
+                    i.len.saturating_mul(n)
+                ),
+            ));
+        }
+        self.collective(
+            Call {
+                coll: Collective::AllGather,
+                dtype: T::DTYPE,
+                op: ReduceOp::Sum,
+                input: Operand { bytes: ib, ..i.op },
+                output: Operand { bytes: ob, ..o.op },
+                root: 0,
+            },
+            stream.into(),
+        )
+    }
+
+    /// All-gather in place: `buf` holds N chunks of `count` elements, rank r's contribution
+    /// already in its chunk r.
+    pub fn all_gather_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        let bytes = bytes_of::<T>(b.len, b.op.bytes, "buf")?;
+        let chunk = self.in_place_chunk(b.len, bytes, "buf")?;
+        let all = Operand { bytes, ..b.op };
+        self.collective(
+            Call {
+                coll: Collective::AllGather,
+                dtype: T::DTYPE,
+                op: ReduceOp::Sum,
+                input: all.sub(self.local.rank * chunk, chunk),
+                output: all,
+                root: 0,
+            },
+            stream.into(),
+        )
+    }
+
+    /// Broadcast: every rank's `output` becomes rank `root`'s `input` (the same length on
+    /// every rank; read on the root only, but checked everywhere). Staged or direct as
+    /// [`RankHandle::all_gather`].
+    pub fn broadcast<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        root: usize,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        let ib = bytes_of::<T>(i.len, i.op.bytes, "input")?;
+        let ob = bytes_of::<T>(o.len, o.op.bytes, "output")?;
+        if ib != ob {
+            return Err(Error::invalid(
+                "output",
+                format!(
+                    "{} elements; the input has {} (both operands have the same length)",
+                    o.len, i.len
+                ),
+            ));
+        }
+        self.collective(
+            Call {
+                coll: Collective::Broadcast,
+                dtype: T::DTYPE,
+                op: ReduceOp::Sum,
+                input: Operand { bytes: ib, ..i.op },
+                output: Operand { bytes: ob, ..o.op },
+                root,
+            },
+            stream.into(),
+        )
+    }
+
+    /// Broadcast in place: every rank's `buf` becomes rank `root`'s.
+    pub fn broadcast_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        root: usize,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        let bytes = bytes_of::<T>(b.len, b.op.bytes, "buf")?;
+        let all = Operand { bytes, ..b.op };
+        self.collective(
+            Call {
+                coll: Collective::Broadcast,
+                dtype: T::DTYPE,
+                op: ReduceOp::Sum,
+                input: all,
+                output: all,
+                root,
+            },
+            stream.into(),
+        )
+    }
+
+    /// Bytes of one chunk of an in-place buffer of `len` elements (`bytes` bytes): a whole
+    /// number of elements per rank.
+    fn in_place_chunk(&self, len: usize, bytes: usize, arg: &'static str) -> Result<usize> {
+        let n = self.comm.inner.ranks.n;
+        if len % n != 0 {
+            return Err(Error::invalid(
+                arg,
+                format!("{len} elements; not a whole number of chunks for {n} ranks"),
+            ));
+        }
+        Ok(bytes / n)
+    }
+
+    /// What `coll` runs for `chunk_bytes` per rank (reduce-scatter: the output; all-gather: the
+    /// input; broadcast: the message): the algorithm and the launch shape, the same on every
+    /// rank that makes the same call.
+    fn gather_shape(&self, chunk_bytes: usize, direct: bool) -> Choice {
+        let inner = &*self.comm.inner;
+        let c = &inner.config;
+        let max_blocks = if c.max_blocks != 0 {
+            c.max_blocks
+        } else {
+            // one block per multiprocessor, a power of two of them (as the push two-shot)
+            1 << inner
+                .p2p
+                .multiprocessors
+                .clamp(1, MAX_BLOCKS as u32)
+                .ilog2()
+        } as u64;
+        let max_threads = c.push_threads as u64;
+        let units = chunk_bytes.div_ceil(16) as u64;
+        let mut blocks = units.div_ceil(max_threads).clamp(1, max_blocks);
+        if !direct {
+            // every block owns at least 128 bytes of each staging slot
+            blocks = blocks.min(inner.p2p.stage_half as u64 / 128).max(1);
+        }
+        let threads = units
+            .div_ceil(blocks)
+            .next_multiple_of(32)
+            .clamp(64, max_threads);
+        Choice {
+            path: Path::PeerToPeer,
+            algorithm: if direct {
+                Algorithm::PushDirect
+            } else {
+                Algorithm::PushStaged
+            },
+            blocks: blocks as u32,
+            threads: threads as u32,
+            staged_chunks: 0,
+        }
+    }
+
+    fn collective(&self, call: Call<'_>, stream: StreamRef<'_>) -> Result<Choice> {
+        let inner = &*self.comm.inner;
+        let (n, c, l) = (inner.ranks.n, &inner.config, self.local);
+        if !stream.device().driver().same_as(l.device.driver()) || stream.device() != &l.device {
+            self.check_stream(&stream)?;
+        }
+        inner.ranks.usable()?;
+        let es = call.dtype.size();
+        let ip = self.check_operand(&call.input, "input", es)?;
+        let op_ = self.check_operand(&call.output, "output", es)?;
+        if call.root >= n {
+            return Err(Error::invalid(
+                "root",
+                format!("{}; the team has ranks 0 to {}", call.root, n - 1),
+            ));
+        }
+        let (ib, ob) = (call.input.bytes as u64, call.output.bytes as u64);
+        let overlap = ip < op_ + ob && op_ < ip + ib && ib > 0 && ob > 0;
+        let rank = l.rank as u64;
+        // the one overlap each collective allows: its in-place form
+        let in_place = match call.coll {
+            Collective::ReduceScatter => op_ == ip + rank * ob,
+            Collective::AllGather => ip == op_ + rank * ib,
+            Collective::Broadcast => ip == op_,
+        };
+        if overlap && !in_place {
+            return Err(Error::invalid(
+                "output",
+                match call.coll {
+                    Collective::ReduceScatter => "overlaps the input other than as its chunk of this rank (in place: reduce_scatter_in_place)",
+                    Collective::AllGather => "overlaps the input other than with the input as this rank's chunk (in place: all_gather_in_place)",
+                    Collective::Broadcast => "overlaps the input without being the same range (in place: broadcast_in_place)",
+                },
+            ));
+        }
+        let chunk = match call.coll {
+            Collective::ReduceScatter => call.output.bytes,
+            _ => call.input.bytes,
+        };
+        let count = (chunk / es) as u64;
+        // direct: the output is symmetric (every rank's mapped here) and the message is above
+        // the one-shot limit, where saving the local copy beats saving a barrier
+        let total = call.output.bytes.max(call.input.bytes);
+        let direct = call.coll != Collective::ReduceScatter
+            && call.output.is_sym()
+            && total > c.one_shot_max(n);
+        let choice = self.gather_shape(chunk, direct);
+        self.check_stream(&stream)?;
+        if chunk == 0 {
+            return Ok(choice);
+        }
+        inner.ranks.next_call(l);
+        let f = l
+            .gather
+            .get(&(call.coll, call.dtype, call.op))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "op",
+                    format!(
+                        "no {} kernel for {} {}",
+                        call.coll.name(),
+                        call.dtype,
+                        call.op
+                    ),
+                )
+            })?;
+        let (out_tab, out_id, out_off) = match (direct, call.output.place) {
+            (true, Place::Sym { buf, offset, .. }) => (buf.table(l.rank)?, buf.id, offset as u64),
+            _ => (0, 0, 0),
+        };
+        let sig = call_header(&[
+            count,
+            call.dtype.code(),
+            if call.coll.reduces() {
+                call.op.code()
+            } else {
+                0xff
+            },
+            call.coll.code(),
+            direct as u64,
+            call.root as u64,
+            out_id,
+            out_off,
+            choice.blocks as u64,
+        ]);
+        // SAFETY: a function of this device's module whose entry takes these eight .u64
+        // parameters (pad, in, out, count, out_tab, root, header, timeout); the operands were
+        // checked to lie inside their buffers (input and output lengths in the collective's
+        // ratio), the table holds N addresses of a symmetric output, the pad and staging are
+        // the communicator's; the stream is a live stream of this device (checked).
+        unsafe {
+            f.launch_u64(
+                &LaunchConfig::linear(choice.blocks, choice.threads),
+                stream,
+                &[
+                    inner.p2p.pads.addrs[l.rank],
+                    ip,
+                    op_,
+                    count,
+                    out_tab,
+                    call.root as u64,
+                    sig,
+                    c.timeout_ns(),
+                ],
+            )
+        }?;
+        Ok(choice)
+    }
+}

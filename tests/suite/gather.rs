@@ -1,0 +1,742 @@
+//! Reduce-scatter, all-gather and broadcast: results equal the host references for every type
+//! and operator, in place and out of place, on symmetric buffers (aligned and at odd offsets)
+//! and on the caller's own memory; calls of every collective interleaved with allreduce, back
+//! to back with random per-device delays, on teams of 2 to 8 with staging slots small enough
+//! for many rounds; graph replays; ranks that disagree (size, collective, root) and a peer that
+//! never calls are reported, and bad arguments are refused before any launch.
+
+use std::time::Duration;
+
+use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::{
+    all_gather_reference, bf16, broadcast_reference, f16, random_input, reduce_scatter_reference,
+    reference, Algorithm, Choice, CommConfig, Communicator, Dst, Element, MulticastPolicy,
+    ReduceOp, Src, SymmetricBuffer,
+};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::{env, sim, skip, Env};
+
+/// What a case calls.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    ReduceScatter(ReduceOp),
+    AllGather,
+    Broadcast(usize),
+    AllReduce(ReduceOp),
+}
+
+/// Where its operands live.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mem {
+    /// Whole symmetric buffers (16-byte aligned).
+    Sym,
+    /// Views of symmetric buffers from element 1 (not 16-byte aligned).
+    SymOdd,
+    /// The caller's own memory (`DeviceBuffer`).
+    Own,
+}
+
+trait Elem: Element + Default + Copy + Send + Sync + 'static {}
+impl<T: Element + Default + Copy + Send + Sync + 'static> Elem for T {}
+
+/// Lengths of (input, output) per rank.
+fn lengths(kind: Kind, n: usize, count: usize) -> (usize, usize) {
+    match kind {
+        Kind::ReduceScatter(_) => (n * count, count),
+        Kind::AllGather => (count, n * count),
+        Kind::Broadcast(_) | Kind::AllReduce(_) => (count, count),
+    }
+}
+
+/// A queued case: its buffers (kept alive until checked) and what every rank must hold.
+struct Pending<T: Elem> {
+    what: String,
+    choice: Choice,
+    /// Per rank: the output as it must read, after the call.
+    want: Vec<Vec<T>>,
+    sym_in: Option<SymmetricBuffer<T>>,
+    sym_out: Option<SymmetricBuffer<T>>,
+    own_in: Vec<DeviceBuffer<T>>,
+    own_out: Vec<DeviceBuffer<T>>,
+    /// Where the checked range starts in the symmetric output (elements).
+    at: usize,
+}
+
+trait Check {
+    fn check(&self);
+}
+
+impl<T: Elem> Check for Pending<T> {
+    fn check(&self) {
+        for (r, want) in self.want.iter().enumerate() {
+            let got = match &self.sym_out {
+                Some(b) => {
+                    let v = b.to_vec(r).unwrap();
+                    v[self.at..self.at + want.len()].to_vec()
+                }
+                None => self.own_out[r].to_vec().unwrap(),
+            };
+            if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "{} ({}): rank {r}, element {i} of {}: got {:?}, want {:?}",
+                    self.what,
+                    self.choice,
+                    want.len(),
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+    }
+}
+
+/// Call `kind` on rank `r` with the given operands.
+fn call<T: Elem>(
+    comm: &Communicator,
+    r: usize,
+    kind: Kind,
+    input: Option<Src<'_, T>>,
+    output: Dst<'_, T>,
+    s: &Stream,
+) -> cuda_multimem::Result<Choice> {
+    let h = comm.rank(r)?;
+    match (kind, input) {
+        (Kind::ReduceScatter(op), Some(i)) => h.reduce_scatter(i, output, op, s),
+        (Kind::ReduceScatter(op), None) => h.reduce_scatter_in_place(output, op, s),
+        (Kind::AllGather, Some(i)) => h.all_gather(i, output, s),
+        (Kind::AllGather, None) => h.all_gather_in_place(output, s),
+        (Kind::Broadcast(root), Some(i)) => h.broadcast(i, output, root, s),
+        (Kind::Broadcast(root), None) => h.broadcast_in_place(output, root, s),
+        (Kind::AllReduce(op), Some(i)) => h.all_reduce(i, output, op, s),
+        (Kind::AllReduce(op), None) => h.all_reduce_in_place(output, op, s),
+    }
+}
+
+/// Queue `kind` of `count` elements per chunk on every rank (random inputs), operands in `mem`.
+fn queue<T: Elem>(
+    comm: &Communicator,
+    s: &[Stream],
+    kind: Kind,
+    count: usize,
+    mem: Mem,
+    in_place: bool,
+    seed: &mut u64,
+) -> Pending<T> {
+    let n = comm.size();
+    let (il, ol) = lengths(kind, n, count);
+    let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(il, seed)).collect();
+    // what the in-place buffer holds before the call, where the input is not the whole of it
+    let filler: Vec<Vec<T>> = (0..n).map(|_| random_input(ol, seed)).collect();
+    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let mut want: Vec<Vec<T>> = match kind {
+        Kind::ReduceScatter(op) => reduce_scatter_reference(op, &refs),
+        Kind::AllGather => vec![all_gather_reference(&refs); n],
+        Kind::Broadcast(root) => vec![broadcast_reference(&refs, root); n],
+        Kind::AllReduce(op) => vec![reference(op, &refs); n],
+    };
+    // in place: the buffer's initial contents per rank (the in-place form's input placement)
+    let initial = |r: usize| -> Vec<T> {
+        match kind {
+            Kind::AllGather => {
+                let mut b = filler[r].clone();
+                b[r * count..(r + 1) * count].copy_from_slice(&inputs[r]);
+                b
+            }
+            _ => inputs[r].clone(),
+        }
+    };
+    if in_place {
+        if let Kind::ReduceScatter(_) = kind {
+            // the result lands in chunk r; the other chunks keep the input
+            for (r, w) in want.iter_mut().enumerate() {
+                let mut b = inputs[r].clone();
+                b[r * count..(r + 1) * count].copy_from_slice(w);
+                *w = b;
+            }
+        }
+    }
+    let what = format!(
+        "{kind:?} of {count} x {:?} on {n} ranks, {mem:?}{}",
+        T::DTYPE,
+        if in_place { ", in place" } else { "" }
+    );
+    let mut p = Pending {
+        what,
+        choice: Choice {
+            path: cuda_multimem_collectives::Path::PeerToPeer,
+            algorithm: Algorithm::PushStaged,
+            blocks: 0,
+            threads: 0,
+            staged_chunks: 0,
+        },
+        want,
+        sym_in: None,
+        sym_out: None,
+        own_in: Vec::new(),
+        own_out: Vec::new(),
+        at: 0,
+    };
+    let at = usize::from(mem == Mem::SymOdd);
+    match (mem, in_place) {
+        (Mem::Sym | Mem::SymOdd, true) => {
+            let len = il.max(ol);
+            let mut buf = comm.alloc::<T>(len + at).unwrap();
+            for r in 0..n {
+                buf.write(r, at, &initial(r)).unwrap();
+            }
+            for (r, st) in s.iter().enumerate() {
+                let v = buf.slice_mut(at..at + len).unwrap();
+                p.choice = call(comm, r, kind, None, v.into(), st).unwrap();
+            }
+            p.sym_out = Some(buf);
+        }
+        (Mem::Sym | Mem::SymOdd, false) => {
+            let ib = comm.alloc::<T>(il + at).unwrap();
+            let mut ob = comm.alloc::<T>(ol + at).unwrap();
+            for (r, x) in inputs.iter().enumerate() {
+                ib.write(r, at, x).unwrap();
+            }
+            for (r, st) in s.iter().enumerate() {
+                let i = ib.slice(at..at + il).unwrap();
+                let o = ob.slice_mut(at..at + ol).unwrap();
+                p.choice = call(comm, r, kind, Some(i.into()), o.into(), st).unwrap();
+            }
+            p.sym_in = Some(ib);
+            p.sym_out = Some(ob);
+        }
+        (Mem::Own, true) => {
+            for (r, st) in s.iter().enumerate() {
+                let mut b = DeviceBuffer::from_host(comm.device(r).unwrap(), &initial(r)).unwrap();
+                p.choice = call(comm, r, kind, None, (&mut b).into(), st).unwrap();
+                p.own_out.push(b);
+            }
+        }
+        (Mem::Own, false) => {
+            for (r, st) in s.iter().enumerate() {
+                let d = comm.device(r).unwrap();
+                let i = DeviceBuffer::from_host(d, &inputs[r]).unwrap();
+                let mut o = DeviceBuffer::<T>::zeroed(d, ol).unwrap();
+                p.choice = call(comm, r, kind, Some((&i).into()), (&mut o).into(), st).unwrap();
+                p.own_in.push(i);
+                p.own_out.push(o);
+            }
+        }
+    }
+    p.at = at;
+    p
+}
+
+fn streams(comm: &Communicator) -> Vec<Stream> {
+    (0..comm.size())
+        .map(|r| Stream::new(comm.device(r).unwrap()).unwrap())
+        .collect()
+}
+
+fn sync(s: &[Stream]) {
+    for st in s {
+        st.synchronize().unwrap();
+    }
+}
+
+/// Queue, wait, check.
+#[allow(clippy::too_many_arguments)]
+fn once<T: Elem>(
+    comm: &Communicator,
+    s: &[Stream],
+    kind: Kind,
+    count: usize,
+    mem: Mem,
+    in_place: bool,
+    seed: &mut u64,
+) -> Choice {
+    let p = queue::<T>(comm, s, kind, count, mem, in_place, seed);
+    sync(s);
+    comm.check().unwrap_or_else(|e| panic!("{}: {e}", p.what));
+    p.check();
+    p.choice
+}
+
+/// A team of the first two devices of the chosen driver (real GPUs or the simulator).
+fn team(e: &Env, config: CommConfig) -> Option<Communicator> {
+    let devices = e.driver.devices();
+    if devices.len() < 2 {
+        skip(
+            "gather",
+            format!("needs 2 devices, the machine has {}", devices.len()),
+        );
+        return None;
+    }
+    Some(
+        Communicator::builder(&devices[..2])
+            .config(config)
+            .multicast(MulticastPolicy::Never)
+            .build()
+            .unwrap(),
+    )
+}
+
+/// Every case of `kinds` at `sizes`, every type, every operand kind, in place and not.
+fn sweep(comm: &Communicator, kinds: &[Kind], sizes: &[usize]) {
+    let s = streams(comm);
+    let mut seed = 0x9e37_79b9_7f4a_7c15;
+    for &kind in kinds {
+        for &count in sizes {
+            for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+                for in_place in [false, true] {
+                    once::<f32>(comm, &s, kind, count, mem, in_place, &mut seed);
+                    once::<f16>(comm, &s, kind, count, mem, in_place, &mut seed);
+                    once::<bf16>(comm, &s, kind, count, mem, in_place, &mut seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_equals_the_host_reference_for_every_dtype_op_and_operand_kind() {
+    let e = env();
+    let Some(comm) = team(&e, CommConfig::default()) else {
+        return;
+    };
+    let kinds: Vec<Kind> = ReduceOp::ALL.map(Kind::ReduceScatter).to_vec();
+    sweep(&comm, &kinds, &[1, 7, 1000, 4099]);
+}
+
+#[test]
+fn all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
+    let e = env();
+    let Some(comm) = team(&e, CommConfig::default()) else {
+        return;
+    };
+    sweep(&comm, &[Kind::AllGather], &[1, 7, 1000, 4099]);
+}
+
+#[test]
+fn broadcast_from_every_root_equals_the_host_reference_for_every_dtype_and_operand_kind() {
+    let e = env();
+    let Some(comm) = team(&e, CommConfig::default()) else {
+        return;
+    };
+    sweep(
+        &comm,
+        &[Kind::Broadcast(0), Kind::Broadcast(1)],
+        &[1, 7, 1000, 4099],
+    );
+}
+
+/// The direct path (symmetric outputs above the one-shot limit, lowered here) and many staged
+/// rounds (slots of 4 KiB shared by the blocks), on both drivers.
+#[test]
+fn direct_stores_and_staged_rounds_equal_the_host_reference() {
+    let e = env();
+    let config = CommConfig {
+        one_shot_max_bytes: Some(4096),
+        stage_bytes: Some(4096),
+        max_blocks: 4,
+        ..Default::default()
+    };
+    let Some(comm) = team(&e, config) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 11;
+    for kind in [
+        Kind::AllGather,
+        Kind::Broadcast(1),
+        Kind::ReduceScatter(ReduceOp::Sum),
+    ] {
+        for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+            for in_place in [false, true] {
+                let c = once::<bf16>(&comm, &s, kind, 20_000, mem, in_place, &mut seed);
+                let direct = mem != Mem::Own && kind != Kind::ReduceScatter(ReduceOp::Sum);
+                assert_eq!(
+                    c.algorithm,
+                    if direct {
+                        Algorithm::PushDirect
+                    } else {
+                        Algorithm::PushStaged
+                    },
+                    "{kind:?} {mem:?}"
+                );
+                once::<f32>(&comm, &s, kind, 3001, mem, in_place, &mut seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn small_messages_run_one_staged_launch_with_few_threads() {
+    let e = env();
+    let Some(comm) = team(&e, CommConfig::default()) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 3;
+    for kind in [
+        Kind::ReduceScatter(ReduceOp::Sum),
+        Kind::AllGather,
+        Kind::Broadcast(0),
+    ] {
+        // 1 KiB gathered / scattered: 256 f32 in all, 128 per rank
+        for mem in [Mem::Sym, Mem::Own] {
+            let count = if kind == Kind::Broadcast(0) { 256 } else { 128 };
+            let c = once::<f32>(&comm, &s, kind, count, mem, false, &mut seed);
+            assert_eq!(c.algorithm, Algorithm::PushStaged, "{kind:?} {mem:?}");
+            assert_eq!((c.blocks, c.threads, c.staged_chunks), (1, 64, 0));
+        }
+    }
+}
+
+/// Back-to-back calls of every collective, interleaved with allreduce, of random sizes, types
+/// and operand kinds, with random per-device delays, checked only once all have run: the
+/// counters, slot parities and header parities of one call must not disturb the next.
+#[test]
+fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_2_to_8() {
+    for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {
+        let e = sim(SimConfig::new(n, 13000));
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_micros(300), seed);
+        let devices = e.driver.devices();
+        let comm = Communicator::builder(&devices)
+            .config(CommConfig {
+                // direct above 4 KiB, slots of 4 KiB: multi-round staged calls
+                one_shot_max_bytes: Some(4096),
+                stage_bytes: Some(4096),
+                max_blocks: 3,
+                timeout: Duration::from_secs(20),
+                ..Default::default()
+            })
+            .multicast(MulticastPolicy::Never)
+            .build()
+            .unwrap();
+        let s = streams(&comm);
+        let mut state = seed * 7919;
+        let mut rnd = |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        let mut pending: Vec<Box<dyn Check>> = Vec::new();
+        let mut data = seed + 100;
+        for _ in 0..10 {
+            let op = ReduceOp::ALL[rnd(3) as usize];
+            let kind = match rnd(4) {
+                0 => Kind::ReduceScatter(op),
+                1 => Kind::AllGather,
+                2 => Kind::Broadcast(rnd(n as u64) as usize),
+                _ => Kind::AllReduce(op),
+            };
+            let count = [1usize, 5, 64, 333, 1500, 2048][rnd(6) as usize];
+            let mem = [Mem::Sym, Mem::SymOdd, Mem::Own][rnd(3) as usize];
+            let in_place = rnd(2) == 0;
+            pending.push(match rnd(3) {
+                0 => Box::new(queue::<f32>(
+                    &comm, &s, kind, count, mem, in_place, &mut data,
+                )),
+                1 => Box::new(queue::<f16>(
+                    &comm, &s, kind, count, mem, in_place, &mut data,
+                )),
+                _ => Box::new(queue::<bf16>(
+                    &comm, &s, kind, count, mem, in_place, &mut data,
+                )),
+            });
+        }
+        sync(&s);
+        comm.check().unwrap();
+        for p in &pending {
+            p.check();
+        }
+    }
+}
+
+/// A captured sequence (reduce-scatter, all-gather, broadcast, staged and direct) replays
+/// correctly with new inputs each time: nothing is reset from the host.
+#[test]
+fn captured_collectives_replay_with_new_inputs() {
+    let e = sim(SimConfig::new(3, 13000));
+    let devices = e.driver.devices();
+    let n = 3;
+    let comm = Communicator::builder(&devices)
+        .config(CommConfig {
+            one_shot_max_bytes: Some(4096),
+            stage_bytes: Some(4096),
+            max_blocks: 2,
+            ..Default::default()
+        })
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    let s = streams(&comm);
+    let count = 700;
+    let rs_in = comm.alloc::<f32>(n * count).unwrap();
+    let mut rs_out = comm.alloc::<f32>(count).unwrap();
+    let ag_in = comm.alloc::<f32>(count).unwrap();
+    let mut ag_out = comm.alloc::<f32>(n * count).unwrap();
+    let mut ag_small = comm.alloc::<f32>(n * 100).unwrap();
+    let mut bc = comm.alloc::<f32>(count).unwrap();
+    let mut execs = Vec::new();
+    for (r, st) in s.iter().enumerate() {
+        let h = comm.rank(r).unwrap();
+        let sr = st.as_stream_ref();
+        sr.begin_capture(CaptureMode::Relaxed).unwrap();
+        h.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Max, st)
+            .unwrap();
+        let c = h.all_gather(&ag_in, &mut ag_out, st).unwrap();
+        assert_eq!(c.algorithm, Algorithm::PushDirect);
+        let c = h.all_gather_in_place(&mut ag_small, st).unwrap();
+        assert_eq!(c.algorithm, Algorithm::PushStaged);
+        h.broadcast_in_place(&mut bc, 2, st).unwrap();
+        execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+    }
+    let mut seed = 77;
+    for replay in 0..3 {
+        let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
+        let ags: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        let smalls: Vec<Vec<f32>> = (0..n).map(|_| random_input(100, &mut seed)).collect();
+        let bcs: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        for r in 0..n {
+            rs_in.write(r, 0, &ins[r]).unwrap();
+            ag_in.write(r, 0, &ags[r]).unwrap();
+            ag_small.write(r, r * 100, &smalls[r]).unwrap();
+            bc.write(r, 0, &bcs[r]).unwrap();
+        }
+        for (x, st) in execs.iter().zip(&s) {
+            x.launch(st).unwrap();
+        }
+        sync(&s);
+        comm.check().unwrap();
+        let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+        let rs = reduce_scatter_reference(ReduceOp::Max, &refs);
+        let agr: Vec<&[f32]> = ags.iter().map(|v| v.as_slice()).collect();
+        let smr: Vec<&[f32]> = smalls.iter().map(|v| v.as_slice()).collect();
+        for (r, want) in rs.iter().enumerate() {
+            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
+            assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
+            assert_eq!(ag_small.to_vec(r).unwrap(), all_gather_reference(&smr));
+            assert_eq!(bc.to_vec(r).unwrap(), bcs[2], "replay {replay} rank {r}");
+        }
+    }
+}
+
+fn small_team(n: usize) -> (Env, Communicator, Vec<Stream>) {
+    let e = sim(SimConfig::new(n, 13000));
+    let devices = e.driver.devices();
+    let comm = Communicator::builder(&devices)
+        .config(CommConfig {
+            timeout: Duration::from_millis(300),
+            ..Default::default()
+        })
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    let s = streams(&comm);
+    (e, comm, s)
+}
+
+/// Rank 0 and rank 1 call different things; `check()` must say the ranks disagree.
+fn expect_disagreement(
+    what: &str,
+    a: impl Fn(&Communicator, &Stream, &mut SymmetricBuffer<f32>),
+    b: impl Fn(&Communicator, &Stream, &mut SymmetricBuffer<f32>),
+) {
+    let (_e, comm, s) = small_team(2);
+    let mut buf = comm.alloc::<f32>(30_000).unwrap();
+    a(&comm, &s[0], &mut buf);
+    b(&comm, &s[1], &mut buf);
+    sync(&s);
+    match comm.check() {
+        Err(Error::RanksDisagree { .. }) => {}
+        other => panic!("{what}: expected RanksDisagree, got {other:?}"),
+    }
+}
+
+#[test]
+fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
+    fn rank_of(c: &Communicator, s: &Stream) -> usize {
+        c.local_ranks()
+            .into_iter()
+            .find(|&r| c.device(r).unwrap() == s.device())
+            .unwrap()
+    }
+    let ag = |count: usize| {
+        move |c: &Communicator, s: &Stream, b: &mut SymmetricBuffer<f32>| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .all_gather_in_place(b.slice_mut(..2 * count).unwrap(), s)
+                .unwrap();
+        }
+    };
+    expect_disagreement("all-gather sizes 64 / 128", ag(64), ag(128));
+    expect_disagreement(
+        "reduce-scatter / all-gather",
+        |c, s, b| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .reduce_scatter_in_place(b.slice_mut(..256).unwrap(), ReduceOp::Sum, s)
+                .unwrap();
+        },
+        ag(128),
+    );
+    expect_disagreement(
+        "broadcast roots 0 / 1",
+        |c, s, b| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .broadcast_in_place(b.slice_mut(..256).unwrap(), 0, s)
+                .unwrap();
+        },
+        |c, s, b| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .broadcast_in_place(b.slice_mut(..256).unwrap(), 1, s)
+                .unwrap();
+        },
+    );
+    expect_disagreement(
+        "reduce-scatter sum / max",
+        |c, s, b| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .reduce_scatter_in_place(b.slice_mut(..256).unwrap(), ReduceOp::Sum, s)
+                .unwrap();
+        },
+        |c, s, b| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .reduce_scatter_in_place(b.slice_mut(..256).unwrap(), ReduceOp::Max, s)
+                .unwrap();
+        },
+    );
+    // an allreduce above the low-latency limit (the low-latency protocol has no barrier and no
+    // header: a peer that calls something else only makes it time out)
+    expect_disagreement("all-gather / allreduce", ag(128), |c, s, b| {
+        c.rank(rank_of(c, s))
+            .unwrap()
+            .all_reduce_in_place(b.slice_mut(..30_000).unwrap(), ReduceOp::Sum, s)
+            .unwrap();
+    });
+}
+
+#[test]
+fn a_peer_that_never_calls_is_reported_as_a_timeout() {
+    for kind in [
+        Kind::ReduceScatter(ReduceOp::Sum),
+        Kind::AllGather,
+        Kind::Broadcast(0),
+    ] {
+        let (_e, comm, s) = small_team(3);
+        let (il, ol) = lengths(kind, 3, 100);
+        let input = comm.alloc::<f32>(il).unwrap();
+        let mut output = comm.alloc::<f32>(ol).unwrap();
+        // ranks 0 and 1 call; rank 2 never does
+        for (r, st) in s.iter().enumerate().take(2) {
+            call(
+                &comm,
+                r,
+                kind,
+                Some((&input).into()),
+                (&mut output).into(),
+                st,
+            )
+            .unwrap();
+        }
+        sync(&s);
+        match comm.check() {
+            Err(Error::Timeout { after, .. }) => {
+                assert_eq!(after, Duration::from_millis(300), "{kind:?}")
+            }
+            other => panic!("{kind:?}: expected a timeout, got {other:?}"),
+        }
+    }
+}
+
+fn arg_of(r: cuda_multimem::Result<Choice>) -> &'static str {
+    match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_lengths_roots_and_overlaps_are_refused_before_any_launch() {
+    let (_e, comm, s) = small_team(2);
+    let h = comm.rank(0).unwrap();
+    let st = &s[0];
+    let a = comm.alloc::<f32>(1000).unwrap();
+    let mut b = comm.alloc::<f32>(1000).unwrap();
+    // reduce-scatter: the input holds N chunks of the output's length
+    assert_eq!(
+        arg_of(h.reduce_scatter(
+            a.slice(..300).unwrap(),
+            b.slice_mut(..100).unwrap(),
+            ReduceOp::Sum,
+            st
+        )),
+        "input"
+    );
+    // all-gather: the output holds N chunks of the input's length
+    assert_eq!(
+        arg_of(h.all_gather(a.slice(..100).unwrap(), b.slice_mut(..300).unwrap(), st)),
+        "output"
+    );
+    // broadcast: equal lengths, a root of the team
+    assert_eq!(
+        arg_of(h.broadcast(a.slice(..100).unwrap(), b.slice_mut(..99).unwrap(), 0, st)),
+        "output"
+    );
+    assert_eq!(
+        arg_of(h.broadcast(a.slice(..100).unwrap(), b.slice_mut(..100).unwrap(), 2, st)),
+        "root"
+    );
+    assert_eq!(arg_of(h.broadcast_in_place(&mut b, 9, st)), "root");
+    // in place: a whole number of chunks
+    assert_eq!(
+        arg_of(h.all_gather_in_place(b.slice_mut(..101).unwrap(), st)),
+        "buf"
+    );
+    assert_eq!(
+        arg_of(h.reduce_scatter_in_place(b.slice_mut(..101).unwrap(), ReduceOp::Min, st)),
+        "buf"
+    );
+    // overlaps other than the in-place forms: the caller's own memory, shifted by one element
+    let d = comm.device(0).unwrap();
+    let mut own = DeviceBuffer::<f32>::zeroed(d, 1000).unwrap();
+    let p = own.device_ptr();
+    // SAFETY: ranges inside `own`; refused before any launch.
+    let (i, o) = unsafe {
+        (
+            Src::<f32>::from_raw(p, 100),
+            Dst::<f32>::from_raw(p + 4, 200),
+        )
+    };
+    assert_eq!(arg_of(h.all_gather(i, o, st)), "output");
+    let (i, o) = unsafe {
+        (
+            Src::<f32>::from_raw(p, 200),
+            Dst::<f32>::from_raw(p + 4, 100),
+        )
+    };
+    assert_eq!(arg_of(h.reduce_scatter(i, o, ReduceOp::Sum, st)), "output");
+    // lengths whose byte size overflows
+    let (i, o) = unsafe {
+        (
+            Src::<f32>::from_raw(p, usize::MAX / 2),
+            Dst::<f32>::from_raw(p, 100),
+        )
+    };
+    assert_eq!(arg_of(h.broadcast(i, o, 0, st)), "input");
+    let (i, o) = unsafe {
+        (
+            Src::<f32>::from_raw(p, usize::MAX / 8),
+            Dst::<f32>::from_raw(p, usize::MAX / 8 + 1),
+        )
+    };
+    assert_eq!(arg_of(h.all_gather(i, o, st)), "output");
+    let _ = &mut own;
+    // nothing was launched: a correct call on both ranks still works
+    let mut seed = 5;
+    once::<f32>(&comm, &s, Kind::AllGather, 10, Mem::Sym, false, &mut seed);
+}

@@ -944,8 +944,8 @@ impl<'a> RankHandle<'a> {
             }
         }
         // Join: the caller's stream goes on once every copy out has landed.
-        for slot in 0..2 {
-            if used[slot] {
+        for (slot, &u) in used.iter().enumerate() {
+            if u {
                 stream.wait(&side.copied[slot])?;
             }
         }

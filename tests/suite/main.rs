@@ -4,6 +4,7 @@
 // mod allreduce; (ported on branch h6-tests)
 mod device;
 mod endpoint;
+mod hier;
 mod loader;
 mod managed;
 mod multicast;

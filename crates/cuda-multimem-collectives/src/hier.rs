@@ -592,45 +592,35 @@ impl CrossDomain for HostCrossDomainDouble {
 //
 // SWITCH when the domain reduce-scatter and all-gather (branch h8-gather:
 // `RankHandle::reduce_scatter_in_place(buf, op, stream)`, result in chunk r of buf, and
-// `RankHandle::all_gather_in_place(buf, stream)`) are on main: replace the bodies of these two
-// functions by those calls. Until then they run through the domain's allreduce: correct (the
-// same bits in every chunk each rank reads afterwards), at about twice the NVLink traffic.
+// `RankHandle::all_gather_in_place(buf, stream)`) are on main: in
+// `HierCommunicator::all_reduce_op`, step 1 becomes `reduce_scatter_in_place` of the main region
+// (plus the domain allreduce of the tail), and step 4-5 (`zero_others` + the summing allreduce)
+// become `all_gather_in_place` of the main region. The fence (step 2) stays only when there is
+// a tail: a real reduce-scatter leaves peers reading only their own chunks of this rank's
+// buffer, so the cross-domain step may write chunk l at once; the stand-in below reads every
+// chunk, hence the fence. Until then the domain steps run through the domain's allreduce:
+// correct, at about twice the NVLink traffic and one small allreduce more.
 
-/// Reduce-scatter `buf` (D chunks) inside the domain: chunk `local` gets the domain's result.
-fn intra_reduce_scatter_in_place(
-    h: &RankHandle<'_>,
-    dtype: DType,
-    op: ReduceOp,
-    buf: Operand<'_>,
-    stream: StreamRef<'_>,
+/// Zero every chunk of `buf` (`total` bytes at `ptr`, chunks of `chunk` bytes) but chunk
+/// `mine`, on `stream`: what the all-gather stand-in sums (x + 0 = x exactly, but a -0.0 comes
+/// back as +0.0).
+fn zero_others(
+    stream: &StreamRef<'_>,
+    (ptr, total): (CUdeviceptr, usize),
+    chunk: usize,
+    mine: usize,
 ) -> Result<()> {
-    h.all_reduce_dyn_in_place(dtype, bytes_dst(buf), op, stream)?;
-    Ok(())
-}
-
-/// All-gather `buf` (D chunks of `chunk` bytes at `ptr` on this rank) inside the domain from
-/// each rank's chunk `local`. Stand-in: every other chunk zeroed, then a sum (x + 0 = x exactly,
-/// but a -0.0 comes back as +0.0).
-fn intra_all_gather_in_place(
-    h: &RankHandle<'_>,
-    dtype: DType,
-    buf: Operand<'_>,
-    (ptr, chunk, local): (CUdeviceptr, usize, usize),
-    stream: StreamRef<'_>,
-) -> Result<()> {
-    let total = buf.bytes;
-    let mine = local * chunk;
-    // SAFETY: both ranges lie inside `buf` (checked by the caller), this rank's memory.
+    let at = mine * chunk;
+    // SAFETY: both ranges lie inside the operand (checked by the caller), this rank's memory;
+    // no peer reads it now (the caller fenced).
     unsafe {
-        stream.memset_d8_async(ptr, 0, mine)?;
+        stream.memset_d8_async(ptr, 0, at)?;
         stream.memset_d8_async(
-            ptr + (mine + chunk) as u64,
+            ptr + (at + chunk) as u64,
             0,
-            total - (mine + chunk).min(total),
-        )?;
+            total - (at + chunk).min(total),
+        )
     }
-    h.all_reduce_dyn_in_place(dtype, bytes_dst(buf), ReduceOp::Sum, stream)?;
-    Ok(())
 }
 
 // ---- the communicator ----
@@ -856,9 +846,11 @@ impl HierBuilder {
         } else {
             None
         };
+        let fence = domain.as_ref().map(|c| c.alloc::<f32>(4)).transpose()?;
         Ok(HierCommunicator {
             layout,
             device: self.device,
+            fence,
             domain,
             cross,
         })
@@ -878,6 +870,8 @@ impl HierBuilder {
 pub struct HierCommunicator {
     layout: HierLayout,
     device: Device,
+    /// Declared before `domain`: dropped first.
+    fence: Option<SymmetricBuffer<f32>>,
     domain: Option<Communicator>,
     cross: Option<Box<dyn CrossDomain>>,
 }
@@ -930,8 +924,9 @@ impl HierCommunicator {
         self.cross.as_ref().is_none_or(|c| c.graph_capturable())
     }
 
-    /// A symmetric buffer of the domain (collective over the team). Domains of one GPU have
-    /// none: use a [`cuda_multimem::DeviceBuffer`] there.
+    /// A symmetric buffer of the domain (collective over the team). Its parts are numbered
+    /// by rank within the domain ([`HierLayout::local_index`]), as the domain's communicator
+    /// numbers them. Domains of one GPU have none: use a [`cuda_multimem::DeviceBuffer`].
     pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<SymmetricBuffer<T>> {
         match &self.domain {
             Some(c) => c.alloc(len),
@@ -1113,26 +1108,45 @@ impl HierCommunicator {
         let (d, l) = (self.layout.domain_size(), self.layout.local_index());
         let q = count / d;
         let main = q * d;
-        if q > 0 {
-            let region = o.sub(0, main * es);
-            intra_reduce_scatter_in_place(&h, dtype, op, region, s)?;
-            if let Some(x) = &self.cross {
+        // 1. Inside the domain: every chunk reduced (stand-in for the reduce-scatter of the
+        //    main region), the tail (count mod D elements) too.
+        h.all_reduce_dyn_in_place(dtype, bytes_dst(o), op, s)?;
+        if let Some(x) = &self.cross {
+            // 2. No domain peer reads this rank's buffer any more.
+            self.fence(&h, s)?;
+            // 3. Across domains: shard l on rail l, and the tail on every rail.
+            if q > 0 {
                 let shard = p + (l * q * es) as u64;
-                // SAFETY: shard l of the checked region.
+                // SAFETY: shard l of the checked operand.
                 unsafe { x.all_reduce(dtype, op, shard, shard, q, &s) }?;
             }
-            intra_all_gather_in_place(&h, dtype, region, (p, q * es, l), s)?;
-        }
-        if main < count {
-            // The last count mod D elements: allreduced whole in the domain, then on every rail.
-            let tail = o.sub(main * es, (count - main) * es);
-            h.all_reduce_dyn_in_place(dtype, bytes_dst(tail), op, s)?;
-            if let Some(x) = &self.cross {
+            if main < count {
                 let t = p + (main * es) as u64;
-                // SAFETY: the checked tail.
+                // SAFETY: the checked operand's last count - main elements.
                 unsafe { x.all_reduce(dtype, op, t, t, count - main, &s) }?;
             }
+            // 4-5. Inside the domain: all-gather of the shards (stand-in: zero the others, sum).
+            if q > 0 && d > 1 {
+                zero_others(&s, (p, main * es), q * es, l)?;
+                h.all_reduce_dyn_in_place(dtype, bytes_dst(o.sub(0, main * es)), ReduceOp::Sum, s)?;
+            }
         }
+        Ok(())
+    }
+
+    /// A domain allreduce of a few bytes: once it completes on this rank, every domain peer has
+    /// started it, so their earlier calls (which may read this rank's buffers) are complete.
+    fn fence(&self, h: &RankHandle<'_>, s: StreamRef<'_>) -> Result<()> {
+        let Some(f) = &self.fence else { return Ok(()) };
+        let o = Operand {
+            place: Place::Sym {
+                buf: &f.inner,
+                offset: 0,
+                only: None,
+            },
+            bytes: 4,
+        };
+        h.all_reduce_dyn_in_place(DType::F32, bytes_dst(o), ReduceOp::Max, s)?;
         Ok(())
     }
 
@@ -1226,12 +1240,12 @@ impl HierCommunicator {
             }
             (None, None) => Ok(()),
             (Some(_), _) => {
-                // Zero every chunk but this rank's, then sum across the team.
-                // SAFETY: inside the checked buffer, this rank's memory.
-                unsafe {
-                    s.memset_d8_async(p, 0, r * c)?;
-                    s.memset_d8_async(p + ((r + 1) * c) as u64, 0, b.op.bytes - (r + 1) * c)?;
+                // Zero every chunk but this rank's (after a fence: earlier calls of the domain
+                // peers may read this buffer), then sum across the team.
+                if let Some(h) = self.handle()? {
+                    self.fence(&h, s)?;
                 }
+                zero_others(&s, (p, b.op.bytes), c, r)?;
                 self.all_reduce_op(T::DTYPE, b.op, ReduceOp::Sum, s)
             }
         }

@@ -5,6 +5,7 @@ mod allreduce;
 mod device;
 mod endpoint;
 mod gather;
+mod hier;
 mod loader;
 mod managed;
 mod multicast;

@@ -50,9 +50,11 @@ pub mod bootstrap;
 mod comm;
 mod config;
 mod gather;
+pub mod hier;
 pub mod kernels;
 mod memory;
 mod mm;
+pub mod nccl;
 mod operand;
 mod p2p;
 mod ranks;
@@ -66,8 +68,12 @@ pub use bootstrap::MpiBootstrap;
 pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
+pub use hier::{
+    CrossDomain, HierBuilder, HierCommunicator, HierLayout, HostCrossDomainDouble, NcclCrossDomain,
+};
 pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};
+pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, Src};
 pub use reference::{
     all_gather_reference, broadcast_reference, next_random, random_bytes, random_input,

@@ -251,3 +251,13 @@ pub(crate) fn cudarc_dst<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device
         _t: PhantomData,
     }
 }
+
+/// A byte view of an operand the crate resolved itself (the hierarchical collectives hand
+/// sub-ranges of their operands to the domain's communicator this way).
+pub(crate) fn bytes_dst(op: Operand<'_>) -> Dst<'_, u8> {
+    Dst {
+        op,
+        len: op.bytes,
+        _t: PhantomData,
+    }
+}

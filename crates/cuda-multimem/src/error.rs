@@ -98,6 +98,26 @@ pub enum Error {
         /// What was wrong with what it sent.
         reason: String,
     },
+    /// NCCL (loaded at run time, for the collectives across NVLink domains) could not be
+    /// loaded: no library at the paths tried, or a library that lacks an entry point.
+    #[error("NCCL is not available: {reason}; tried {tried}. Install NCCL or set CUDA_MULTIMEM_NCCL=/path/libnccl.so.2")]
+    NcclUnavailable {
+        /// The paths or library names tried, each with what the dynamic loader said.
+        tried: String,
+        /// What was missing (the library, or a symbol of it).
+        reason: String,
+    },
+    /// An NCCL call failed (or its communicator reported an asynchronous error); the NCCL
+    /// communicator was aborted.
+    #[error("{call} failed: NCCL error {code} ({message})")]
+    Nccl {
+        /// The NCCL function.
+        call: &'static str,
+        /// Its `ncclResult_t`.
+        code: i32,
+        /// `ncclGetErrorString`, and `ncclGetLastError` where NCCL has one.
+        message: String,
+    },
     /// An earlier failure (a timeout, a disagreement, a broken exchange) left the team
     /// unusable; this says what it was. Drop the team and build a new one.
     #[error("the team is unusable since an earlier failure: {cause}")]

@@ -48,6 +48,7 @@ mod config;
 pub mod kernels;
 mod memory;
 mod mm;
+mod norm;
 mod operand;
 mod p2p;
 mod ranks;
@@ -64,7 +65,10 @@ pub use config::CommConfig;
 pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};
 pub use operand::{Dst, Src};
-pub use reference::{next_random, random_bytes, random_input, reference, reference_bytes};
+pub use reference::{
+    add_rms_norm_reference, next_random, random_bytes, random_input, reference, reference_bytes,
+    rms_norm_within_tolerance, rms_scale,
+};
 pub use types::{Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
 
 /// The element types, re-exported from the `half` crate.

@@ -14,6 +14,7 @@ use cuda_multimem_collectives::kernels::*;
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
 pub mod multimem;
+pub mod norm;
 
 /// Every committed kernel file: (file name under `crates/cuda-multimem-collectives/src/kernels`,
 /// the text the generator writes).
@@ -22,6 +23,7 @@ pub fn files() -> Vec<(&'static str, String)> {
         .iter()
         .map(|k| (k.file(), generate(*k)))
         .chain([(multimem::FILE, multimem::generate())])
+        .chain([(norm::FILE, norm::generate())])
         .collect()
 }
 
@@ -32,6 +34,7 @@ pub fn committed(file: &str) -> Option<&'static str> {
         .find(|k| k.file() == file)
         .map(|k| k.ptx())
         .or((file == multimem::FILE).then_some(multimem::PTX))
+        .or((file == norm::FILE).then_some(norm::PTX))
 }
 
 /// Per-dtype/op PTX snippets.

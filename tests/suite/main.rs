@@ -8,5 +8,6 @@ mod loader;
 mod managed;
 mod multicast;
 mod multimem;
+mod norm;
 mod team;
 mod vmm;

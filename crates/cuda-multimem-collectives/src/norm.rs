@@ -71,7 +71,12 @@ impl Communicator {
     /// elements of `dtype`: the form (one-shot for teams of up to 3, and up to the one-shot
     /// limit for larger teams; else two-shot — docs/design/rmsnorm.md says why) and the launch
     /// shape of its first launch. `staged_chunks` is 0: the operands are always used in place.
-    pub fn add_rms_norm_choice(&self, dtype: DType, tokens: usize, hidden: usize) -> Result<Choice> {
+    pub fn add_rms_norm_choice(
+        &self,
+        dtype: DType,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<Choice> {
         let row_bytes = hidden
             .checked_mul(dtype.size())
             .filter(|_| hidden > 0 && hidden <= MAX_HIDDEN)
@@ -109,7 +114,12 @@ impl Communicator {
     }
 
     /// Rows per launch of form `k` (the staging holds one launch) and the first launch's rows.
-    fn norm_launch_rows(&self, k: NormKernel, tokens: usize, row_bytes: usize) -> Result<(usize, usize)> {
+    fn norm_launch_rows(
+        &self,
+        k: NormKernel,
+        tokens: usize,
+        row_bytes: usize,
+    ) -> Result<(usize, usize)> {
         let half = self.inner.p2p.stage_half;
         let n = self.inner.ranks.n;
         if 2 * row_bytes > half {
@@ -127,7 +137,14 @@ impl Communicator {
         Ok((tokens.min(cap), cap))
     }
 
-    fn norm_shape(&self, k: NormKernel, rows: usize, row_bytes: usize, es: usize, mp: u32) -> Choice {
+    fn norm_shape(
+        &self,
+        k: NormKernel,
+        rows: usize,
+        row_bytes: usize,
+        es: usize,
+        mp: u32,
+    ) -> Choice {
         let n = self.inner.ranks.n;
         let c = &self.inner.config;
         let max_blocks = if c.max_blocks != 0 {
@@ -179,7 +196,9 @@ impl<'a> RankHandle<'a> {
         let (x, r, w, o) = (x.into(), residual.into(), weight.into(), out.into());
         let stream = stream.into();
         let inner = &*self.comm.inner;
-        let (shape, ptrs) = self.check_norm::<T>(&x.op, x.len, &r.op, r.len, &w.op, w.len, &o.op, o.len, hidden, eps)?;
+        let (shape, ptrs) = self.check_norm::<T>(
+            &x.op, x.len, &r.op, r.len, &w.op, w.len, &o.op, o.len, hidden, eps,
+        )?;
         self.check_stream(&stream)?;
         inner.ranks.usable()?;
         let es = T::DTYPE.size();
@@ -188,7 +207,9 @@ impl<'a> RankHandle<'a> {
         let k = self.comm.norm_form(shape.tokens * rb);
         let (first_rows, cap) = self.comm.norm_launch_rows(k, shape.tokens, rb)?;
         let nkk = &self.local.norm;
-        let first = self.comm.norm_shape(k, first_rows, rb, es, nkk.multiprocessors);
+        let first = self
+            .comm
+            .norm_shape(k, first_rows, rb, es, nkk.multiprocessors);
         if shape.tokens == 0 {
             return Ok(first);
         }
@@ -258,7 +279,9 @@ impl<'a> RankHandle<'a> {
     ) -> Result<()> {
         let (x, r, w, o) = (x.into(), residual.into(), weight.into(), out.into());
         let stream = stream.into();
-        let (shape, [xp, rp, wp, op]) = self.check_norm::<T>(&x.op, x.len, &r.op, r.len, &w.op, w.len, &o.op, o.len, hidden, eps)?;
+        let (shape, [xp, rp, wp, op]) = self.check_norm::<T>(
+            &x.op, x.len, &r.op, r.len, &w.op, w.len, &o.op, o.len, hidden, eps,
+        )?;
         stream_of_device(self, &stream)?;
         if shape.tokens == 0 {
             return Ok(());
@@ -324,7 +347,11 @@ impl<'a> RankHandle<'a> {
             ));
         }
         let tokens = xl / hidden;
-        for (arg, len, want) in [("residual", rl, xl), ("out", ol, xl), ("weight", wl, hidden)] {
+        for (arg, len, want) in [
+            ("residual", rl, xl),
+            ("out", ol, xl),
+            ("weight", wl, hidden),
+        ] {
             if len != want {
                 return Err(Error::invalid(
                     arg,
@@ -333,16 +360,25 @@ impl<'a> RankHandle<'a> {
             }
         }
         let mut bytes = [0usize; 4];
-        for (i, (arg, len)) in [("x", xl), ("residual", rl), ("weight", wl), ("out", ol)].into_iter().enumerate() {
+        for (i, (arg, len)) in [("x", xl), ("residual", rl), ("weight", wl), ("out", ol)]
+            .into_iter()
+            .enumerate()
+        {
             bytes[i] = len.checked_mul(es).ok_or_else(|| {
-                Error::invalid(arg, format!("{len} elements of {es} bytes: the byte length overflows"))
+                Error::invalid(
+                    arg,
+                    format!("{len} elements of {es} bytes: the byte length overflows"),
+                )
             })?;
         }
         let ops = [x, r, w, o];
         let names = ["x", "residual", "weight", "out"];
         let mut ptrs = [0u64; 4];
         for i in 0..4 {
-            let op = Operand { bytes: bytes[i], ..*ops[i] };
+            let op = Operand {
+                bytes: bytes[i],
+                ..*ops[i]
+            };
             ptrs[i] = self.check_operand(&op, names[i], es)?;
         }
         // written: residual (1), out (3); read: x (0), weight (2). Only out == x may coincide.
@@ -357,12 +393,22 @@ impl<'a> RankHandle<'a> {
                     format!(
                         "overlaps {}{}",
                         names[b],
-                        if b == 0 && a == 3 { " without being the same range (out may be x itself)" } else { "" }
+                        if b == 0 && a == 3 {
+                            " without being the same range (out may be x itself)"
+                        } else {
+                            ""
+                        }
                     ),
                 ));
             }
         }
-        Ok((Shape { tokens, row_bytes: hidden * es }, ptrs))
+        Ok((
+            Shape {
+                tokens,
+                row_bytes: hidden * es,
+            },
+            ptrs,
+        ))
     }
 }
 

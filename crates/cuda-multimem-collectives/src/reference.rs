@@ -87,7 +87,9 @@ pub fn add_rms_norm_reference<T: Element>(
         for j in 0..hidden {
             let s = inputs[1..]
                 .iter()
-                .fold(inputs[0][at + j].to_f32(), |acc, x| acc + x[at + j].to_f32());
+                .fold(inputs[0][at + j].to_f32(), |acc, x| {
+                    acc + x[at + j].to_f32()
+                });
             let v = T::from_f32(s + r[at + j].to_f32());
             let f = v.to_f32();
             ss += f * f;
@@ -95,9 +97,7 @@ pub fn add_rms_norm_reference<T: Element>(
         }
         let rstd = rms_scale(ss, hidden, eps);
         for j in 0..hidden {
-            out.push(T::from_f32(
-                res[at + j].to_f32() * rstd * gamma[j].to_f32(),
-            ));
+            out.push(T::from_f32(res[at + j].to_f32() * rstd * gamma[j].to_f32()));
         }
     }
     (res, out)

@@ -210,7 +210,8 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                 let (f0, len) = part(rank);
                 for j in (b..len).step_by(g) {
                     let srcs: Vec<usize> = (0..n).map(|s| slot(rank, p, s) + j * rb).collect();
-                    let push: Vec<usize> = (0..n).map(|t| slot(t, 1 - p, rank) + j * 2 * rb).collect();
+                    let push: Vec<usize> =
+                        (0..n).map(|t| slot(t, 1 - p, rank) + j * 2 * rb).collect();
                     let at = (f0 + j) * rb;
                     row.run(a, Sum::Slots(&srcs), res + at, w, out + at, &push)?;
                 }
@@ -250,7 +251,14 @@ fn run_unfused(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     let g = a.grid.0 as usize;
     for b in 0..g {
         for j in (b..rows).step_by(g) {
-            row.run(a, Sum::Reduced(x + j * rb), res + j * rb, w, out + j * rb, &[])?;
+            row.run(
+                a,
+                Sum::Reduced(x + j * rb),
+                res + j * rb,
+                w,
+                out + j * rb,
+                &[],
+            )?;
         }
     }
     Ok(())

@@ -13,6 +13,9 @@
 //! `cargo run --release --example tp_mlp` (`CUDA_MULTIMEM_DRIVER=sim:devices=N` picks a
 //! simulated machine).
 
+// `usize::is_multiple_of` needs Rust 1.87; the workspace keeps `%` for older toolchains.
+#![allow(clippy::manual_is_multiple_of)]
+
 use std::process::ExitCode;
 
 use cuda_multimem::{DeviceBuffer, Stream};
@@ -53,8 +56,12 @@ fn run() -> Res<bool> {
     let mut s = 0x7e57_u64;
     let mut rand = |scale: f32| next_random(&mut s) * scale;
     let x: Vec<f32> = (0..TOKENS * HIDDEN).map(|_| rand(1.0)).collect();
-    let w1: Vec<f32> = (0..HIDDEN * INTER).map(|_| rand(1.0 / (HIDDEN as f32).sqrt())).collect();
-    let w2: Vec<f32> = (0..INTER * HIDDEN).map(|_| rand(1.0 / (INTER as f32).sqrt())).collect();
+    let w1: Vec<f32> = (0..HIDDEN * INTER)
+        .map(|_| rand(1.0 / (HIDDEN as f32).sqrt()))
+        .collect();
+    let w2: Vec<f32> = (0..INTER * HIDDEN)
+        .map(|_| rand(1.0 / (INTER as f32).sqrt()))
+        .collect();
     let gamma: Vec<f32> = (0..HIDDEN).map(|_| 1.0 + rand(0.1)).collect();
     // the model's tensors in bf16, as an engine holds them
     let to_bf = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>();
@@ -66,7 +73,9 @@ fn run() -> Res<bool> {
         let mut y = vec![0f32; TOKENS * HIDDEN];
         for t in 0..TOKENS {
             for c in r * cols..(r + 1) * cols {
-                let a: f32 = (0..HIDDEN).map(|k| xf[t * HIDDEN + k] * w1[k * INTER + c]).sum();
+                let a: f32 = (0..HIDDEN)
+                    .map(|k| xf[t * HIDDEN + k] * w1[k * INTER + c])
+                    .sum();
                 let a = silu(a);
                 for j in 0..HIDDEN {
                     y[t * HIDDEN + j] += a * w2[c * HIDDEN + j];
@@ -89,9 +98,15 @@ fn run() -> Res<bool> {
         ));
     }
     for (r, (y, res, g, out)) in bufs.iter_mut().enumerate() {
-        let c = comm
-            .rank(r)?
-            .all_reduce_add_rms_norm(&*y, &mut *res, &*g, &mut *out, HIDDEN, EPS, &streams[r])?;
+        let c = comm.rank(r)?.all_reduce_add_rms_norm(
+            &*y,
+            &mut *res,
+            &*g,
+            &mut *out,
+            HIDDEN,
+            EPS,
+            &streams[r],
+        )?;
         if r == 0 {
             println!("rank 0 ran: {c}");
         }
@@ -118,7 +133,10 @@ fn run() -> Res<bool> {
     for (r, (_, res, _, out)) in bufs.iter().enumerate() {
         let (res, out) = (res.to_vec()?, out.to_vec()?);
         let exact = res == want_res;
-        let close = out.iter().zip(&want_out).all(|(a, b)| rms_norm_within_tolerance(*a, *b));
+        let close = out
+            .iter()
+            .zip(&want_out)
+            .all(|(a, b)| rms_norm_within_tolerance(*a, *b));
         // against the f32 single-device block: the partials' and the output's bf16 rounding
         let worst = out
             .iter()

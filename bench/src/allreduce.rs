@@ -126,14 +126,16 @@ struct Args {
 
 impl Args {
     fn config(&self) -> CommConfig {
-        let mut c = CommConfig::default();
-        c.algorithm = self.algorithm.map(|a| match a {
-            Alg::OneShot => Algorithm::OneShot,
-            Alg::OneShotLl => Algorithm::OneShotLl,
-            Alg::TwoShot => Algorithm::TwoShot,
-            Alg::TwoShotPush => Algorithm::TwoShotPush,
-            Alg::TwoShotCe => Algorithm::TwoShotCe,
-        });
+        let mut c = CommConfig {
+            algorithm: self.algorithm.map(|a| match a {
+                Alg::OneShot => Algorithm::OneShot,
+                Alg::OneShotLl => Algorithm::OneShotLl,
+                Alg::TwoShot => Algorithm::TwoShot,
+                Alg::TwoShotPush => Algorithm::TwoShotPush,
+                Alg::TwoShotCe => Algorithm::TwoShotCe,
+            }),
+            ..Default::default()
+        };
         if let Some(v) = self.blocks {
             c.max_blocks = v;
         }

@@ -73,7 +73,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Queue one call of `imp` for rank `r` on `s`.
-fn call(comm: &Communicator, r: usize, b: &Bufs, imp: &str, t: usize, h: usize, s: &Stream) -> Res<()> {
+fn call(
+    comm: &Communicator,
+    r: usize,
+    b: &Bufs,
+    imp: &str,
+    t: usize,
+    h: usize,
+    s: &Stream,
+) -> Res<()> {
     let len = t * h;
     // SAFETY: this rank's own buffers, alive until every stream is synchronised (the caller's
     // loops synchronise before dropping them); no other work uses them meanwhile.
@@ -187,7 +195,11 @@ fn run(args: &Args) -> Res<bool> {
         let refs: Vec<&[bf16]> = xs.iter().map(|v| v.as_slice()).collect();
         let (wr, wo) = add_rms_norm_reference(&refs, &r0, &g0, h, EPS);
         let (gr, go) = (bufs[0].res.to_vec()?, bufs[0].out.to_vec()?);
-        let ok = gr == wr && go.iter().zip(&wo).all(|(a, b)| rms_norm_within_tolerance(*a, *b));
+        let ok = gr == wr
+            && go
+                .iter()
+                .zip(&wo)
+                .all(|(a, b)| rms_norm_within_tolerance(*a, *b));
         all_ok &= ok;
         let choice = comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)?;
         let iters = if sim { 2 } else { args.iters };
@@ -278,7 +290,15 @@ fn run(args: &Args) -> Res<bool> {
                 pipe * 1e6,
                 single * 1e6,
                 form,
-                if imp == "fused" { if ok { "yes" } else { "NO" } } else { "-" }
+                if imp == "fused" {
+                    if ok {
+                        "yes"
+                    } else {
+                        "NO"
+                    }
+                } else {
+                    "-"
+                }
             );
             for (mode, secs) in [("pipelined", pipe), ("single", single)] {
                 if !secs.is_finite() {

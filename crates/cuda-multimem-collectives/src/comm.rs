@@ -945,9 +945,9 @@ impl<'a> RankHandle<'a> {
             }
         }
         // Join: the caller's stream goes on once every copy out has landed.
-        for slot in 0..2 {
-            if used[slot] {
-                stream.wait(&side.copied[slot])?;
+        for (done, u) in side.copied.iter().zip(used) {
+            if u {
+                stream.wait(done)?;
             }
         }
         let mut choice = first.ok_or_else(|| Error::invalid("count", "nothing to stage"))?;

@@ -613,6 +613,7 @@ mod tests {
     use super::resolve;
 
     #[test]
+    #[allow(clippy::reversed_empty_ranges)] // the reversed range is the point
     fn ranges_are_checked_without_overflow() {
         assert_eq!(resolve(.., 10).unwrap(), (0, 10));
         assert_eq!(resolve(2..=3, 10).unwrap(), (2, 4));

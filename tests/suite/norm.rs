@@ -12,13 +12,21 @@ use cuda_multimem_collectives::{
     Algorithm, CommConfig, Communicator, Element, MulticastPolicy, ReduceOp, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::sim;
+use cuda_multimem_tests::{env, sim};
 
 const EPS: f32 = 1e-6;
 
+/// A team of `n` on the driver `CUDA_MULTIMEM_DRIVER` selects (the real GPUs under test-hw)
+/// when it has `n` devices, else on a simulated machine of `n`.
 fn team(n: usize, config: CommConfig) -> (cuda_multimem_tests::Env, Communicator, Vec<Stream>) {
-    let e = sim(SimConfig::new(n, 13000));
-    let devices = e.driver.devices();
+    let e = env();
+    let e = if e.driver.devices().len() >= n {
+        e
+    } else {
+        drop(e);
+        sim(SimConfig::new(n, 13000))
+    };
+    let devices = e.driver.devices()[..n].to_vec();
     let comm = Communicator::builder(&devices)
         .multicast(MulticastPolicy::Never)
         .config(config)

@@ -21,6 +21,7 @@ use std::process::ExitCode;
 use cuda_multimem::{DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
     add_rms_norm_reference, bf16, next_random, rms_norm_within_tolerance, Communicator,
+    MulticastPolicy,
 };
 use cuda_multimem_examples::{pick_driver, Res};
 
@@ -86,7 +87,10 @@ fn run() -> Res<bool> {
     };
     let partials: Vec<Vec<f32>> = (0..n).map(partial).collect();
     let parts_bf: Vec<Vec<bf16>> = partials.iter().map(|p| to_bf(p)).collect();
-    let comm = Communicator::new(devices)?;
+    // the norm never uses multicast: no multicast object on any machine
+    let comm = Communicator::builder(devices)
+        .multicast(MulticastPolicy::Never)
+        .build()?;
     let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
     let mut bufs = Vec::new();
     for (r, d) in devices.iter().enumerate() {

@@ -19,7 +19,7 @@ use clap::{Parser, ValueEnum};
 use cuda_multimem::{CaptureMode, DeviceBuffer, Event, Stream};
 use cuda_multimem_collectives::{
     add_rms_norm_reference, random_input, rms_norm_within_tolerance, Algorithm, CommConfig,
-    Communicator, Dst, ReduceOp, Src,
+    Communicator, Dst, MulticastPolicy, ReduceOp, Src,
 };
 use half::bf16;
 use serde_json::json;
@@ -153,7 +153,11 @@ fn run(args: &Args) -> Res<bool> {
         },
         ..Default::default()
     };
-    let comm = Communicator::builder(devices).config(config).build()?;
+    // the norm never uses multicast; no multicast object is created on any machine
+    let comm = Communicator::builder(devices)
+        .config(config)
+        .multicast(MulticastPolicy::Never)
+        .build()?;
     let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
     let n = comm.size();
     let h = args.hidden;

@@ -10,5 +10,6 @@ mod loader;
 mod managed;
 mod multicast;
 mod multimem;
+mod norm;
 mod team;
 mod vmm;

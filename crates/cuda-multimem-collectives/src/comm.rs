@@ -114,6 +114,7 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         last_stream: Mutex::new(None),
         calls: AtomicU64::new(0),
         side: Mutex::new(crate::ranks::Side::new(device)?),
+        norm: crate::norm::load_kernels(device)?,
     })
 }
 

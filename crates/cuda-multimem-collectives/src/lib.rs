@@ -55,6 +55,7 @@ pub mod kernels;
 mod memory;
 mod mm;
 pub mod nccl;
+mod norm;
 mod operand;
 mod p2p;
 mod ranks;
@@ -76,8 +77,9 @@ pub use mm::{multimem_pays_off, multimem_supports};
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, Src};
 pub use reference::{
-    all_gather_reference, broadcast_reference, next_random, random_bytes, random_input,
-    reduce_scatter_reference, reference, reference_bytes,
+    add_rms_norm_reference, all_gather_reference, broadcast_reference, next_random, random_bytes,
+    random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
+    rms_scale,
 };
 pub use types::{Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
 

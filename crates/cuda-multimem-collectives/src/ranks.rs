@@ -27,6 +27,8 @@ pub(crate) struct Local {
     pub(crate) calls: AtomicU64,
     /// The second stream and events of staged calls (held for a whole call).
     pub(crate) side: Mutex<Side>,
+    /// The fused allreduce + RMSNorm kernels of this device.
+    pub(crate) norm: crate::norm::NormKernels,
 }
 
 /// What a staged call overlaps with: copies out of the scratch run on `stream`, each after

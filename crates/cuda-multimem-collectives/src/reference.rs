@@ -82,10 +82,98 @@ pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> 
     out
 }
 
+/// The host reference of [`crate::RankHandle::all_reduce_add_rms_norm`]: `inputs` (one slice of
+/// `tokens × hidden` per rank), the residual `r`, the weight `gamma` (`hidden`); returns
+/// `(residual_out, out)`. It rounds where the kernels do (docs/design/rmsnorm.md):
+///
+/// * `s = x_0 + x_1 + ... + x_{N-1}` in f32, in rank order (16-bit inputs widened exactly);
+/// * `residual_out = T(s + r)`: the reduced value is never rounded to `T` on its own; the sum
+///   with r (in f32) is rounded once;
+/// * the norm reads the *rounded* residual_out (what a separate kernel reading residual_out
+///   would see): `ms = Σ v² / hidden` in f32, `rstd = 1 / sqrt(ms + eps)` (both correctly
+///   rounded), `out = T((v · rstd) · γ)` (two f32 products, one rounding to `T`).
+///
+/// residual_out is exact against the kernels. The kernels add the squares in another order (per
+/// thread, then a warp butterfly, then across warps), so `out` may differ from this reference
+/// by the f32 rounding of that sum (relative ~hidden·2⁻²⁴ at worst, in practice a few ulps of
+/// f32) — at most one step of `T` for 16-bit types: compare `out` with
+/// [`rms_norm_within_tolerance`].
+pub fn add_rms_norm_reference<T: Element>(
+    inputs: &[&[T]],
+    r: &[T],
+    gamma: &[T],
+    hidden: usize,
+    eps: f32,
+) -> (Vec<T>, Vec<T>) {
+    let len = r.len();
+    let mut res = Vec::with_capacity(len);
+    let mut out = Vec::with_capacity(len);
+    for row in 0..len / hidden.max(1) {
+        let at = row * hidden;
+        let mut ss = 0f32;
+        for j in 0..hidden {
+            let s = inputs[1..]
+                .iter()
+                .fold(inputs[0][at + j].to_f32(), |acc, x| {
+                    acc + x[at + j].to_f32()
+                });
+            let v = T::from_f32(s + r[at + j].to_f32());
+            let f = v.to_f32();
+            ss += f * f;
+            res.push(v);
+        }
+        let rstd = rms_scale(ss, hidden, eps);
+        for j in 0..hidden {
+            out.push(T::from_f32(res[at + j].to_f32() * rstd * gamma[j].to_f32()));
+        }
+    }
+    (res, out)
+}
+
+/// `1 / sqrt(sum_of_squares / hidden + eps)`, correctly rounded at each step as the kernels
+/// compute it (`div.rn`, `add.rn`, `sqrt.rn`, `rcp.rn`).
+pub fn rms_scale(sum_of_squares: f32, hidden: usize, eps: f32) -> f32 {
+    1.0 / (sum_of_squares / hidden as f32 + eps).sqrt()
+}
+
+/// Whether `got` is within the documented tolerance of the reference `want` for an `out`
+/// element of [`add_rms_norm_reference`]: one step of `T` at `want`'s magnitude plus a relative
+/// 2⁻¹⁶ (the sum-of-squares order moves rstd by far less).
+pub fn rms_norm_within_tolerance<T: Element>(got: T, want: T) -> bool {
+    let (g, w) = (got.to_f32(), want.to_f32());
+    if g.is_nan() || w.is_nan() {
+        return g.is_nan() && w.is_nan();
+    }
+    let step = match T::DTYPE {
+        DType::F32 => 0.0,
+        DType::F16 => w.abs().max(6.1e-5) / 1024.0,
+        DType::Bf16 => w.abs().max(1e-30) / 128.0,
+    };
+    (g - w).abs() <= step + w.abs() / 65536.0 + f32::MIN_POSITIVE
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    #[test]
+    fn add_rms_norm_reference_rounds_residual_out_once_and_normalises_it() {
+        // two ranks, one row of hidden 2, f32: s = [1, 2] + [2, 2] = [3, 4], + r = [1, 0]
+        let (a, b) = ([1f32, 2.0], [2f32, 2.0]);
+        let (res, out) = add_rms_norm_reference(&[&a, &b], &[1.0, 0.0], &[1.0, 0.5], 2, 0.0);
+        assert_eq!(res, vec![4.0, 4.0]);
+        // rms of [4, 4] is 4: out = [1, 0.5]
+        assert_eq!(out, vec![1.0, 0.5]);
+        // bf16: the reduced 1 + 2^-8 (a tie that bf16 would round down to 1) is kept in f32,
+        // so adding r = 2^-8 gives 1 + 2^-7, not 1
+        let t = |v: f32| bf16::from_f32(v);
+        let (a, b) = ([t(1.0)], [t(1.0 / 256.0)]);
+        let (res, _) = add_rms_norm_reference(&[&a, &b], &[t(1.0 / 256.0)], &[t(1.0)], 1, 0.0);
+        assert_eq!(res[0].to_f32(), 1.0078125);
+        assert!(rms_norm_within_tolerance(t(1.0), t(1.0)));
+        assert!(!rms_norm_within_tolerance(t(1.0), t(1.03125)));
+    }
 
     #[test]
     fn typed_and_byte_references_agree() {

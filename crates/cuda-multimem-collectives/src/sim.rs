@@ -19,6 +19,9 @@ use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 use crate::kernels::*;
 use crate::{DType, ReduceOp as Op};
 
+#[path = "sim_norm.rs"]
+mod norm;
+
 fn decode(d: DType, bits: u32) -> f32 {
     d.decode(bits)
 }
@@ -52,6 +55,7 @@ pub fn install() {
                 }
             }
         }
+        norm::register();
     });
 }
 

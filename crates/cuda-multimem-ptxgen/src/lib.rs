@@ -15,6 +15,7 @@ use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
 pub mod gather;
 pub mod multimem;
+pub mod norm;
 
 /// Every committed kernel file: (file name under `crates/cuda-multimem-collectives/src/kernels`,
 /// the text the generator writes).
@@ -24,6 +25,7 @@ pub fn files() -> Vec<(&'static str, String)> {
         .map(|k| (k.file(), generate(*k)))
         .chain([(multimem::FILE, multimem::generate())])
         .chain(gather::files())
+        .chain([(norm::FILE, norm::generate())])
         .collect()
 }
 
@@ -38,6 +40,7 @@ pub fn committed(file: &str) -> Option<&'static str> {
             .iter()
             .find(|c| c.file() == file)
             .map(|c| c.ptx()))
+        .or((file == norm::FILE).then_some(norm::PTX))
 }
 
 /// Per-dtype/op PTX snippets.

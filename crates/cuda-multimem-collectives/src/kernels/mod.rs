@@ -28,6 +28,7 @@ use crate::{DType, ReduceOp as Op};
 
 pub mod gather;
 pub mod multimem;
+pub mod norm;
 
 /// Environment variable naming a folder of replacement `.ptx` files (kernel tuning only; read
 /// only with the non-default feature `ptx-override`).

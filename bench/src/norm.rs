@@ -1,0 +1,336 @@
+//! Fused allreduce + residual add + RMSNorm benchmark (`bench-norm`): hidden 8192 bf16 at 1, 8,
+//! 16, 128 and 1024 tokens on the first N devices, the caller's own memory (`DeviceBuffer`s, as
+//! an engine holds them), two implementations side by side:
+//! - **fused**: `RankHandle::all_reduce_add_rms_norm`;
+//! - **unfused**: our allreduce in place, then the separate residual add + RMSNorm kernel
+//!   (`RankHandle::add_rms_norm`) — what an engine runs without the fusion.
+//!
+//! Each timed two ways, as bench-allreduce does: **pipelined** (a graph of many calls per rank,
+//! replayed; time per call from rank 0's events, median of `--runs`) and **single** (one call
+//! between host spin barriers, a thread per rank, the slowest rank; median). The fused call is
+//! first checked against the host reference. One `RESULT {json}` line per measurement, in
+//! bench-allreduce's schema with `bench` = "allreduce_rmsnorm", `bytes` = tokens·hidden·2 and a
+//! `tokens` field. On the simulated driver the times mean nothing.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use clap::{Parser, ValueEnum};
+use cuda_multimem::{CaptureMode, DeviceBuffer, Event, Stream};
+use cuda_multimem_collectives::{
+    add_rms_norm_reference, random_input, rms_norm_within_tolerance, Algorithm, CommConfig,
+    Communicator, Dst, MulticastPolicy, ReduceOp, Src,
+};
+use half::bf16;
+use serde_json::json;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Form {
+    Auto,
+    OneShot,
+    TwoShot,
+}
+
+/// Fused allreduce + residual add + RMSNorm benchmark.
+#[derive(Parser, Debug)]
+#[command(name = "bench-norm")]
+struct Args {
+    /// Ranks (the first N devices).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Token counts (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16,128,1024")]
+    tokens: Vec<usize>,
+    /// Elements per row.
+    #[arg(long, default_value_t = 8192)]
+    hidden: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Force the fused call's form (the allreduce of the unfused baseline chooses its own).
+    #[arg(long, value_enum, default_value_t = Form::Auto)]
+    form: Form,
+    /// Calls per graph (pipelined).
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+}
+
+const EPS: f32 = 1e-6;
+
+/// One rank's operands.
+struct Bufs {
+    x: DeviceBuffer<bf16>,
+    res: DeviceBuffer<bf16>,
+    g: DeviceBuffer<bf16>,
+    out: DeviceBuffer<bf16>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Queue one call of `imp` for rank `r` on `s`.
+fn call(
+    comm: &Communicator,
+    r: usize,
+    b: &Bufs,
+    imp: &str,
+    t: usize,
+    h: usize,
+    s: &Stream,
+) -> Res<()> {
+    let len = t * h;
+    // SAFETY: this rank's own buffers, alive until every stream is synchronised (the caller's
+    // loops synchronise before dropping them); no other work uses them meanwhile.
+    let (x, xm, res, g, out) = unsafe {
+        (
+            Src::<bf16>::from_raw(b.x.device_ptr(), len),
+            Dst::<bf16>::from_raw(b.x.device_ptr(), len),
+            Dst::<bf16>::from_raw(b.res.device_ptr(), len),
+            Src::<bf16>::from_raw(b.g.device_ptr(), h),
+            Dst::<bf16>::from_raw(b.out.device_ptr(), len),
+        )
+    };
+    let hr = comm.rank(r)?;
+    if imp == "fused" {
+        hr.all_reduce_add_rms_norm(x, res, g, out, h, EPS, s)?;
+    } else {
+        hr.all_reduce_in_place(xm, ReduceOp::Sum, s)?;
+        hr.add_rms_norm(x, res, g, out, h, EPS, s)?;
+    }
+    Ok(())
+}
+
+fn sync(streams: &[Stream]) -> Res<()> {
+    for s in streams {
+        s.synchronize()?;
+    }
+    Ok(())
+}
+
+struct SpinBarrier(usize, AtomicUsize);
+
+impl SpinBarrier {
+    fn wait(&self) {
+        self.1.fetch_add(1, Ordering::AcqRel);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while self.1.load(Ordering::Acquire) < self.0 && std::time::Instant::now() < deadline {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run(&Args::parse()) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("bench-norm: a result differed from the host reference");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("bench-norm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Res<bool> {
+    cuda_multimem_collectives::sim::install();
+    let driver = cuda_multimem_sim::driver_from_env()?;
+    let devices = driver.devices();
+    if devices.len() < args.ranks {
+        return Err(format!("{} ranks asked, {} devices", args.ranks, devices.len()).into());
+    }
+    let devices = &devices[..args.ranks];
+    let config = CommConfig {
+        algorithm: match args.form {
+            Form::Auto => None,
+            Form::OneShot => Some(Algorithm::OneShot),
+            Form::TwoShot => Some(Algorithm::TwoShot),
+        },
+        ..Default::default()
+    };
+    // the norm never uses multicast; no multicast object is created on any machine
+    let comm = Communicator::builder(devices)
+        .config(config)
+        .multicast(MulticastPolicy::Never)
+        .build()?;
+    let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
+    let n = comm.size();
+    let h = args.hidden;
+    let sim = driver.is_simulated();
+    println!(
+        "# allreduce + residual add + RMSNorm, bf16, hidden {h}, {n} x {}, driver {}{}; median of {} runs",
+        devices[0].name()?,
+        driver.version(),
+        if sim { " (SIMULATED: times mean nothing)" } else { "" },
+        args.runs
+    );
+    println!(
+        "{:>7} {:>10} {:>8} {:>11} {:>11}  {:<28} {:>7}",
+        "tokens", "bytes", "impl", "pipe(us)", "single(us)", "form", "correct"
+    );
+    let mut all_ok = true;
+    let mut seed = 0x5eed_4321_u64;
+    for &t in &args.tokens {
+        let len = t * h;
+        let bytes = len * 2;
+        let mut bufs = Vec::new();
+        let xs: Vec<Vec<bf16>> = (0..n).map(|_| random_input(len, &mut seed)).collect();
+        let r0: Vec<bf16> = random_input(len, &mut seed);
+        let g0: Vec<bf16> = random_input(h, &mut seed);
+        for (r, d) in devices.iter().enumerate() {
+            bufs.push(Bufs {
+                x: DeviceBuffer::from_host(d, &xs[r])?,
+                res: DeviceBuffer::from_host(d, &r0)?,
+                g: DeviceBuffer::from_host(d, &g0)?,
+                out: DeviceBuffer::zeroed(d, len)?,
+            });
+        }
+        // correctness of the fused call on rank 0 (every rank is checked by the test suite)
+        for (r, b) in bufs.iter().enumerate() {
+            call(&comm, r, b, "fused", t, h, &streams[r])?;
+        }
+        sync(&streams)?;
+        comm.check()?;
+        let refs: Vec<&[bf16]> = xs.iter().map(|v| v.as_slice()).collect();
+        let (wr, wo) = add_rms_norm_reference(&refs, &r0, &g0, h, EPS);
+        let (gr, go) = (bufs[0].res.to_vec()?, bufs[0].out.to_vec()?);
+        let ok = gr == wr
+            && go
+                .iter()
+                .zip(&wo)
+                .all(|(a, b)| rms_norm_within_tolerance(*a, *b));
+        all_ok &= ok;
+        let choice = comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)?;
+        let iters = if sim { 2 } else { args.iters };
+        let runs = if sim { 1 } else { args.runs };
+        for imp in ["fused", "unfused"] {
+            // pipelined: a graph of `iters` calls per rank
+            let mut execs = Vec::new();
+            for (r, s) in streams.iter().enumerate() {
+                let sr = s.as_stream_ref();
+                sr.begin_capture(CaptureMode::Global)?;
+                for _ in 0..iters {
+                    call(&comm, r, &bufs[r], imp, t, h, s)?;
+                }
+                execs.push(sr.end_capture()?.instantiate()?);
+            }
+            let launch = || -> Res<()> {
+                for r in (0..n).rev() {
+                    execs[r].launch(streams[r].as_stream_ref())?;
+                }
+                Ok(())
+            };
+            launch()?;
+            sync(&streams)?;
+            let d0 = streams[0].device();
+            let (a, z) = (Event::new(d0, true)?, Event::new(d0, true)?);
+            let mut times = Vec::new();
+            for _ in 0..runs {
+                a.record(&streams[0])?;
+                launch()?;
+                z.record(&streams[0])?;
+                sync(&streams)?;
+                times.push(z.elapsed_since(&a)?.as_secs_f64() / iters as f64);
+            }
+            comm.check()?;
+            let pipe = median(times);
+            // single: one call between host barriers, the slowest rank
+            let mut times = Vec::new();
+            for run in 0..=runs {
+                let barrier = SpinBarrier(n, AtomicUsize::new(0));
+                let per_rank: Vec<Res<f64>> = std::thread::scope(|sc| {
+                    let hs: Vec<_> = (0..n)
+                        .map(|r| {
+                            let (barrier, comm, b, s) = (&barrier, &comm, &bufs[r], &streams[r]);
+                            sc.spawn(move || -> Res<f64> {
+                                let (e0, e1) =
+                                    (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
+                                barrier.wait();
+                                e0.record(s)?;
+                                call(comm, r, b, imp, t, h, s)?;
+                                e1.record(s)?;
+                                s.synchronize()?;
+                                Ok(e1.elapsed_since(&e0)?.as_secs_f64())
+                            })
+                        })
+                        .collect();
+                    hs.into_iter()
+                        .map(|x| x.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+                        .collect()
+                });
+                let mut worst = 0f64;
+                for x in per_rank {
+                    worst = worst.max(x?);
+                }
+                if run > 0 {
+                    times.push(worst);
+                }
+            }
+            comm.check()?;
+            let single = median(times);
+            let form = if imp == "fused" {
+                choice.to_string()
+            } else {
+                format!(
+                    "{} + add_rms_norm",
+                    comm.choice(
+                        cuda_multimem_collectives::DType::Bf16,
+                        ReduceOp::Sum,
+                        len,
+                        cuda_multimem_collectives::Operands::Local
+                    )?
+                )
+            };
+            println!(
+                "{:>7} {:>10} {:>8} {:>11.2} {:>11.2}  {:<28} {:>7}",
+                t,
+                bytes,
+                imp,
+                pipe * 1e6,
+                single * 1e6,
+                form,
+                if imp == "fused" {
+                    if ok {
+                        "yes"
+                    } else {
+                        "NO"
+                    }
+                } else {
+                    "-"
+                }
+            );
+            for (mode, secs) in [("pipelined", pipe), ("single", single)] {
+                if !secs.is_finite() {
+                    return Err(format!("a non-finite time at {t} tokens ({imp}, {mode})").into());
+                }
+                let bw = bytes as f64 / secs / 1e9;
+                let fields = json!({
+                    "bench": "allreduce_rmsnorm",
+                    "impl": if imp == "fused" { "cuda-multimem" } else { "cuda-multimem-unfused" },
+                    "operand": "local",
+                    "dtype": "bf16",
+                    "op": "sum",
+                    "ranks": n,
+                    "bytes": bytes,
+                    "tokens": t,
+                    "hidden": h,
+                    "mode": mode,
+                    "time_us": secs * 1e6,
+                    "algbw_gbs": bw,
+                    "busbw_gbs": bw * 2.0 * (n as f64 - 1.0) / n as f64,
+                    "path": choice.path.to_string(),
+                    "algorithm": form,
+                    "staged_chunks": 0,
+                    "correct": if imp == "fused" { json!(ok) } else { json!(null) },
+                });
+                println!("RESULT {}", serde_json::to_string(&fields)?);
+            }
+        }
+    }
+    Ok(all_ok)
+}

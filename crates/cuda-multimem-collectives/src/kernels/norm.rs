@@ -1,0 +1,81 @@
+//! The fused allreduce + residual add + RMSNorm kernels (`RankHandle::all_reduce_add_rms_norm`):
+//! their families, entry and file names, committed PTX and parameter contract. The protocol:
+//! `docs/design/rmsnorm.md`.
+//!
+//! Every entry takes ten `.u64` parameters, in this order: the rank's signal pad, `x` (this
+//! rank's partial sums, `rows × hidden`), `residual` (read as r, written as residual_out), the
+//! weight γ (`hidden`), `out`, rows of this launch, `hidden`, the call header, the timeout in
+//! nanoseconds, and ε as the bits of an f32 in the low 32 bits.
+
+use crate::DType;
+
+/// The kernel file of this family.
+pub const FILE: &str = "norm.ptx";
+
+/// The committed PTX text of every norm kernel.
+pub const PTX: &str = include_str!("norm.ptx");
+
+/// Parameters of every norm entry.
+pub const PARAMS: usize = 10;
+
+/// Code of the norm collectives in the call header (allreduce headers carry a [`super::Kernel`]
+/// code below 16 there, so the two never compare equal).
+pub const HEADER_KIND: u64 = 0x4e4f_524d_0000;
+
+/// The fused allreduce + residual add + RMSNorm forms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NormKernel {
+    /// Push this launch's rows of x into slot `[parity][rank]` of every rank's staging, one
+    /// barrier, then every rank reduces every row locally (rank order), adds r, normalises and
+    /// writes residual and out: all local memory.
+    OneShot,
+    /// Rank k owns the k-th N-th of the rows. Push every row of x into its owner's staging
+    /// (`[parity][rank]`), barrier; the owner reduces its rows, adds r, normalises, writes them
+    /// locally and pushes residual_out and out rows into every rank's staging (`[1 - parity]
+    /// [owner]`), barrier; every rank copies the other owners' rows into its own residual and
+    /// out, barrier. Counters + 6 (the header parity flips, as after every call).
+    TwoShot,
+}
+
+impl NormKernel {
+    /// Both forms.
+    pub const ALL: [NormKernel; 2] = [NormKernel::OneShot, NormKernel::TwoShot];
+
+    fn tag(self) -> &'static str {
+        match self {
+            NormKernel::OneShot => "oneshot",
+            NormKernel::TwoShot => "twoshot",
+        }
+    }
+
+    /// The entry name for `dtype`.
+    pub fn entry(self, dtype: DType) -> String {
+        format!("cmm_norm_{}_{}", self.tag(), dtype.name())
+    }
+
+    /// What the counters of every block advance by in one launch.
+    pub fn counter_step(self) -> u32 {
+        match self {
+            NormKernel::OneShot => 2,
+            NormKernel::TwoShot => 6,
+        }
+    }
+
+    /// The code of this form in the call header.
+    pub fn header_code(self) -> u64 {
+        HEADER_KIND | self as u64
+    }
+}
+
+/// The unfused baseline (`RankHandle::add_rms_norm`): residual add + RMSNorm of an already
+/// reduced `x`, what an engine runs after a plain allreduce. One block per row, the same
+/// rounding points and reduction tree as the fused kernels. Seven `.u64` parameters: x,
+/// residual, weight, out, rows, hidden, ε bits.
+pub fn unfused_entry(dtype: DType) -> String {
+    format!("cmm_add_rms_norm_{}", dtype.name())
+}
+
+/// Rows `[rank * P, ...)` of a two-shot launch of `rows`: P = ceil(rows / n).
+pub fn part_rows(rows: u64, n: u64) -> u64 {
+    rows.div_ceil(n)
+}

@@ -1,0 +1,265 @@
+//! Host equivalents of the fused allreduce + residual add + RMSNorm kernels and of the unfused
+//! baseline (`kernels/norm.ptx`), registered by [`super::install`]. They follow the PTX step by
+//! step: the same rows per block, the same staging slots and parities, the same barriers and
+//! counters, and the same arithmetic in the same order — the sum of squares per thread (units
+//! strided over the block's threads), a butterfly within each warp, then the warps in order — so
+//! the simulator's `out` is what the GPU computes, bit for bit.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
+
+use super::{ld, st, u32_at, u64_at, Ctx};
+use crate::kernels::norm::{part_rows, unfused_entry, NormKernel};
+use crate::kernels::*;
+use crate::DType;
+
+/// Register the norm kernels' equivalents (called by [`super::install`]).
+pub(super) fn register() {
+    for d in DType::ALL {
+        for k in NormKernel::ALL {
+            register_kernel(&k.entry(d), move |a| run(k, d, a));
+        }
+        register_kernel(&unfused_entry(d), move |a| run_unfused(d, a));
+    }
+}
+
+fn copy(a: &LaunchArgs, dst: usize, src: usize, len: usize) -> Result<(), KernelError> {
+    a.check(src, len, false)?;
+    a.check(dst, len, true)?;
+    for i in 0..len {
+        // SAFETY: both ranges checked above; volatile, as other devices' threads write staging.
+        unsafe {
+            std::ptr::write_volatile(
+                (dst + i) as *mut u8,
+                std::ptr::read_volatile((src + i) as *const u8),
+            )
+        };
+    }
+    Ok(())
+}
+
+/// The launch's shape: threads per block and elements per unit (16-byte vectors when every
+/// operand and the row length are 16-byte aligned, else elements), as the PTX decides.
+struct Row {
+    d: DType,
+    hidden: usize,
+    threads: usize,
+    per_unit: usize,
+    eps: f32,
+}
+
+/// Where the reduced value of a row's elements comes from.
+enum Sum<'a> {
+    /// Every rank's copy of the row, reduced in rank order.
+    Slots(&'a [usize]),
+    /// An already reduced row.
+    Reduced(usize),
+}
+
+impl Row {
+    fn new(a: &LaunchArgs, d: DType, ptrs: [usize; 4], hidden: usize, eps: f32) -> Row {
+        let rb = hidden * d.size();
+        let vector = (ptrs.iter().fold(rb, |acc, p| acc | p)) % 16 == 0;
+        Row {
+            d,
+            hidden,
+            threads: a.block.0 as usize,
+            per_unit: if vector { 16 / d.size() } else { 1 },
+            eps,
+        }
+    }
+
+    /// One row: pass 1 (sum, + r, round, store residual_out, squares per thread), the block's
+    /// sum of squares, pass 2 (out); `push`: every rank's staging address for the row's
+    /// residual_out (its out follows one row later).
+    fn run(
+        &self,
+        a: &LaunchArgs,
+        sum: Sum,
+        res: usize,
+        w: usize,
+        out: usize,
+        push: &[usize],
+    ) -> Result<(), KernelError> {
+        let (d, h) = (self.d, self.hidden);
+        let rb = h * d.size();
+        match sum {
+            Sum::Slots(s) => s.iter().try_for_each(|&x| a.check(x, rb, false))?,
+            Sum::Reduced(x) => a.check(x, rb, false)?,
+        }
+        a.check(res, rb, true)?;
+        a.check(out, rb, true)?;
+        a.check(w, rb, false)?;
+        for &p in push {
+            a.check(p, 2 * rb, true)?;
+        }
+        let mut ss = vec![0f32; self.threads];
+        for e in 0..h {
+            let s = match sum {
+                Sum::Slots(s) => s[1..]
+                    .iter()
+                    .fold(ld(d, s[0], e as u64), |acc, &x| acc + ld(d, x, e as u64)),
+                Sum::Reduced(x) => ld(d, x, e as u64),
+            };
+            let v = d.decode(d.encode(s + ld(d, res, e as u64)));
+            st(d, res, e as u64, v);
+            for &p in push {
+                st(d, p, e as u64, v);
+            }
+            let t = (e / self.per_unit) % self.threads;
+            ss[t] += v * v;
+        }
+        let rstd = crate::rms_scale(block_sum(&ss), h, self.eps);
+        for e in 0..h {
+            let v = ld(d, res, e as u64);
+            let o = v * rstd * ld(d, w, e as u64);
+            st(d, out, e as u64, o);
+            for &p in push {
+                st(d, p + rb, e as u64, o);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The PTX's block reduction: `shfl.sync.bfly` 16, 8, 4, 2, 1 within each warp, then lane 0 of
+/// every warp in warp order.
+fn block_sum(per_thread: &[f32]) -> f32 {
+    let mut total = 0f32;
+    for (w, warp) in per_thread.chunks(32).enumerate() {
+        let mut v: Vec<f32> = warp.to_vec();
+        v.resize(32, 0.0);
+        for off in [16, 8, 4, 2, 1] {
+            v = (0..32).map(|l| v[l] + v[l ^ off]).collect();
+        }
+        total = if w == 0 { v[0] } else { total + v[0] };
+    }
+    total
+}
+
+fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
+    let pad = a.u64(0)? as usize;
+    let (x, res, w, out) = (
+        a.u64(1)? as usize,
+        a.u64(2)? as usize,
+        a.u64(3)? as usize,
+        a.u64(4)? as usize,
+    );
+    let (rows, hidden) = (a.u64(5)? as usize, a.u64(6)? as usize);
+    let eps = f32::from_bits(a.u64(9)? as u32);
+    a.check(pad, PAD_BYTES, true)?;
+    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
+    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
+    if n == 0 || n > MAX_RANKS || rank >= n {
+        return Err(KernelError::Failed(format!("bad pad: rank {rank} of {n}")));
+    }
+    let pads: Vec<usize> = (0..n)
+        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
+        .collect();
+    for &p in &pads {
+        a.check(p, PAD_BYTES, true)?;
+    }
+    let cx = Ctx {
+        pad,
+        rank,
+        n,
+        pads,
+        timeout: Duration::from_nanos(a.u64(8)?),
+        sig: a.u64(7)?,
+    };
+    let g = a.grid.0 as usize;
+    if g > MAX_BLOCKS {
+        return Err(KernelError::Failed(format!("grid of {g} blocks")));
+    }
+    let row = Row::new(a, d, [x, res, w, out], hidden, eps);
+    let rb = hidden * d.size();
+    let half = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
+    let stage = |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
+    let pp = part_rows(rows as u64, n as u64) as usize;
+    let part = |k: usize| {
+        let f0 = (k * pp).min(rows);
+        (f0, (rows - f0).min(pp))
+    };
+    for b in 0..g {
+        let c = u32_at(pad + OFF_CTR + 4 * b).load(Ordering::Relaxed);
+        let p = ((c >> 1) & 1) as usize;
+        let slot = |t: usize, q: usize, s: usize| stage(t) + (q * n + s) * half;
+        match k {
+            NormKernel::OneShot => {
+                for j in (b..rows).step_by(g) {
+                    for t in 0..n {
+                        copy(a, slot(t, p, rank) + j * rb, x + j * rb, rb)?;
+                    }
+                }
+                cx.barrier(a, b, c.wrapping_add(1), Some(p as u32));
+                for j in (b..rows).step_by(g) {
+                    let srcs: Vec<usize> = (0..n).map(|s| slot(rank, p, s) + j * rb).collect();
+                    row.run(a, Sum::Slots(&srcs), res + j * rb, w, out + j * rb, &[])?;
+                }
+            }
+            NormKernel::TwoShot => {
+                for t in 0..n {
+                    let (f0, len) = part(t);
+                    for j in (b..len).step_by(g) {
+                        copy(a, slot(t, p, rank) + j * rb, x + (f0 + j) * rb, rb)?;
+                    }
+                }
+                cx.barrier(a, b, c.wrapping_add(1), Some(p as u32));
+                let (f0, len) = part(rank);
+                for j in (b..len).step_by(g) {
+                    let srcs: Vec<usize> = (0..n).map(|s| slot(rank, p, s) + j * rb).collect();
+                    let push: Vec<usize> =
+                        (0..n).map(|t| slot(t, 1 - p, rank) + j * 2 * rb).collect();
+                    let at = (f0 + j) * rb;
+                    row.run(a, Sum::Slots(&srcs), res + at, w, out + at, &push)?;
+                }
+                cx.barrier(a, b, c.wrapping_add(2), None);
+                for t in (0..n).filter(|&t| t != rank) {
+                    let (f0, len) = part(t);
+                    for j in (b..len).step_by(g) {
+                        let from = slot(rank, 1 - p, t) + j * 2 * rb;
+                        copy(a, res + (f0 + j) * rb, from, rb)?;
+                        copy(a, out + (f0 + j) * rb, from + rb, rb)?;
+                    }
+                }
+                cx.barrier(a, b, c.wrapping_add(3), None);
+            }
+        }
+        let fin = c.wrapping_add(k.counter_step());
+        let mut j = b;
+        while j < MAX_BLOCKS {
+            u32_at(pad + OFF_CTR + 4 * j).store(fin, Ordering::Relaxed);
+            j += g;
+        }
+    }
+    Ok(())
+}
+
+fn run_unfused(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
+    let (x, res, w, out) = (
+        a.u64(0)? as usize,
+        a.u64(1)? as usize,
+        a.u64(2)? as usize,
+        a.u64(3)? as usize,
+    );
+    let (rows, hidden) = (a.u64(4)? as usize, a.u64(5)? as usize);
+    let eps = f32::from_bits(a.u64(6)? as u32);
+    let row = Row::new(a, d, [x, res, w, out], hidden, eps);
+    let rb = hidden * d.size();
+    let g = a.grid.0 as usize;
+    for b in 0..g {
+        for j in (b..rows).step_by(g) {
+            row.run(
+                a,
+                Sum::Reduced(x + j * rb),
+                res + j * rb,
+                w,
+                out + j * rb,
+                &[],
+            )?;
+        }
+    }
+    Ok(())
+}

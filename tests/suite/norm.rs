@@ -1,0 +1,733 @@
+//! Fused allreduce + residual add + RMSNorm: residual_out equals the host reference bit for bit
+//! and out within the documented sum-of-squares tolerance, for every type, both forms, teams of
+//! 2 to 8, token counts 1 to 1000, hidden 8192 and odd sizes, on symmetric buffers and on the
+//! caller's own memory; graph replays; calls interleaved with allreduce calls on the same pad;
+//! bad arguments refused before any launch; disagreement and absence reported, not waited for.
+
+use std::time::Duration;
+
+use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::{
+    add_rms_norm_reference, bf16, f16, random_input, reference, rms_norm_within_tolerance,
+    Algorithm, CommConfig, Communicator, Element, MulticastPolicy, ReduceOp, SymmetricBuffer,
+};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::{env, sim};
+
+const EPS: f32 = 1e-6;
+
+/// A team of `n` on the driver `CUDA_MULTIMEM_DRIVER` selects (the real GPUs under test-hw)
+/// when it has `n` devices, else on a simulated machine of `n`.
+fn team(n: usize, config: CommConfig) -> (cuda_multimem_tests::Env, Communicator, Vec<Stream>) {
+    let e = env();
+    let e = if e.driver.devices().len() >= n {
+        e
+    } else {
+        drop(e);
+        sim(SimConfig::new(n, 13000))
+    };
+    let devices = e.driver.devices()[..n].to_vec();
+    let comm = Communicator::builder(&devices)
+        .multicast(MulticastPolicy::Never)
+        .config(config)
+        .build()
+        .unwrap();
+    let s = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
+    (e, comm, s)
+}
+
+fn forced(algorithm: Option<Algorithm>) -> CommConfig {
+    CommConfig {
+        algorithm,
+        ..Default::default()
+    }
+}
+
+/// One call's data: every rank's x, the (replicated) residual and weight.
+struct Case<T> {
+    xs: Vec<Vec<T>>,
+    r: Vec<T>,
+    gamma: Vec<T>,
+    hidden: usize,
+}
+
+impl<T: Element> Case<T> {
+    fn new(n: usize, tokens: usize, hidden: usize, seed: u64) -> Case<T> {
+        let mut s = seed | 1;
+        Case {
+            xs: (0..n)
+                .map(|_| random_input(tokens * hidden, &mut s))
+                .collect(),
+            r: random_input(tokens * hidden, &mut s),
+            gamma: random_input(hidden, &mut s),
+            hidden,
+        }
+    }
+
+    /// Check rank `rank`'s residual_out (exact) and out (tolerance) against the reference.
+    fn check(&self, what: &str, rank: usize, res: &[T], out: &[T]) {
+        let xs: Vec<&[T]> = self.xs.iter().map(|v| v.as_slice()).collect();
+        let (wr, wo) = add_rms_norm_reference(&xs, &self.r, &self.gamma, self.hidden, EPS);
+        if let Some(i) = (0..wr.len()).find(|&i| res[i] != wr[i]) {
+            panic!(
+                "{what}: rank {rank}: residual_out[{i}] (row {}) = {:?}, reference {:?}",
+                i / self.hidden,
+                res[i],
+                wr[i]
+            );
+        }
+        if let Some(i) = (0..wo.len()).find(|&i| !rms_norm_within_tolerance(out[i], wo[i])) {
+            panic!(
+                "{what}: rank {rank}: out[{i}] (row {}) = {:?}, reference {:?}",
+                i / self.hidden,
+                out[i],
+                wo[i]
+            );
+        }
+    }
+}
+
+/// Run `case` on every rank with symmetric buffers (`own` false) or DeviceBuffers, check every
+/// rank, and return rank 0's (residual_out, out).
+fn run<T: Element + Default>(
+    comm: &Communicator,
+    s: &[Stream],
+    case: &Case<T>,
+    own: bool,
+    what: &str,
+) -> (Vec<T>, Vec<T>) {
+    let n = comm.size();
+    let len = case.r.len();
+    let mut got = Vec::new();
+    if own {
+        let mut bufs = Vec::new();
+        for r in 0..n {
+            let d = comm.device(r).unwrap();
+            bufs.push((
+                DeviceBuffer::from_host(d, &case.xs[r]).unwrap(),
+                DeviceBuffer::from_host(d, &case.r).unwrap(),
+                DeviceBuffer::from_host(d, &case.gamma).unwrap(),
+                DeviceBuffer::<T>::zeroed(d, len).unwrap(),
+            ));
+        }
+        for (r, (x, res, g, out)) in bufs.iter_mut().enumerate() {
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_add_rms_norm(&*x, &mut *res, &*g, &mut *out, case.hidden, EPS, &s[r])
+                .unwrap();
+        }
+        for st in s {
+            st.synchronize().unwrap();
+        }
+        comm.check().unwrap();
+        for (x, res, _, out) in &bufs {
+            let _ = x;
+            got.push((res.to_vec().unwrap(), out.to_vec().unwrap()));
+        }
+    } else {
+        let x: SymmetricBuffer<T> = comm.alloc(len).unwrap();
+        let mut res: SymmetricBuffer<T> = comm.alloc(len).unwrap();
+        let g: SymmetricBuffer<T> = comm.alloc(case.hidden).unwrap();
+        let mut out: SymmetricBuffer<T> = comm.alloc(len).unwrap();
+        for r in 0..n {
+            x.write(r, 0, &case.xs[r]).unwrap();
+            res.write(r, 0, &case.r).unwrap();
+            g.write(r, 0, &case.gamma).unwrap();
+        }
+        for (r, st) in s.iter().enumerate() {
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, case.hidden, EPS, st)
+                .unwrap();
+        }
+        for st in s {
+            st.synchronize().unwrap();
+        }
+        comm.check().unwrap();
+        for r in 0..n {
+            got.push((res.to_vec(r).unwrap(), out.to_vec(r).unwrap()));
+        }
+    }
+    for (r, (res, out)) in got.iter().enumerate() {
+        case.check(what, r, res, out);
+        assert_eq!(
+            (res, out),
+            (&got[0].0, &got[0].1),
+            "{what}: rank {r} differs from rank 0"
+        );
+    }
+    got.swap_remove(0)
+}
+
+fn each_dtype(
+    n: usize,
+    algorithm: Option<Algorithm>,
+    tokens: &[usize],
+    hiddens: &[usize],
+    own: bool,
+) {
+    let (_e, comm, s) = team(n, forced(algorithm));
+    for &hidden in hiddens {
+        for (i, &t) in tokens.iter().enumerate() {
+            let what = |d: &str| format!("{n} ranks, {algorithm:?}, {t} x {hidden} {d}, own {own}");
+            let seed = (n * 1000 + t * 7 + hidden + i) as u64;
+            run(
+                &comm,
+                &s,
+                &Case::<f32>::new(n, t, hidden, seed),
+                own,
+                &what("f32"),
+            );
+            run(
+                &comm,
+                &s,
+                &Case::<f16>::new(n, t, hidden, seed + 1),
+                own,
+                &what("f16"),
+            );
+            run(
+                &comm,
+                &s,
+                &Case::<bf16>::new(n, t, hidden, seed + 2),
+                own,
+                &what("bf16"),
+            );
+        }
+    }
+}
+
+#[test]
+fn one_shot_matches_the_reference_for_every_dtype_at_hidden_8192_and_4100() {
+    each_dtype(2, None, &[1, 3, 16], &[8192, 4100], false);
+}
+
+#[test]
+fn two_shot_matches_the_reference_for_every_dtype_at_hidden_8192_and_4100() {
+    each_dtype(
+        2,
+        Some(Algorithm::TwoShot),
+        &[1, 3, 16],
+        &[8192, 4100],
+        false,
+    );
+}
+
+#[test]
+fn both_forms_serve_the_callers_own_memory() {
+    each_dtype(2, Some(Algorithm::OneShot), &[3, 16], &[4100], true);
+    each_dtype(3, Some(Algorithm::TwoShot), &[3, 16], &[4100], true);
+}
+
+#[test]
+fn a_128_and_a_1000_token_call_match_the_reference_in_both_forms() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let (_e, comm, s) = team(2, forced(Some(alg)));
+        run(
+            &comm,
+            &s,
+            &Case::<bf16>::new(2, 128, 8192, 5),
+            false,
+            &format!("{alg} 128 x 8192"),
+        );
+        run(
+            &comm,
+            &s,
+            &Case::<bf16>::new(2, 1000, 4100, 6),
+            true,
+            &format!("{alg} 1000 x 4100"),
+        );
+    }
+}
+
+#[test]
+fn teams_of_3_5_and_8_match_the_reference_in_both_forms() {
+    for n in [3, 5, 8] {
+        for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+            let (_e, comm, s) = team(n, forced(Some(alg)));
+            for (t, h) in [(1, 264), (3, 1000), (16, 520), (37, 130)] {
+                let what = format!("{n} ranks {alg} {t} x {h}");
+                run(
+                    &comm,
+                    &s,
+                    &Case::<bf16>::new(n, t, h, (n + t) as u64),
+                    t % 2 == 0,
+                    &what,
+                );
+                run(
+                    &comm,
+                    &s,
+                    &Case::<f32>::new(n, t, h, (n * t) as u64),
+                    false,
+                    &what,
+                );
+            }
+        }
+    }
+}
+
+/// Small staging: a call larger than one launch's share runs in several launches, each a call
+/// of its own on every rank.
+#[test]
+fn calls_larger_than_the_staging_run_in_several_launches() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let (_e, comm, s) = team(
+            3,
+            CommConfig {
+                algorithm: Some(alg),
+                one_shot_max_bytes: Some(16 << 10),
+                stage_bytes: Some(16 << 10),
+                ..Default::default()
+            },
+        );
+        run(
+            &comm,
+            &s,
+            &Case::<f16>::new(3, 100, 1000, 9),
+            false,
+            &format!("{alg} chunked"),
+        );
+    }
+}
+
+#[test]
+fn the_form_is_one_shot_up_to_3_ranks_and_two_shot_above_the_limit_for_larger_teams() {
+    use cuda_multimem_collectives::DType;
+    {
+        let (_e, comm, _s) = team(2, CommConfig::default());
+        for t in [1, 16, 1024] {
+            let c = comm.add_rms_norm_choice(DType::Bf16, t, 8192).unwrap();
+            assert_eq!(c.algorithm, Algorithm::OneShot, "{t} tokens on 2 ranks");
+            assert_eq!(c.staged_chunks, 0);
+        }
+    }
+    let (_e, comm, _s) = team(4, CommConfig::default());
+    assert_eq!(
+        comm.add_rms_norm_choice(DType::Bf16, 16, 8192)
+            .unwrap()
+            .algorithm,
+        Algorithm::OneShot
+    );
+    assert_eq!(
+        comm.add_rms_norm_choice(DType::Bf16, 128, 8192)
+            .unwrap()
+            .algorithm,
+        Algorithm::TwoShotPush
+    );
+}
+
+#[test]
+fn out_may_be_x_itself() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let (_e, comm, s) = team(2, forced(Some(alg)));
+        let (t, h) = (5, 1000);
+        let case = Case::<bf16>::new(2, t, h, 21);
+        let mut bufs: Vec<_> = (0..2)
+            .map(|r| {
+                let d = comm.device(r).unwrap();
+                (
+                    DeviceBuffer::from_host(d, &case.xs[r]).unwrap(),
+                    DeviceBuffer::from_host(d, &case.r).unwrap(),
+                    DeviceBuffer::from_host(d, &case.gamma).unwrap(),
+                )
+            })
+            .collect();
+        for (r, (x, res, g)) in bufs.iter_mut().enumerate() {
+            let p = x.device_ptr();
+            // SAFETY: x's own memory, alive until the stream is synchronised below.
+            let (src, dst) = unsafe {
+                (
+                    cuda_multimem_collectives::Src::<bf16>::from_raw(p, t * h),
+                    cuda_multimem_collectives::Dst::<bf16>::from_raw(p, t * h),
+                )
+            };
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_add_rms_norm(src, &mut *res, &*g, dst, h, EPS, &s[r])
+                .unwrap();
+        }
+        for st in &s {
+            st.synchronize().unwrap();
+        }
+        comm.check().unwrap();
+        for (r, (x, res, _)) in bufs.iter().enumerate() {
+            case.check(
+                &format!("{alg} in place"),
+                r,
+                &res.to_vec().unwrap(),
+                &x.to_vec().unwrap(),
+            );
+        }
+    }
+}
+
+/// f32: an allreduce followed by the unfused kernel rounds nowhere the fused call does not, so
+/// both give the same bits (for 16-bit types the allreduce rounds the sum to T before r is
+/// added, which the fused call does not).
+#[test]
+fn the_unfused_baseline_after_an_allreduce_gives_the_fused_bits_for_f32() {
+    let (_e, comm, s) = team(2, CommConfig::default());
+    let (t, h) = (7, 4100);
+    let case = Case::<f32>::new(2, t, h, 33);
+    let (fr, fo) = run(&comm, &s, &case, false, "fused");
+    let mut x: SymmetricBuffer<f32> = comm.alloc(t * h).unwrap();
+    let mut res: SymmetricBuffer<f32> = comm.alloc(t * h).unwrap();
+    let g: SymmetricBuffer<f32> = comm.alloc(h).unwrap();
+    let mut out: SymmetricBuffer<f32> = comm.alloc(t * h).unwrap();
+    for r in 0..2 {
+        x.write(r, 0, &case.xs[r]).unwrap();
+        res.write(r, 0, &case.r).unwrap();
+        g.write(r, 0, &case.gamma).unwrap();
+    }
+    for (r, st) in s.iter().enumerate() {
+        let h_ = comm.rank(r).unwrap();
+        h_.all_reduce_in_place(&mut x, ReduceOp::Sum, st).unwrap();
+        h_.add_rms_norm(&x, &mut res, &g, &mut out, h, EPS, st)
+            .unwrap();
+    }
+    for st in &s {
+        st.synchronize().unwrap();
+    }
+    comm.check().unwrap();
+    assert_eq!(res.to_vec(0).unwrap(), fr);
+    assert_eq!(out.to_vec(0).unwrap(), fo);
+}
+
+/// Each rank captures one fused call into a graph and replays it with new inputs: nothing is
+/// reset from the host between replays.
+#[test]
+fn a_captured_graph_replays_the_fused_norm_in_both_forms() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let (_e, comm, s) = team(2, forced(Some(alg)));
+        let (t, h) = (16, 1024);
+        let x: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
+        let mut res: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
+        let g: SymmetricBuffer<bf16> = comm.alloc(h).unwrap();
+        let mut out: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
+        let mut execs = Vec::new();
+        for (r, st) in s.iter().enumerate() {
+            let sr = st.as_stream_ref();
+            sr.begin_capture(CaptureMode::Global).unwrap();
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, h, EPS, st)
+                .unwrap();
+            execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+        }
+        for replay in 0..4u64 {
+            let case = Case::<bf16>::new(2, t, h, 100 + replay);
+            for r in 0..2 {
+                x.write(r, 0, &case.xs[r]).unwrap();
+                res.write(r, 0, &case.r).unwrap();
+                g.write(r, 0, &case.gamma).unwrap();
+            }
+            for (r, st) in s.iter().enumerate() {
+                execs[r].launch(st).unwrap();
+            }
+            for st in &s {
+                st.synchronize().unwrap();
+            }
+            comm.check().unwrap();
+            for r in 0..2 {
+                case.check(
+                    &format!("{alg} replay {replay}"),
+                    r,
+                    &res.to_vec(r).unwrap(),
+                    &out.to_vec(r).unwrap(),
+                );
+            }
+        }
+    }
+}
+
+/// Norm calls of both forms and allreduce calls of every algorithm, back to back on the same
+/// pad and staging, with random per-device delays: every result exact (allreduce) or within
+/// tolerance (norm), on teams of 2, 3 and 5.
+#[test]
+fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
+    for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3)] {
+        let e = sim(SimConfig::new(n, 13000));
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_micros(300), seed);
+        let devices = e.driver.devices();
+        let comm = Communicator::builder(&devices)
+            .multicast(MulticastPolicy::Never)
+            .config(CommConfig {
+                // norm calls of 6 or 7 rows of 520 bytes run one-shot, of 8 to 10 two-shot
+                one_shot_max_bytes: Some(4 << 10),
+                ll_max_bytes: 2 << 10,
+                stage_bytes: Some(16 << 10),
+                max_blocks: 4,
+                threads: 64,
+                ..Default::default()
+            })
+            .build()
+            .unwrap();
+        let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
+        let mut state = seed * 77 + 1;
+        let calls = 12;
+        let (t, h) = (6, 260);
+        let mut cases = Vec::new();
+        let mut ar_in = Vec::new();
+        let mut bufs = Vec::new();
+        for c in 0..calls {
+            let case = Case::<bf16>::new(n, t + c % 5, h, seed * 100 + c as u64);
+            let x: SymmetricBuffer<bf16> = comm.alloc(case.r.len()).unwrap();
+            let res: SymmetricBuffer<bf16> = comm.alloc(case.r.len()).unwrap();
+            let g: SymmetricBuffer<bf16> = comm.alloc(h).unwrap();
+            let out: SymmetricBuffer<bf16> = comm.alloc(case.r.len()).unwrap();
+            for r in 0..n {
+                x.write(r, 0, &case.xs[r]).unwrap();
+                res.write(r, 0, &case.r).unwrap();
+                g.write(r, 0, &case.gamma).unwrap();
+            }
+            // an allreduce of a size that picks another algorithm each time
+            let count = [100usize, 3000, 9000, 20_000][c % 4];
+            let inputs: Vec<Vec<bf16>> = (0..n).map(|_| random_input(count, &mut state)).collect();
+            let ar: SymmetricBuffer<bf16> = comm.alloc(count).unwrap();
+            for (r, v) in inputs.iter().enumerate() {
+                ar.write(r, 0, v).unwrap();
+            }
+            cases.push(case);
+            ar_in.push(inputs);
+            bufs.push((x, res, g, out, ar));
+        }
+        for (c, (x, res, g, out, ar)) in bufs.iter_mut().enumerate() {
+            for (r, st) in s.iter().enumerate() {
+                let hr = comm.rank(r).unwrap();
+                hr.all_reduce_in_place(&mut *ar, ReduceOp::Sum, st).unwrap();
+                let _ = c;
+                hr.all_reduce_add_rms_norm(&*x, &mut *res, &*g, &mut *out, h, EPS, st)
+                    .unwrap();
+            }
+        }
+        for st in &s {
+            st.synchronize().unwrap();
+        }
+        comm.check().unwrap();
+        for (c, (_, res, _, out, ar)) in bufs.iter().enumerate() {
+            let refs: Vec<&[bf16]> = ar_in[c].iter().map(|v| v.as_slice()).collect();
+            let want = reference(ReduceOp::Sum, &refs);
+            for r in 0..n {
+                assert_eq!(
+                    ar.to_vec(r).unwrap(),
+                    want,
+                    "team of {n}, call {c}, rank {r}: allreduce"
+                );
+                cases[c].check(
+                    &format!("team of {n}, call {c}"),
+                    r,
+                    &res.to_vec(r).unwrap(),
+                    &out.to_vec(r).unwrap(),
+                );
+            }
+        }
+    }
+}
+
+fn invalid_arg(e: Error) -> &'static str {
+    match e {
+        Error::InvalidArgument { arg, .. } => arg,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_lengths_hidden_eps_and_overlaps_are_refused_before_any_launch() {
+    let (_e, comm, s) = team(2, CommConfig::default());
+    let h0 = comm.rank(0).unwrap();
+    let d = comm.device(0).unwrap();
+    let x = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+    let mut res = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+    let g = DeviceBuffer::<f32>::zeroed(d, 16).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+    let short = DeviceBuffer::<f32>::zeroed(d, 63).unwrap();
+    let mut short_mut = DeviceBuffer::<f32>::zeroed(d, 48).unwrap();
+    let call =
+        |x: &DeviceBuffer<f32>,
+         res: &mut DeviceBuffer<f32>,
+         g: &DeviceBuffer<f32>,
+         out: &mut DeviceBuffer<f32>,
+         hidden: usize,
+         eps: f32| { h0.all_reduce_add_rms_norm(x, res, g, out, hidden, eps, &s[0]) };
+    assert_eq!(
+        invalid_arg(call(&x, &mut res, &g, &mut out, 0, EPS).unwrap_err()),
+        "hidden"
+    );
+    assert_eq!(
+        invalid_arg(call(&x, &mut res, &g, &mut out, 16, -1.0).unwrap_err()),
+        "eps"
+    );
+    assert_eq!(
+        invalid_arg(call(&x, &mut res, &g, &mut out, 16, f32::NAN).unwrap_err()),
+        "eps"
+    );
+    assert_eq!(
+        invalid_arg(call(&x, &mut res, &g, &mut out, 16, f32::INFINITY).unwrap_err()),
+        "eps"
+    );
+    assert_eq!(
+        invalid_arg(call(&short, &mut res, &g, &mut out, 16, EPS).unwrap_err()),
+        "x"
+    );
+    assert_eq!(
+        invalid_arg(call(&x, &mut short_mut, &g, &mut out, 16, EPS).unwrap_err()),
+        "residual"
+    );
+    assert_eq!(
+        invalid_arg(call(&x, &mut res, &g, &mut short_mut, 16, EPS).unwrap_err()),
+        "out"
+    );
+    assert_eq!(
+        invalid_arg(call(&x, &mut res, &x, &mut out, 16, EPS).unwrap_err()),
+        "weight"
+    );
+    // a row too large for the staging
+    let big = 64 << 20;
+    assert_eq!(
+        invalid_arg(
+            comm.add_rms_norm_choice(cuda_multimem_collectives::DType::F32, 1, big)
+                .unwrap_err()
+        ),
+        "hidden"
+    );
+    // overlaps: residual over x, out partly over x; another device's memory; misalignment
+    let p = x.device_ptr();
+    // SAFETY: ranges inside x's allocation; refused before any launch.
+    unsafe {
+        use cuda_multimem_collectives::{Dst, Src};
+        let e = h0
+            .all_reduce_add_rms_norm(
+                &x,
+                Dst::<f32>::from_raw(p, 64),
+                &g,
+                &mut out,
+                16,
+                EPS,
+                &s[0],
+            )
+            .unwrap_err();
+        assert_eq!(invalid_arg(e), "residual");
+        let x2 = DeviceBuffer::<f32>::zeroed(d, 80).unwrap();
+        let q = x2.device_ptr();
+        let e = h0
+            .all_reduce_add_rms_norm(
+                Src::<f32>::from_raw(q, 64),
+                &mut res,
+                &g,
+                Dst::<f32>::from_raw(q + 64, 64),
+                16,
+                EPS,
+                &s[0],
+            )
+            .unwrap_err();
+        assert_eq!(invalid_arg(e), "out");
+        let e = h0
+            .all_reduce_add_rms_norm(
+                Src::<f32>::from_raw(q + 2, 64),
+                &mut res,
+                &g,
+                &mut out,
+                16,
+                EPS,
+                &s[0],
+            )
+            .unwrap_err();
+        assert_eq!(invalid_arg(e), "x");
+    }
+    let other = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), 64).unwrap();
+    assert_eq!(
+        invalid_arg(call(&other, &mut res, &g, &mut out, 16, EPS).unwrap_err()),
+        "x"
+    );
+    assert_eq!(
+        invalid_arg(
+            h0.all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, 16, EPS, &s[1])
+                .unwrap_err()
+        ),
+        "stream"
+    );
+    // nothing ran: the team is healthy and the outputs untouched
+    s[0].synchronize().unwrap();
+    comm.check().unwrap();
+    assert!(res.to_vec().unwrap().iter().all(|&v| v == 0.0));
+}
+
+fn short_timeout(
+    n: usize,
+    alg: Algorithm,
+) -> (cuda_multimem_tests::Env, Communicator, Vec<Stream>) {
+    team(
+        n,
+        CommConfig {
+            algorithm: Some(alg),
+            timeout: Duration::from_millis(200),
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn ranks_that_disagree_on_hidden_are_reported_not_waited_for() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let (_e, comm, s) = short_timeout(2, alg);
+        let x: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
+        let mut res: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
+        let g: SymmetricBuffer<f32> = comm.alloc(256).unwrap();
+        let mut out: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
+        // rank 0: 2 rows of 256; rank 1: 4 rows of 128 (same bytes)
+        for (r, hidden) in [(0, 256), (1, 128)] {
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_add_rms_norm(
+                    &x,
+                    &mut res,
+                    g.slice(..hidden).unwrap(),
+                    &mut out,
+                    hidden,
+                    EPS,
+                    &s[r],
+                )
+                .unwrap();
+        }
+        for st in &s {
+            st.synchronize().unwrap();
+        }
+        match comm.check() {
+            Err(Error::RanksDisagree { .. }) => {}
+            other => panic!("{alg}: expected a disagreement, got {other:?}"),
+        }
+        assert!(matches!(
+            comm.rank(0)
+                .unwrap()
+                .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, 256, EPS, &s[0]),
+            Err(Error::Unusable { .. })
+        ));
+    }
+}
+
+#[test]
+fn a_peer_that_never_calls_the_norm_is_a_timeout_not_a_hang() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let (_e, comm, s) = short_timeout(3, alg);
+        let x: SymmetricBuffer<bf16> = comm.alloc(4 * 300).unwrap();
+        let mut res: SymmetricBuffer<bf16> = comm.alloc(4 * 300).unwrap();
+        let g: SymmetricBuffer<bf16> = comm.alloc(300).unwrap();
+        let mut out: SymmetricBuffer<bf16> = comm.alloc(4 * 300).unwrap();
+        // rank 2 never calls
+        for (r, st) in s[..2].iter().enumerate() {
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, 300, EPS, st)
+                .unwrap();
+        }
+        for st in &s[..2] {
+            st.synchronize().unwrap();
+        }
+        match comm.check() {
+            Err(Error::Timeout { after, .. }) => assert_eq!(after, Duration::from_millis(200)),
+            other => panic!("{alg}: expected a timeout, got {other:?}"),
+        }
+    }
+}

@@ -128,7 +128,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
                     "-p",
                     "cuda-multimem-collectives",
                     "--features",
-                    "mpi",
+                    "mpi,sim",
                     "--test",
                     "mpi",
                     "--",

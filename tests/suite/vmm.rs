@@ -1415,3 +1415,72 @@ fn unmapping_memory_of_another_device_does_not_wait_for_a_running_kernel() {
         "unmapping device 1's memory waited {other:.1} ms for device 0's 300 ms kernel"
     );
 }
+
+/// A team of threads in one process: rank 1 imports rank 0's allocation while rank 0's kernel
+/// runs (and waits for rank 1). The import's size check (a mapping with no access, unmapped
+/// at once) and rank 1's own mapping of the import (access for device 1 only) reach the
+/// memory through addresses device 0 was never granted, so neither unmap may wait for device
+/// 0's kernel; and releasing the import leaves the exporter's data alone. The simulator used to
+/// wait for the device whose memory it is: 4 ranks as threads timed out in their first
+/// allreduce.
+#[test]
+fn importing_and_unmapping_memory_does_not_wait_for_its_owners_kernel_without_access() {
+    let e = env();
+    let d = &e.driver;
+    let test = "importing_and_unmapping_memory_does_not_wait_for_its_owners_kernel_without_access";
+    if d.device_count() < 2 {
+        return skip(test, "needs two devices");
+    }
+    cuda_multimem_sim::register_kernel("unmap_probe_spin", |a| {
+        std::thread::sleep(std::time::Duration::from_nanos(a.u64(0)?));
+        Ok(())
+    });
+    let d0 = d.device(0).unwrap();
+    let a = match PhysicalAllocation::builder(d, Location::Device(0))
+        .handle_types(HandleTypes::POSIX_FD)
+        .create(2 * MIB)
+    {
+        Ok(a) => a,
+        Err(x) => return skip(test, format!("no POSIX-fd allocations on device 0: {x}")),
+    };
+    let owner = Mapping::map_whole(&a, &rw0()).unwrap();
+    let data = random(2 * MIB, 11);
+    owner.write(0, &data).unwrap();
+    let fd = a.export_posix_fd().unwrap();
+    let kernel = crate::device::RawKernel::load(&d0, SPIN_PTX, "unmap_probe_spin").unwrap();
+    let stream = cuda_multimem::Stream::new(&d0).unwrap();
+    let spin = std::time::Duration::from_millis(1500);
+    let mut ns = spin.as_nanos() as u64;
+    let mut params = [(&mut ns as *mut u64).cast::<std::ffi::c_void>()];
+    assert_eq!(kernel.launch(&stream, &mut params), CUresult::CUDA_SUCCESS);
+    // Let the kernel start (a launch returns before it runs).
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let t = std::time::Instant::now();
+    let first =
+        PhysicalAllocation::import_posix_fd(d, std::os::fd::AsFd::as_fd(&fd), 2 * MIB).unwrap();
+    let second =
+        PhysicalAllocation::import_posix_fd(d, std::os::fd::AsFd::as_fd(&fd), 2 * MIB).unwrap();
+    let on1 = Mapping::map_whole(&first, &[(Location::Device(1), Access::ReadWrite)]).unwrap();
+    on1.unmap().unwrap();
+    drop(first);
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    stream.synchronize().unwrap();
+    assert!(
+        ms < 750.0,
+        "two imports, a mapping for device 1 and its unmap waited {ms:.1} ms for device 0's {} ms kernel",
+        spin.as_millis()
+    );
+    // The exporter's memory and the other import are intact.
+    let mut back = vec![0u8; 2 * MIB];
+    owner.read(0, &mut back).unwrap();
+    assert!(
+        back == data,
+        "the exporter's data changed when an import was released"
+    );
+    let other = Mapping::map_whole(&second, &rw0()).unwrap();
+    other.read(0, &mut back).unwrap();
+    assert!(
+        back == data,
+        "the other import does not see the exporter's data"
+    );
+}

@@ -727,11 +727,15 @@ sim_api! {
         // `cuMemUnmap` documents no synchronisation, and unmapping memory that work of an
         // unrelated device never touches must not wait for that work (one thread per rank would
         // stall on another rank's kernel). The simulator waits only for the devices that can
-        // reach the range — the device whose memory it is and every device granted access —
-        // because simulated device memory is host memory: unmapping it under a running kernel
-        // would crash the process instead of faulting a device. It waits before taking the VMM
-        // lock (a queued operation may need it); a failed operation's status stays with its
-        // stream and does not stop the unmap.
+        // reach the range through this mapping — the devices granted access to it — because
+        // simulated device memory is host memory: unmapping it under a running kernel would
+        // crash the process instead of faulting a device. The device whose memory it is is not
+        // one of them unless it was granted access here: its kernels reach the allocation
+        // through their own mappings, which this unmap leaves in place (an importer's size
+        // check, or a peer thread's mapping of it, must not wait for the owner's kernel, which
+        // may be waiting for that very thread). It waits before taking the VMM lock (a queued
+        // operation may need it); a failed operation's status stays with its stream and does
+        // not stop the unmap.
         let vmm = st.ext::<Vmm>();
         let reaching: std::collections::BTreeSet<i32> = {
             let mut t = vmm.t.lock();
@@ -739,9 +743,6 @@ sim_api! {
             let mut devs = std::collections::BTreeSet::new();
             for s in &starts {
                 let m = &t.reservations[&rs].mappings[s];
-                if let Some(a) = t.allocs.get(&m.alloc).filter(|a| a.loc_type == LOC_DEVICE) {
-                    devs.insert(a.loc_id);
-                }
                 devs.extend(m.access.iter().filter(|(k, f)| k.0 == LOC_DEVICE && **f != PROT_NONE).map(|(k, _)| k.1));
             }
             devs

@@ -323,85 +323,87 @@ impl<T: Element + Default> Bench<'_, T> {
         Ok(median(times))
     }
 
-    /// One call between host barriers, a thread per rank; the slowest rank's time (median).
+    /// One call between host barriers, a thread per rank (kept for all runs): each rank's call
+    /// is captured once into a graph of that one call; every run, after a spinning barrier,
+    /// each rank records an event, launches the graph and records another; the slowest rank's
+    /// time (median over runs). The host's own submission cost is outside the events but the
+    /// graph launch is inside (NCCL's reference puts its events inside the graph instead).
     fn single(&mut self, count: usize, runs: usize) -> Res<f64> {
         let n = self.comm.size();
-        let op = self.op;
-        let comm = self.comm;
-        let streams = self.streams;
-        let mut times = Vec::new();
-        for run in 0..=runs {
-            let barrier = SpinBarrier::new(n);
-            let per_rank: Vec<Res<f64>> = match &mut self.bufs {
-                Bufs::Symmetric(b) => {
-                    let parts = b.parts_mut();
-                    std::thread::scope(|sc| {
-                        let hs: Vec<_> = parts
-                            .into_iter()
-                            .map(|mut p| {
-                                let barrier = &barrier;
-                                sc.spawn(move || -> Res<f64> {
-                                    let r = p.rank();
-                                    let s = &streams[r];
-                                    let h = comm.rank(r)?;
-                                    let (a, z) = (
-                                        Event::new(s.device(), true)?,
-                                        Event::new(s.device(), true)?,
-                                    );
-                                    barrier.wait();
-                                    a.record(s)?;
-                                    h.all_reduce_in_place(p.slice_mut(..count)?, op, s)?;
-                                    z.record(s)?;
-                                    s.synchronize()?;
-                                    Ok(z.elapsed_since(&a)?.as_secs_f64())
-                                })
-                            })
-                            .collect();
-                        hs.into_iter()
-                            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
-                            .collect()
-                    })
+        let (op, comm, streams) = (self.op, self.comm, self.streams);
+        let barrier = SpinBarrier::new(n);
+        /// One rank's thread: capture `call` once, then time `runs + 1` launches (the first
+        /// warms up).
+        fn rank_thread(
+            s: &Stream,
+            barrier: &SpinBarrier,
+            runs: usize,
+            call: &mut dyn FnMut() -> Res<Choice>,
+        ) -> Res<Vec<f64>> {
+            let r = s.as_stream_ref();
+            r.begin_capture(cuda_multimem::CaptureMode::ThreadLocal)?;
+            let called = call();
+            let g = r.end_capture()?;
+            called?;
+            let exec = g.instantiate()?;
+            let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
+            let mut t = Vec::new();
+            for run in 0..=runs {
+                barrier.wait(run);
+                a.record(s)?;
+                exec.launch(r)?;
+                z.record(s)?;
+                s.synchronize()?;
+                if run > 0 {
+                    t.push(z.elapsed_since(&a)?.as_secs_f64());
                 }
-                Bufs::Local(v) => std::thread::scope(|sc| {
-                    let hs: Vec<_> = v
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(r, b)| {
-                            let barrier = &barrier;
-                            sc.spawn(move || -> Res<f64> {
-                                let s = &streams[r];
-                                let h = comm.rank(r)?;
-                                let (a, z) =
-                                    (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
-                                barrier.wait();
-                                a.record(s)?;
-                                let p = b.device_ptr();
-                                // SAFETY: this rank's own buffer, alive and exclusively
-                                // borrowed until the stream is synchronised below.
+            }
+            Ok(t)
+        }
+        let per_rank: Vec<Res<Vec<f64>>> = std::thread::scope(|sc| {
+            let barrier = &barrier;
+            let hs: Vec<_> = match &mut self.bufs {
+                Bufs::Symmetric(b) => b
+                    .parts_mut()
+                    .into_iter()
+                    .map(|mut p| {
+                        sc.spawn(move || {
+                            let r = p.rank();
+                            let h = comm.rank(r)?;
+                            rank_thread(&streams[r], barrier, runs, &mut || {
+                                Ok(h.all_reduce_in_place(p.slice_mut(..count)?, op, &streams[r])?)
+                            })
+                        })
+                    })
+                    .collect(),
+                Bufs::Local(v) => v
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(r, b)| {
+                        sc.spawn(move || {
+                            let h = comm.rank(r)?;
+                            let p = b.device_ptr();
+                            rank_thread(&streams[r], barrier, runs, &mut || {
+                                // SAFETY: this rank's own buffer, exclusively borrowed by this
+                                // thread until its stream is synchronised.
                                 let dst = unsafe {
                                     cuda_multimem_collectives::Dst::<T>::from_raw(p, count)
                                 };
-                                h.all_reduce_in_place(dst, op, s)?;
-                                z.record(s)?;
-                                s.synchronize()?;
-                                Ok(z.elapsed_since(&a)?.as_secs_f64())
+                                Ok(h.all_reduce_in_place(dst, op, &streams[r])?)
                             })
                         })
-                        .collect();
-                    hs.into_iter()
-                        .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
-                        .collect()
-                }),
+                    })
+                    .collect(),
             };
-            let mut worst = 0f64;
-            for t in per_rank {
-                worst = worst.max(t?);
-            }
-            if run > 0 {
-                times.push(worst); // run 0 warms up
-            }
-        }
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+                .collect()
+        });
+        let per_rank = per_rank.into_iter().collect::<Res<Vec<_>>>()?;
         comm.check()?;
+        let times = (0..runs)
+            .map(|i| per_rank.iter().map(|t| t[i]).fold(0f64, f64::max))
+            .collect();
         Ok(median(times))
     }
 }
@@ -421,10 +423,11 @@ impl SpinBarrier {
         }
     }
 
-    fn wait(&self) {
+    /// The barrier of round `round` (0, 1, ...; every thread passes the same rounds in order).
+    fn wait(&self, round: usize) {
         self.arrived.fetch_add(1, Ordering::AcqRel);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while self.arrived.load(Ordering::Acquire) < self.n {
+        while self.arrived.load(Ordering::Acquire) < self.n * (round + 1) {
             if std::time::Instant::now() > deadline {
                 break; // a rank died; its error is reported by its thread
             }

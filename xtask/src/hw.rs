@@ -267,10 +267,23 @@ fn machine_name(ranks: u32) -> String {
 /// the nccl-tests style table and write the charts beside the log (`hw-logs/charts/`).
 pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     let b = bundle_dir()?;
-    let bin = match what {
-        "memory" => "bench-memory",
-        "allreduce" => "bench-allreduce",
-        other => return Err(format!("unknown benchmark `{other}` (memory, allreduce)").into()),
+    // (binary, the collectives NCCL measures beside it, torch symm_mem too)
+    let (bin, nccl_colls, torch) = match what {
+        "memory" => ("bench-memory", None, false),
+        "allreduce" => ("bench-allreduce", Some("allreduce"), true),
+        "collectives" => (
+            "bench-collectives",
+            Some("reduce_scatter,all_gather,broadcast"),
+            false,
+        ),
+        "norm" => ("bench-norm", None, false),
+        "hier" => ("bench-hier", None, false),
+        other => {
+            return Err(format!(
+                "unknown benchmark `{other}` (memory, allreduce, collectives, norm, hier)"
+            )
+            .into())
+        }
     };
     let path = b.join("bin").join(bin);
     if !path.is_file() {
@@ -291,24 +304,28 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
         // configuration: NCCL one process per GPU, plain buffers and symmetric windows (the C
         // program of bench/native, built there), and torch's symmetric-memory allreduces;
         // NVLink multicast off for all of them.
-        let mut nccl = Command::new("bash");
-        nccl.arg(b.join("scripts/nccl_ref.sh"))
-            .args(["--timeout", "500", "--coll", what])
-            .args(reference_args(args))
-            .env("NCCL_NVLS_ENABLE", "0");
-        steps.push((
-            "reference: NCCL 1 process/GPU, plain + symmetric windows".into(),
-            nccl,
-            false,
-        ));
-        let mut torch = Command::new(&python);
-        torch
-            .arg(b.join("scripts/torch_symm_mem.py"))
-            .args(reference_args(args))
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-            .env("PYTHONUNBUFFERED", "1");
-        steps.push(("reference: torch symm_mem".into(), torch, false));
+        if let Some(colls) = nccl_colls {
+            let mut nccl = Command::new("bash");
+            nccl.arg(b.join("scripts/nccl_ref.sh"))
+                .args(["--timeout", "500", "--coll", colls])
+                .args(reference_args(args))
+                .env("NCCL_NVLS_ENABLE", "0");
+            steps.push((
+                "reference: NCCL 1 process/GPU, plain + symmetric windows".into(),
+                nccl,
+                false,
+            ));
+        }
+        if torch {
+            let mut torch = Command::new(&python);
+            torch
+                .arg(b.join("scripts/torch_symm_mem.py"))
+                .args(reference_args(args))
+                .env("NCCL_NVLS_ENABLE", "0")
+                .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+                .env("PYTHONUNBUFFERED", "1");
+            steps.push(("reference: torch symm_mem".into(), torch, false));
+        }
     }
     let progress = Progress::new(steps.len());
     let mut output = String::new();

@@ -2,6 +2,7 @@
 //! the concepts: loader, device, vmm, managed, multicast, endpoint, team, allreduce, multimem.
 
 mod allreduce;
+mod cudarc_ops;
 mod device;
 mod endpoint;
 mod gather;

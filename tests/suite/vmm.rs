@@ -1371,10 +1371,10 @@ SPIN:
 /// Hardware probe (prints `PROBE unmap_during_kernel device=<d> blocked_ms=<t>`): how long
 /// `cuMemUnmap` of a mapping of device `d`'s memory (access for `d` only) blocks while a kernel
 /// spins for 300 ms on device 0, for d = 1 (unrelated to the kernel) and d = 0 (the kernel's
-/// device). The driver documents no synchronisation for `cuMemUnmap`, so the unmap on device 1
-/// must not wait for device 0's kernel — what the test asserts. For device 0 nothing is
-/// documented: the line is printed, not asserted (the simulator waits there, because its device
-/// memory is host memory that a running kernel may touch).
+/// device). The driver documents no synchronisation for `cuMemUnmap`, and on 2 x H200 (driver
+/// 13.0, 2026-11-30) neither unmap waited: 1.0 ms for device 1, 0.1 ms for device 0. Both are
+/// asserted not to wait (< 150 ms). The simulator returns at once too and frees the host pages
+/// once the work queued on the devices granted access has finished.
 #[test]
 fn unmapping_memory_of_another_device_does_not_wait_for_a_running_kernel() {
     let e = env();
@@ -1409,11 +1409,12 @@ fn unmapping_memory_of_another_device_does_not_wait_for_a_running_kernel() {
         println!("PROBE unmap_during_kernel device={dev} blocked_ms={ms:.1}");
         blocked.push((dev, ms));
     }
-    let (_, other) = blocked[0];
-    assert!(
-        other < 150.0,
-        "unmapping device 1's memory waited {other:.1} ms for device 0's 300 ms kernel"
-    );
+    for (dev, ms) in blocked {
+        assert!(
+            ms < 150.0,
+            "unmapping device {dev}'s memory waited {ms:.1} ms for device 0's 300 ms kernel"
+        );
+    }
 }
 
 /// A team of threads in one process: rank 1 imports rank 0's allocation while rank 0's kernel

@@ -1509,7 +1509,10 @@ fn register_hold_kernel() {
         // SAFETY: checked above; the simulator keeps memory that was mapped when a kernel
         // checked it mapped on the host until that kernel has finished (what the tests check).
         let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        match bytes.iter().position(|b| byte != u64::MAX && *b as u64 != byte) {
+        match bytes
+            .iter()
+            .position(|b| byte != u64::MAX && *b as u64 != byte)
+        {
             None => Ok(()),
             Some(i) => Err(cuda_multimem_sim::KernelError::Failed(format!(
                 "byte {i} is {}, expected {byte}",

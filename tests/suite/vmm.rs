@@ -1543,7 +1543,8 @@ fn launch_hold(
 /// from then on a copy from the range fails (`CUDA_ERROR_INVALID_VALUE`) and a kernel launched
 /// on it faults (`CUDA_ERROR_ILLEGAL_ADDRESS`), while the kernel already running keeps reading
 /// the old bytes (on a GPU that is a use after unmap, undefined; the simulator is lenient); the
-/// pages are pending until that kernel has finished, and given back then.
+/// host pages are pending until that kernel has finished, and given back then; the mapping is
+/// no live resource from the unmap on, nor the allocation once released.
 #[test]
 fn unmapped_memory_is_refused_to_new_work_at_once_and_freed_after_the_kernel_already_using_it() {
     let e = sim(SimConfig::new(2, 13030));
@@ -1574,7 +1575,13 @@ fn unmapped_memory_is_refused_to_new_work_at_once_and_freed_after_the_kernel_alr
     m.unmap().unwrap();
     let ms = t.elapsed().as_secs_f64() * 1e3;
     assert!(ms < 150.0, "the unmap waited {ms:.1} ms for the kernel");
-    assert_eq!(s.live_resources().get("vmm unmaps pending"), Some(&1));
+    assert_eq!(s.pending_unmaps(), 1);
+    drop(a);
+    assert!(
+        s.live_resources().keys().all(|k| !k.starts_with("vmm")),
+        "{:?}",
+        s.live_resources()
+    );
     let copy = dtoh(d, &mut [0u8; 16], ptr);
     assert_eq!(
         copy.as_ref().map_err(Error::code),
@@ -1593,13 +1600,7 @@ fn unmapped_memory_is_refused_to_new_work_at_once_and_freed_after_the_kernel_alr
     );
     s0.synchronize()
         .expect("the kernel that was running reads the old bytes to its end");
-    assert_eq!(s.live_resources().get("vmm unmaps pending"), None);
-    drop(a);
-    assert!(
-        s.live_resources().keys().all(|k| !k.starts_with("vmm")),
-        "{:?}",
-        s.live_resources()
-    );
+    assert_eq!(s.pending_unmaps(), 0);
 }
 
 /// Simulator: a reservation freed while memory unmapped from it is still pending (a kernel of a
@@ -1683,7 +1684,7 @@ fn mapping_again_where_memory_is_pending_does_not_wait_and_survives_the_deferred
     let data = random(2 * MIB, 12);
     m.write(0, &data).unwrap();
     s0.synchronize().unwrap();
-    assert_eq!(s.live_resources().get("vmm unmaps pending"), None);
+    assert_eq!(s.pending_unmaps(), 0);
     let mut back = vec![0u8; 2 * MIB];
     m.read(0, &mut back).unwrap();
     assert!(back == data, "the deferred free changed the new mapping");

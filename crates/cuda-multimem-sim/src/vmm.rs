@@ -92,11 +92,13 @@ struct Reservation {
 /// before the unmap was queued before it, so it is inside some epoch: a kernel already running
 /// keeps reading the old pages. On a GPU that kernel's accesses after the unmap are undefined
 /// behaviour; the simulator stays lenient there.
+///
+/// For the driver's API the mapping is gone at once: its allocation reference is dropped (so the
+/// allocation, once released, is freed and its device memory counted free), and it is no live
+/// resource; the host mapping keeps the memfd's pages alive until it is replaced.
 struct Retired {
     start: usize,
     size: usize,
-    /// The allocations whose pages it maps, one reference each (the mappings' references).
-    allocs: Vec<u64>,
     /// Streams whose epoch has not passed yet, plus one for the unmap until it has registered
     /// with all of them.
     waiting: usize,
@@ -420,11 +422,10 @@ impl Tables {
         }
     }
 
-    /// Free a retired range: put the inaccessible reservation back over it — except where a
-    /// newer mapping, or another retired range still in use, covers it — and drop its
-    /// allocations' references; give the addresses of a freed reservation back once nothing
-    /// retired is left in it.
-    fn free_retired(&mut self, st: &State, r: Retired) {
+    /// Free a retired range: put the inaccessible reservation back over it (which lets its
+    /// pages go) — except where a newer mapping, or another retired range still in use, covers
+    /// it; give the addresses of a freed reservation back once nothing retired is left in it.
+    fn free_retired(&mut self, r: Retired) {
         let end = r.start + r.size;
         let mut covered: Vec<(usize, usize)> = self
             .retired
@@ -455,10 +456,6 @@ impl Tables {
         if at < end {
             let _ = reserve_fixed(at, end - at);
         }
-        for a in r.allocs {
-            self.unref(st, a);
-        }
-        st.live_add("vmm unmaps pending", -1);
         let drained: Vec<usize> = self
             .draining
             .iter()
@@ -838,19 +835,17 @@ sim_api! {
             let mut t = vmm.t.lock();
             let (rs, starts) = t.tiling(ptr as usize, size)?;
             let mut devs = std::collections::BTreeSet::new();
-            let mut allocs = Vec::new();
             for s in starts {
                 let m = t.reservations.get_mut(&rs).expect("found").mappings.remove(&s).expect("tiled");
                 devs.extend(m.access.iter().filter(|(k, f)| k.0 == LOC_DEVICE && **f != PROT_NONE).map(|(k, _)| k.1));
                 // From here on, work that checks the range fails (epochs are taken after this).
                 st.ext::<Memory>().remove(s);
                 st.live_add("vmm mappings", -1);
-                allocs.push(m.alloc);
+                t.unref(st, m.alloc);
             }
             t.next_retired += 1;
             let id = t.next_retired;
-            t.retired.insert(id, Retired { start: ptr as usize, size, allocs, waiting: 1 });
-            st.live_add("vmm unmaps pending", 1);
+            t.retired.insert(id, Retired { start: ptr as usize, size, waiting: 1 });
             (id, devs)
         };
         for dev in reaching {
@@ -1071,7 +1066,17 @@ fn epoch_passed(st: &State, id: u64) {
     r.waiting -= 1;
     if r.waiting == 0 {
         let r = t.retired.remove(&id).expect("present");
-        t.free_retired(st, r);
+        t.free_retired(r);
+    }
+}
+
+impl crate::Simulator {
+    /// Unmapped ranges whose host pages still wait for work queued before the unmap on the
+    /// devices granted access to them (`cuMemUnmap` does not wait; see docs/architecture.md).
+    /// They are no live resources — for the driver's API the mapping is gone — but their
+    /// addresses stay taken until that work has finished.
+    pub fn pending_unmaps(&self) -> usize {
+        self.session.state.ext::<Vmm>().t.lock().retired.len()
     }
 }
 
@@ -1083,7 +1088,7 @@ pub(crate) fn teardown(st: &State) {
     let waiting: Vec<u64> = t.retired.keys().copied().collect();
     for id in waiting {
         let r = t.retired.remove(&id).expect("listed");
-        t.free_retired(st, r);
+        t.free_retired(r);
     }
     for (s, r) in std::mem::take(&mut t.reservations) {
         if !r.in_arena {

@@ -17,6 +17,10 @@ use crate::state::{is_kind, new_handle, out, Kind, SimResult, State};
 /// Work queued on a stream. `Fn`, not `FnOnce`: a captured graph replays it.
 pub(crate) type Op = Arc<dyn Fn() -> SimResult + Send + Sync>;
 
+/// Host work to run once a stream has finished the operations queued before it was asked for
+/// (see [`Stream::after_queued`]).
+pub(crate) type Callback = Box<dyn FnOnce() + Send>;
+
 pub(crate) struct Stream {
     pub device: i32,
     /// The device's legacy default stream (handles 0, 1 and 2).
@@ -46,6 +50,19 @@ struct Queue {
     /// Streams that joined this stream's capture (forks), with how many operations each has
     /// put into it and up to which of them the capture has waited on it again (joined back).
     forks: Vec<Fork>,
+    /// Callbacks waiting for `completed` to reach their epoch (a value of `submitted`).
+    callbacks: Vec<(u64, Callback)>,
+}
+
+impl Queue {
+    /// The callbacks whose epoch is `completed` or earlier.
+    fn take_due(&mut self, completed: u64) -> Vec<Callback> {
+        let (due, waiting) = std::mem::take(&mut self.callbacks)
+            .into_iter()
+            .partition(|(epoch, _)| *epoch <= completed);
+        self.callbacks = waiting;
+        due.into_iter().map(|(_, f)| f).collect()
+    }
 }
 
 /// A stream forked into a capture: the graph is kept as one list in program order, so a fork's
@@ -104,12 +121,43 @@ impl Stream {
             }
             let mut q = self.q.lock();
             q.ops.pop_front();
-            q.completed += 1;
             if let Err(e) = r {
                 q.error.get_or_insert(e);
             }
+            // Callbacks whose epoch this operation completes run before anybody can see it
+            // complete (a synchronise that returns has seen them run), and without the lock.
+            loop {
+                let next = q.completed + 1;
+                let due = q.take_due(next);
+                if due.is_empty() {
+                    break;
+                }
+                drop(q);
+                for f in due {
+                    // A panicking callback must not take the stream's worker down with it.
+                    let _ = catch_unwind(AssertUnwindSafe(f));
+                }
+                q = self.q.lock();
+            }
+            q.completed += 1;
             self.cv.notify_all();
         }
+    }
+
+    /// Run `f` once every operation queued on this stream so far has completed: at once, on
+    /// the calling thread, when none is outstanding; otherwise on the worker, right after the
+    /// last of them has run and before the stream reports it complete (so a synchronise that
+    /// returns has seen `f` run). A stream that shuts down first drops `f` unrun: the session's
+    /// teardown then does what `f` would have done.
+    pub fn after_queued(&self, f: Callback) {
+        let mut q = self.q.lock();
+        if q.completed >= q.submitted {
+            drop(q);
+            f();
+            return;
+        }
+        let epoch = q.submitted;
+        q.callbacks.push((epoch, f));
     }
 
     /// Queue `op`, or record it if the stream is capturing (or joined a capture).
@@ -199,12 +247,15 @@ impl Stream {
     }
 
     fn shutdown(&self) {
-        {
+        let unrun = {
             let mut q = self.q.lock();
             q.shutdown = true;
             q.ops.clear();
             self.cv.notify_all();
-        }
+            std::mem::take(&mut q.callbacks)
+        };
+        // Dropped outside the lock: a callback may hold the last reference to anything.
+        drop(unrun);
         if let Some(h) = self.thread.lock().take() {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
@@ -325,16 +376,21 @@ pub(crate) fn synchronize_legacy(st: &State, dev: i32) -> SimResult {
 
 /// Wait for every stream of device `dev`.
 pub(crate) fn synchronize_device(st: &State, dev: i32) -> SimResult {
+    synchronize_all(device_streams(st, dev))
+}
+
+/// Every stream of device `dev` (its legacy default stream too, once it exists).
+pub(crate) fn device_streams(st: &State, dev: i32) -> Vec<Arc<Stream>> {
     let s = st.ext::<Streams>();
-    let all: Vec<_> = s
+    let mut all: Vec<_> = s
         .by_handle
         .lock()
         .values()
-        .chain(s.default.lock().values())
         .filter(|x| x.device == dev)
         .cloned()
         .collect();
-    synchronize_all(all)
+    all.extend(s.default.lock().get(&dev).cloned());
+    all
 }
 
 /// Synchronise every stream of `streams`; the first error, after waiting for all.

@@ -5,7 +5,9 @@
 //! mapping; `cuMemMap` maps the memfd over part of it (`MAP_FIXED | MAP_SHARED`), so two mappings
 //! of one allocation — in one process or in two — see the same bytes. A mapping starts with no
 //! access; `cuMemSetAccess` makes it readable (and writable) for the simulated devices and the
-//! host. `cuMemUnmap` puts the `PROT_NONE` reservation back.
+//! host. `cuMemUnmap` takes the range out of the memory map at once and puts the `PROT_NONE`
+//! reservation back once the work queued before it on the devices granted access has finished
+//! (see [`Retired`]).
 //!
 //! The memory of an allocation is given back when its last handle reference is released and its
 //! last mapping unmapped (`cuMemRelease`'s rule); then the device's memory, as `cuMemGetInfo`
@@ -79,6 +81,29 @@ struct Reservation {
     mappings: BTreeMap<usize, Mapping>,
 }
 
+/// An unmapped range whose host pages stay mapped until the work that could still use them has
+/// finished. `cuMemUnmap` does not wait (the real driver does not: measured on 2 x H200), but a
+/// simulated device's memory is host memory, and putting `PROT_NONE` back under a kernel that
+/// reads it would crash the process instead of faulting a device. So the unmap takes the range
+/// out of the memory map at once — work that checks it from then on (a launch, a copy, a kernel's
+/// range check) fails as with an illegal address — and records, on every stream of the devices
+/// granted access to it, the operations queued so far (its epoch); when each stream has
+/// completed them (its worker runs the callback), the pages go. Work that checked the range
+/// before the unmap was queued before it, so it is inside some epoch: a kernel already running
+/// keeps reading the old pages. On a GPU that kernel's accesses after the unmap are undefined
+/// behaviour; the simulator stays lenient there.
+///
+/// For the driver's API the mapping is gone at once: its allocation reference is dropped (so the
+/// allocation, once released, is freed and its device memory counted free), and it is no live
+/// resource; the host mapping keeps the memfd's pages alive until it is replaced.
+struct Retired {
+    start: usize,
+    size: usize,
+    /// Streams whose epoch has not passed yet, plus one for the unmap until it has registered
+    /// with all of them.
+    waiting: usize,
+}
+
 #[derive(Default)]
 struct Tables {
     next_alloc: u64,
@@ -88,6 +113,12 @@ struct Tables {
     /// start -> reservation
     reservations: BTreeMap<usize, Reservation>,
     arena: Option<Arena>,
+    next_retired: u64,
+    /// Unmapped ranges still mapped on the host, by id.
+    retired: HashMap<u64, Retired>,
+    /// start -> a reservation freed (`cuMemAddressFree`) while retired ranges inside it were
+    /// still mapped: its addresses are given back when the last of them goes.
+    draining: BTreeMap<usize, Reservation>,
 }
 
 /// The VMM area's state.
@@ -371,6 +402,72 @@ fn reserve(
 }
 
 impl Tables {
+    /// Whether a retired range overlaps `[start, end)`.
+    fn retired_overlaps(&self, start: usize, end: usize) -> bool {
+        self.retired
+            .values()
+            .any(|r| r.start < end && start < r.start + r.size)
+    }
+
+    /// Give a reservation's addresses back (to the arena, or to the system).
+    fn give_back(&mut self, start: usize, r: &Reservation) {
+        if r.in_arena {
+            self.arena
+                .as_mut()
+                .expect("arena reservations need the arena")
+                .used
+                .remove(&start);
+        } else {
+            munmap(start, r.size);
+        }
+    }
+
+    /// Free a retired range: put the inaccessible reservation back over it (which lets its
+    /// pages go) — except where a newer mapping, or another retired range still in use, covers
+    /// it; give the addresses of a freed reservation back once nothing retired is left in it.
+    fn free_retired(&mut self, r: Retired) {
+        let end = r.start + r.size;
+        let mut covered: Vec<(usize, usize)> = self
+            .retired
+            .values()
+            .filter(|x| x.start < end && r.start < x.start + x.size)
+            .map(|x| (x.start, x.start + x.size))
+            .collect();
+        if let Some((rs, res)) = self.reservations.range(..=r.start).next_back() {
+            if r.start < rs + res.size {
+                covered.extend(
+                    res.mappings
+                        .range(..end)
+                        .filter(|(s, m)| *s + m.size > r.start)
+                        .map(|(s, m)| (*s, s + m.size)),
+                );
+            }
+        }
+        covered.sort_unstable();
+        let mut at = r.start;
+        for (s, e) in covered {
+            if s > at {
+                // Best effort: nothing waits for this any more, and failing to replace our own
+                // mapping leaves it readable, not unsafe.
+                let _ = reserve_fixed(at, s.min(end) - at);
+            }
+            at = at.max(e);
+        }
+        if at < end {
+            let _ = reserve_fixed(at, end - at);
+        }
+        let drained: Vec<usize> = self
+            .draining
+            .iter()
+            .filter(|(s, d)| !self.retired_overlaps(**s, **s + d.size))
+            .map(|(s, _)| *s)
+            .collect();
+        for s in drained {
+            let d = self.draining.remove(&s).expect("listed");
+            self.give_back(s, &d);
+        }
+    }
+
     /// Drop one reference of allocation `id`; frees it at zero.
     fn unref(&mut self, st: &State, id: u64) {
         let Some(a) = self.allocs.get_mut(&id) else {
@@ -671,10 +768,12 @@ sim_api! {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let r = t.reservations.remove(&(ptr as usize)).expect("checked");
-        if r.in_arena {
-            t.arena.as_mut().expect("arena reservations need the arena").used.remove(&(ptr as usize));
+        if t.retired_overlaps(ptr as usize, ptr as usize + size) {
+            // Unmapped memory in it is still mapped on the host for work queued before the
+            // unmap: its addresses stay taken until that work has finished.
+            t.draining.insert(ptr as usize, r);
         } else {
-            munmap(ptr as usize, size);
+            t.give_back(ptr as usize, &r);
         }
         st.live_add("vmm reservations", -1);
         Ok(())
@@ -724,41 +823,40 @@ sim_api! {
         if let Some(r) = crate::multicast::mem_unmap(st, ptr as usize, size) {
             return r;
         }
-        // `cuMemUnmap` documents no synchronisation, and unmapping memory that work of an
-        // unrelated device never touches must not wait for that work (one thread per rank would
-        // stall on another rank's kernel). The simulator waits only for the devices that can
-        // reach the range through this mapping — the devices granted access to it — because
-        // simulated device memory is host memory: unmapping it under a running kernel would
-        // crash the process instead of faulting a device. The device whose memory it is is not
-        // one of them unless it was granted access here: its kernels reach the allocation
-        // through their own mappings, which this unmap leaves in place (an importer's size
-        // check, or a peer thread's mapping of it, must not wait for the owner's kernel, which
-        // may be waiting for that very thread). It waits before taking the VMM lock (a queued
-        // operation may need it); a failed operation's status stays with its stream and does
-        // not stop the unmap.
+        // `cuMemUnmap` documents no synchronisation, and the real driver waits for no device
+        // (measured on 2 x H200, driver 13.0: 0.1 ms under a running kernel of the mapping's own
+        // device, 1.0 ms under another device's). So the unmap returns at once: the range leaves
+        // the memory map now, and its host pages go once the work queued so far on the devices
+        // granted access to it has finished (see `Retired`). The device whose memory it is is
+        // not one of them unless it was granted access here: its kernels reach the allocation
+        // through their own mappings, which this unmap leaves in place.
         let vmm = st.ext::<Vmm>();
-        let reaching: std::collections::BTreeSet<i32> = {
+        let (id, reaching) = {
             let mut t = vmm.t.lock();
             let (rs, starts) = t.tiling(ptr as usize, size)?;
             let mut devs = std::collections::BTreeSet::new();
-            for s in &starts {
-                let m = &t.reservations[&rs].mappings[s];
+            for s in starts {
+                let m = t.reservations.get_mut(&rs).expect("found").mappings.remove(&s).expect("tiled");
                 devs.extend(m.access.iter().filter(|(k, f)| k.0 == LOC_DEVICE && **f != PROT_NONE).map(|(k, _)| k.1));
+                // From here on, work that checks the range fails (epochs are taken after this).
+                st.ext::<Memory>().remove(s);
+                st.live_add("vmm mappings", -1);
+                t.unref(st, m.alloc);
             }
-            devs
+            t.next_retired += 1;
+            let id = t.next_retired;
+            t.retired.insert(id, Retired { start: ptr as usize, size, waiting: 1 });
+            (id, devs)
         };
         for dev in reaching {
-            let _ = crate::stream::synchronize_device(st, dev);
+            for s in crate::stream::device_streams(st, dev) {
+                vmm.t.lock().retired.get_mut(&id).expect("held by this unmap").waiting += 1;
+                let st2 = st.clone();
+                s.after_queued(Box::new(move || epoch_passed(&st2, id)));
+            }
         }
-        let mut t = vmm.t.lock();
-        let (rs, starts) = t.tiling(ptr as usize, size)?;
-        reserve_fixed(ptr as usize, size)?;
-        for s in starts {
-            let m = t.reservations.get_mut(&rs).expect("found").mappings.remove(&s).expect("tiled");
-            st.ext::<Memory>().remove(s);
-            st.live_add("vmm mappings", -1);
-            t.unref(st, m.alloc);
-        }
+        // The unmap's own share: with no queued work left anywhere, the pages go now.
+        epoch_passed(st, id);
         Ok(())
     }
     cuMemSetAccess @ 10020 as PFN_cuMemSetAccess_v10020 => fn mem_set_access(st, ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) {
@@ -957,10 +1055,41 @@ pub(crate) fn free_in_reservation(st: &State, ptr: usize, size: usize) -> bool {
             .is_none_or(|(s, m)| s + m.size <= ptr)
 }
 
-/// End of a session: unmap and free everything still there.
+/// A stream that retired range `id` waited for has passed its epoch (or the unmap has
+/// registered with all of them): free the range when it was the last.
+fn epoch_passed(st: &State, id: u64) {
+    let vmm = st.ext::<Vmm>();
+    let mut t = vmm.t.lock();
+    let Some(r) = t.retired.get_mut(&id) else {
+        return;
+    };
+    r.waiting -= 1;
+    if r.waiting == 0 {
+        let r = t.retired.remove(&id).expect("present");
+        t.free_retired(r);
+    }
+}
+
+impl crate::Simulator {
+    /// Unmapped ranges whose host pages still wait for work queued before the unmap on the
+    /// devices granted access to them (`cuMemUnmap` does not wait; see docs/architecture.md).
+    /// They are no live resources — for the driver's API the mapping is gone — but their
+    /// addresses stay taken until that work has finished.
+    pub fn pending_unmaps(&self) -> usize {
+        self.session.state.ext::<Vmm>().t.lock().retired.len()
+    }
+}
+
+/// End of a session (after the streams' workers have stopped): free the unmapped ranges that
+/// still waited for them, then unmap and free everything still there.
 pub(crate) fn teardown(st: &State) {
     let vmm = st.ext::<Vmm>();
     let mut t = vmm.t.lock();
+    let waiting: Vec<u64> = t.retired.keys().copied().collect();
+    for id in waiting {
+        let r = t.retired.remove(&id).expect("listed");
+        t.free_retired(r);
+    }
     for (s, r) in std::mem::take(&mut t.reservations) {
         if !r.in_arena {
             munmap(s, r.size);

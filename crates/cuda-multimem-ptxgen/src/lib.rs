@@ -937,8 +937,8 @@ $L_pk_loop:
 }
 
 /// The push kernel's prologue copy, round j's slice, run by the threads of warps 1.. of block b
-/// inside barrier `label` of round j (while warp 0 signals and waits): `[p_copy_src,
-/// + p_copy_bytes)` to `p_copy_dst` in 16-byte vectors (the host passes 16-byte aligned
+/// inside barrier `label` of round j (while warp 0 signals and waits): the `p_copy_bytes`
+/// bytes at `p_copy_src` to `p_copy_dst` in 16-byte vectors (the host passes 16-byte aligned
 /// addresses and a multiple of 16 bytes; 0 bytes: nothing). Block b owns units
 /// `[b * per, (b + 1) * per)`, per = ceil(units / G) rounded up to 8; slice j of its range is
 /// `[j * S, (j + 1) * S)`, S = ceil(per / R) rounded up to 8 (R = rounds, in %r20; j in %r37).

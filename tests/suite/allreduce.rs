@@ -458,6 +458,163 @@ fn calls_on_the_callers_own_memory_go_through_a_small_scratch_in_several_chunks(
     );
 }
 
+/// Driver calls of `symbol` so far (the simulator's counter; `None` on the real driver).
+fn sim_calls(e: &Env, symbol: &str) -> Option<u64> {
+    e.sim.as_ref().map(|s| s.calls(symbol))
+}
+
+/// Staged calls of `T` on the caller's memory through 32 KiB chunks, each checked against the
+/// reference; on the simulator also the kernels (one per chunk and rank) and the device-to-device
+/// copies per rank: `copies` of them, whatever the chunk count — each chunk's copy out of the
+/// scratch goes with the next chunk's kernel.
+fn folded_copies<T: Element + Default>(e: &Env, comm: &Communicator, s: &[Stream], seed: &mut u64) {
+    let n = comm.size() as u64;
+    let es = std::mem::size_of::<T>();
+    let whole = (32 << 10) / es;
+    // (count, chunks, copies per rank): whole chunks (the last copy out only); a last chunk with
+    // a scalar tail (copied into the input region first, its kernel still takes the copy out of
+    // the chunk before); a last chunk one-shot serves (the copy out of the chunk before goes as
+    // a plain copy before it, and nothing is left after it)
+    let cases = [
+        (4 * whole, 4, 1),
+        (3 * whole + (20 << 10) / es + 1, 4, 2),
+        (5 * whole + 100, 6, 1),
+    ];
+    for op in ReduceOp::ALL {
+        for in_place in [false, true] {
+            for (count, chunks, copies) in cases {
+                let before = (
+                    launches(e),
+                    sim_calls(e, "cuMemcpyDtoDAsync"),
+                    sim_calls(e, "cuMemcpyBatchAsync"),
+                );
+                let c = check_own::<T>(comm, s, seed, count, op, in_place, false);
+                let what = format!("{count} x {} {op} in place {in_place}: {c}", T::DTYPE);
+                assert_eq!(c.staged_chunks, chunks, "{what}");
+                if let (Some(l), Some(d), Some(b)) = before {
+                    assert_eq!(launches(e).unwrap() - l, n * chunks as u64, "{what}");
+                    assert_eq!(
+                        sim_calls(e, "cuMemcpyDtoDAsync").unwrap() - d,
+                        n * copies,
+                        "{what}: device-to-device copies"
+                    );
+                    assert_eq!(sim_calls(e, "cuMemcpyBatchAsync"), Some(b), "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn staged_calls_copy_each_chunk_out_in_the_next_chunks_kernel_and_only_the_last_one_apart() {
+    let e = ar_env();
+    // three grids: the default one, 3 blocks (not a power of two) and 1; 4 KiB staging slots,
+    // so a chunk's kernel runs several rounds and the copy out comes in several slices
+    for max_blocks in [0u32, 3, 1] {
+        let Some(comm) = team_with(
+            &e,
+            "folded_copies",
+            CommConfig {
+                one_shot_max_bytes: Some(4 << 10),
+                ll_max_bytes: 1 << 10,
+                stage_bytes: Some(4 << 10),
+                // three regions of 32 KiB: an input region, two output regions
+                scratch_bytes: 96 << 10,
+                max_blocks,
+                ..Default::default()
+            },
+        ) else {
+            return;
+        };
+        let s = streams(&comm);
+        let mut seed = 36 + max_blocks as u64;
+        for dtype in DType::ALL {
+            for_dtype!(dtype, folded_copies(&e, &comm, &s, &mut seed));
+        }
+    }
+}
+
+/// A write-only two-shot call on symmetric buffers (no prologue copy): the reference in the
+/// output, every other byte of both buffers as it was, no copy beside the kernels.
+fn push_alone<T: Element + Default>(e: &Env, comm: &Communicator, s: &[Stream], seed: &mut u64) {
+    let n = comm.size();
+    let count = 40_000;
+    let guard = 64;
+    let total = count + 2 * guard;
+    let inp = comm.alloc::<T>(total).unwrap();
+    let mut out = comm.alloc::<T>(total).unwrap();
+    let fill: Vec<Vec<T>> = (0..n).map(|_| random_input(total, seed)).collect();
+    let filled: Vec<Vec<T>> = (0..n).map(|_| random_input(total, seed)).collect();
+    for r in 0..n {
+        inp.write(r, 0, &fill[r]).unwrap();
+        out.write(r, 0, &filled[r]).unwrap();
+    }
+    let before = (launches(e), sim_calls(e, "cuMemcpyDtoDAsync"));
+    for (r, st) in s.iter().enumerate() {
+        let c = comm
+            .rank(r)
+            .unwrap()
+            .all_reduce(
+                inp.slice(guard..guard + count).unwrap(),
+                out.slice_mut(guard..guard + count).unwrap(),
+                ReduceOp::Sum,
+                st,
+            )
+            .unwrap();
+        assert_eq!(c.algorithm, Algorithm::TwoShotPush, "{c}");
+    }
+    sync(s);
+    comm.check().unwrap();
+    if let (Some(l), Some(d)) = before {
+        assert_eq!(launches(e).unwrap() - l, n as u64);
+        assert_eq!(sim_calls(e, "cuMemcpyDtoDAsync"), Some(d));
+    }
+    let inputs: Vec<Vec<T>> = fill
+        .iter()
+        .map(|x| x[guard..guard + count].to_vec())
+        .collect();
+    let want = reference(ReduceOp::Sum, &refs(&inputs));
+    for r in 0..n {
+        let mut got = vec![T::default(); total];
+        out.read(r, 0, &mut got).unwrap();
+        assert_eq!(
+            first_mismatch(&got[guard..guard + count], &want),
+            None,
+            "rank {r}"
+        );
+        assert_eq!(
+            first_mismatch(&got[..guard], &filled[r][..guard]),
+            None,
+            "rank {r}"
+        );
+        assert_eq!(
+            first_mismatch(&got[guard + count..], &filled[r][guard + count..]),
+            None,
+            "rank {r}"
+        );
+        let mut got = vec![T::default(); total];
+        inp.read(r, 0, &mut got).unwrap();
+        assert_eq!(
+            first_mismatch(&got, &fill[r]),
+            None,
+            "rank {r}: the input changed"
+        );
+    }
+}
+
+#[test]
+fn a_write_only_two_shot_call_without_a_prologue_copy_writes_only_its_output() {
+    let e = ar_env();
+    let Some(comm) = small_stage_team(&e, 0) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 37;
+    for dtype in DType::ALL {
+        for_dtype!(dtype, push_alone(&e, &comm, &s, &mut seed));
+    }
+}
+
 fn misaligned_input<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &mut u64) {
     for op in ReduceOp::ALL {
         // below the one-shot limit (run directly) and above it (staged), counts not a

@@ -13,9 +13,9 @@ use crate::kernels::{ERR_MISMATCH, MAX_RANKS};
 use crate::memory::{Sym, SymBuf, SymmetricBuffer};
 use crate::mm::{multimem_pays_off, multimem_supports, Mm};
 use crate::operand::{Dst, Operand, Place, Src};
-use crate::p2p::{self, P2p};
+use crate::p2p::{self, P2p, PrologueCopy};
 use crate::ranks::{Local, Ranks};
-use crate::types::{Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
+use crate::types::{Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
 
 static NEXT_COMM: AtomicU64 = AtomicU64::new(1);
 
@@ -113,7 +113,6 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         gather: crate::gather::load_kernels(device)?,
         last_stream: Mutex::new(None),
         calls: AtomicU64::new(0),
-        side: Mutex::new(crate::ranks::Side::new(device)?),
         norm: crate::norm::load_kernels(device)?,
     })
 }
@@ -859,9 +858,11 @@ impl<'a> RankHandle<'a> {
 
     /// The caller's own memory above what one-shot serves: in chunks through the scratch. The
     /// scratch has three regions: an input region (where the kernel cannot read the input in
-    /// place) and two output regions used in turn; each chunk's result is copied out on a
-    /// second stream while the next chunk's kernel runs (fork/join through events, so graph
-    /// capture takes it as it is), and the caller's stream waits for the last copies.
+    /// place) and two output regions used in turn. Each chunk's result is copied out of its
+    /// region by the next chunk's kernel (the write-only two-shot's prologue copy, beside its
+    /// link traffic), or where that kernel cannot take it (another algorithm, an output not
+    /// 16-byte aligned) by a plain copy before it; the last chunk's by a plain copy after the
+    /// last kernel. Everything on the caller's stream (graph capture takes it as it is).
     fn staged(
         &self,
         dtype: DType,
@@ -892,8 +893,18 @@ impl<'a> RankHandle<'a> {
             },
             bytes: len,
         };
-        let side = l.side.lock();
-        let mut used = [false; 2];
+        // A plain copy on the caller's stream.
+        let copy = |cp: PrologueCopy| {
+            // SAFETY: a chunk's result in an output region of this rank's scratch (complete:
+            // the chunk's kernel, before this on the stream, passed its final barrier, after
+            // every peer finished pushing into it) into the chunk of the output (checked by
+            // `run`), both of this rank's device; peers write that region again only in the
+            // chunk after next, whose first barrier needs this rank's next kernel, queued after
+            // this copy.
+            unsafe { stream.copy_dtod_async(cp.dst, cp.src, cp.bytes) }
+        };
+        // The copy out of the previous chunk's output region, not done yet.
+        let mut pending: Option<PrologueCopy> = None;
         let chunks = bytes.div_ceil(region);
         let mut first = None;
         for k in 0..chunks {
@@ -903,6 +914,9 @@ impl<'a> RankHandle<'a> {
             let o = output.sub(at, len);
             if let Some(a) = inner.p2p.direct(n, c, &i, &o, len)? {
                 // This chunk needs no scratch (e.g. a last chunk one-shot serves).
+                if let Some(cp) = pending.take() {
+                    copy(cp)?;
+                }
                 let ch = inner.p2p.launch(n, c, l, a, dtype, op, &i, &o, stream)?;
                 first.get_or_insert(ch);
                 continue;
@@ -914,10 +928,6 @@ impl<'a> RankHandle<'a> {
             } else {
                 region_of(1 + slot, len)
             };
-            if !o.is_sym() && used[slot] {
-                // The copy out of this region two chunks ago must be done before peers write it.
-                stream.wait(&side.copied[slot])?;
-            }
             let (i_run, alg) = match inner.p2p.direct(n, c, &i, &o_run, len)? {
                 Some(a) => (i, a),
                 None => {
@@ -932,33 +942,31 @@ impl<'a> RankHandle<'a> {
                     (s_in, a)
                 }
             };
+            // The previous chunk's copy out goes with this kernel where it can take it: it
+            // reads a region this kernel does not touch (it writes the other one), complete
+            // since the previous kernel ended.
+            let carried = match pending.take() {
+                Some(cp) if alg == Algorithm::TwoShotPush && cp.fits() => Some(cp),
+                Some(cp) => {
+                    copy(cp)?;
+                    None
+                }
+                None => None,
+            };
             let ch = inner
                 .p2p
-                .launch(n, c, l, alg, dtype, op, &i_run, &o_run, stream)?;
+                .launch_with_copy(n, c, l, alg, dtype, op, &i_run, &o_run, carried, stream)?;
             first.get_or_insert(ch);
             if !o.is_sym() {
-                side.kernel_done[slot].record(stream)?;
-                side.stream.wait(&side.kernel_done[slot])?;
-                // SAFETY: this rank's result of the chunk (complete once the kernel's final
-                // barrier passed, which `kernel_done` follows) into the output (checked), on
-                // the second stream of this device. Asked to overlap the next chunk's kernel,
-                // which holds every SM (an SM-driven copy would wait for it).
-                unsafe {
-                    side.stream.as_stream_ref().copy_dtod_async_overlapped(
-                        ptr(&o),
-                        base + ((1 + slot) * region) as u64,
-                        len,
-                    )
-                }?;
-                side.copied[slot].record(&side.stream)?;
-                used[slot] = true;
+                pending = Some(PrologueCopy {
+                    src: base + ((1 + slot) * region) as u64,
+                    dst: ptr(&o),
+                    bytes: len,
+                });
             }
         }
-        // Join: the caller's stream goes on once every copy out has landed.
-        for (copied, used) in side.copied.iter().zip(used) {
-            if used {
-                stream.wait(copied)?;
-            }
+        if let Some(cp) = pending {
+            copy(cp)?;
         }
         let mut choice = first.ok_or_else(|| Error::invalid("count", "nothing to stage"))?;
         choice.staged_chunks = chunks as u32;

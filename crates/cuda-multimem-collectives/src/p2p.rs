@@ -42,6 +42,25 @@ struct Resolved {
     offset: u64,
 }
 
+/// A local copy of `bytes` bytes from `src` to `dst` (this rank's device memory) that the
+/// write-only two-shot does beside its own work (its "prologue copy": see
+/// docs/design/allreduce.md): the staged path folds the copy out of the previous chunk's scratch
+/// region into the next chunk's kernel.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrologueCopy {
+    pub(crate) src: CUdeviceptr,
+    pub(crate) dst: CUdeviceptr,
+    pub(crate) bytes: usize,
+}
+
+impl PrologueCopy {
+    /// Whether the kernel can do it: 16-byte vectors only (both addresses 16-byte aligned, a
+    /// whole number of vectors).
+    pub(crate) fn fits(&self) -> bool {
+        (self.src | self.dst | self.bytes as u64) % 16 == 0
+    }
+}
+
 /// The executor's symmetric areas and launch shapes.
 pub(crate) struct P2p {
     pub(crate) pads: Sym,
@@ -289,6 +308,36 @@ impl P2p {
         output: &Operand<'_>,
         stream: StreamRef<'_>,
     ) -> Result<Choice> {
+        self.launch_with_copy(n, config, l, alg, dtype, op, input, output, None, stream)
+    }
+
+    /// [`P2p::launch`], with a prologue copy for the write-only two-shot to do (`None`: none;
+    /// only [`Algorithm::TwoShotPush`] takes one, and only one that [`PrologueCopy::fits`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_with_copy(
+        &self,
+        n: usize,
+        config: &CommConfig,
+        l: &Local,
+        alg: Algorithm,
+        dtype: DType,
+        op: ReduceOp,
+        input: &Operand<'_>,
+        output: &Operand<'_>,
+        copy: Option<PrologueCopy>,
+        stream: StreamRef<'_>,
+    ) -> Result<Choice> {
+        if let Some(cp) = copy {
+            if alg != Algorithm::TwoShotPush || !cp.fits() {
+                return Err(Error::invalid(
+                    "copy",
+                    format!(
+                        "a prologue copy of {} bytes from {:#x} to {:#x} with {alg}; only the write-only two-shot takes one, 16-byte aligned",
+                        cp.bytes, cp.src, cp.dst
+                    ),
+                ));
+            }
+        }
         let bytes = input.bytes;
         let choice = self.shape(n, config, bytes, alg);
         let count = (bytes / dtype.size()) as u64;
@@ -355,24 +404,32 @@ impl P2p {
             o.offset,
             choice.blocks as u64,
         ]);
-        // SAFETY: a function of this device's module whose entry takes these eight .u64
-        // parameters (pad, in, out, count, in_tab, out_tab, header, timeout); the operands were
-        // checked to lie inside their buffers for `bytes`, the tables hold N addresses; the
-        // stream is a live stream of this device (checked by the caller).
+        let mut args = vec![
+            self.pads.addrs[l.rank],
+            i.ptr,
+            o.ptr,
+            count,
+            in_tab,
+            out_tab,
+            sig,
+            config.timeout_ns(),
+        ];
+        if kernel == Kernel::P2pTwoShotPush {
+            // the prologue copy: source, destination, bytes (0: none)
+            let cp = copy.map_or([0; 3], |c| [c.src, c.dst, c.bytes as u64]);
+            args.extend(cp);
+        }
+        // SAFETY: a function of this device's module whose entry takes these .u64 parameters
+        // (pad, in, out, count, in_tab, out_tab, header, timeout, and for the write-only
+        // two-shot copy_src, copy_dst, copy_bytes); the operands were checked to lie inside
+        // their buffers for `bytes`, the tables hold N addresses, a prologue copy's ranges are
+        // this device's memory (promised by the caller, `staged`); the stream is a live stream
+        // of this device (checked by the caller).
         unsafe {
             f.launch_u64(
                 &LaunchConfig::linear(choice.blocks, choice.threads),
                 stream,
-                &[
-                    self.pads.addrs[l.rank],
-                    i.ptr,
-                    o.ptr,
-                    count,
-                    in_tab,
-                    out_tab,
-                    sig,
-                    config.timeout_ns(),
-                ],
+                &args,
             )
         }?;
         Ok(choice)

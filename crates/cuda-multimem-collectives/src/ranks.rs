@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cuda_multimem::{Device, Error, Event, Function, Result, Stream};
+use cuda_multimem::{Device, Error, Function, Result};
 use parking_lot::Mutex;
 
 use crate::bootstrap::Bootstrap;
@@ -25,28 +25,8 @@ pub(crate) struct Local {
     pub(crate) last_stream: Mutex<Option<usize>>,
     /// Calls queued by this rank so far.
     pub(crate) calls: AtomicU64,
-    /// The second stream and events of staged calls (held for a whole call).
-    pub(crate) side: Mutex<Side>,
     /// The fused allreduce + RMSNorm kernels of this device.
     pub(crate) norm: crate::norm::NormKernels,
-}
-
-/// What a staged call overlaps with: copies out of the scratch run on `stream`, each after
-/// `kernel_done[s]` (its chunk's kernel), and `copied[s]` says when scratch slot s is free.
-pub(crate) struct Side {
-    pub(crate) stream: Stream,
-    pub(crate) kernel_done: [Event; 2],
-    pub(crate) copied: [Event; 2],
-}
-
-impl Side {
-    pub(crate) fn new(device: &Device) -> Result<Side> {
-        Ok(Side {
-            stream: Stream::new(device)?,
-            kernel_done: [Event::new(device, false)?, Event::new(device, false)?],
-            copied: [Event::new(device, false)?, Event::new(device, false)?],
-        })
-    }
 }
 
 /// Size, local ranks, bootstrap, and the team's health.

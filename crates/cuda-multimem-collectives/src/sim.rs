@@ -316,6 +316,20 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 let boff = (b * bsz * 16) as usize;
                 let chunk = n as u64 * bsz;
                 let rounds = per.div_ceil(chunk).max(1);
+                // the prologue copy (see the PTX): this block's share of the 16-byte units,
+                // cut like the message, in one slice per round, done during the round's first
+                // barrier
+                let (cp_src, cp_dst, cp_bytes) = (a.u64(8)?, a.u64(9)?, a.u64(10)?);
+                if (cp_src | cp_dst | cp_bytes) % 16 != 0 {
+                    return Err(KernelError::Failed(format!(
+                        "two-shot-push prologue copy of {cp_bytes} bytes from {cp_src:#x} to {cp_dst:#x}: not 16-byte aligned"
+                    )));
+                }
+                let cp_units = cp_bytes / 16;
+                let cp_per = cp_units.div_ceil(g).next_multiple_of(8);
+                let cp_lo = (b * cp_per).min(cp_units);
+                let cp_hi = (cp_lo + cp_per).min(cp_units);
+                let cp_slice = cp_per.div_ceil(rounds).next_multiple_of(8);
                 let mut lo_r = bs;
                 for j in 0..rounds {
                     let q = ((parity as u64 + j) & 1) as usize;
@@ -336,6 +350,11 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                             st(d, dst, i - ps * ub, ld(d, inp, i));
                         }
                     }
+                    let lo = (cp_lo + j * cp_slice).min(cp_hi);
+                    let hi = (lo + cp_slice).min(cp_hi);
+                    let at = (lo * 16) as usize;
+                    let len = ((hi - lo) * 16) as usize;
+                    gather::copy(a, cp_src as usize + at, cp_dst as usize + at, len)?;
                     cx.barrier(a, b as usize, c.wrapping_add(1 + j as u32), Some(parity));
                     let (ps, pe) = part(rank);
                     // rank k's copy of my part: my input, or my slot k (indexed from ps)

@@ -19,7 +19,7 @@ pub(super) fn register() {
 }
 
 /// Copy `len` bytes from `src` to `dst` (ranges checked first).
-fn copy(a: &LaunchArgs, src: usize, dst: usize, len: usize) -> Result<(), KernelError> {
+pub(super) fn copy(a: &LaunchArgs, src: usize, dst: usize, len: usize) -> Result<(), KernelError> {
     if len == 0 {
         return Ok(());
     }

@@ -168,6 +168,12 @@ const HEADER: &str = "//
 /// rd8 timeout, r1 tid, r2 block, r3 ntid, r4 nblocks, r5 rank, r6 nranks, r7 counter c,
 /// p9 aligned, rd10 units, rd11 block's first unit, rd12 block's end unit.
 fn prologue(name: &str, f: &Flavor) -> String {
+    prologue_with(name, f, "\n)")
+}
+
+/// [`prologue`] with `tail` after the `p_timeout` declaration, up to the opening brace: more
+/// parameters (each after ",\n"), the closing parenthesis, performance directives.
+fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
     format!(
         r#"
 .visible .entry {name}(
@@ -178,8 +184,7 @@ fn prologue(name: &str, f: &Flavor) -> String {
 	.param .u64 p_in_tab,
 	.param .u64 p_out_tab,
 	.param .u64 p_sig,
-	.param .u64 p_timeout
-)
+	.param .u64 p_timeout{tail}
 {{
 {REGS}
 	ld.param.u64 %rd1, [p_ctx];
@@ -243,6 +248,23 @@ pub(crate) const BLOCK_RANGE: &str =
 /// The barrier of block b with every peer, at value `val_reg` (a u32 register), checking the
 /// call header when `check_header` (header parity from register %r8).
 fn barrier(label: &str, val_reg: &str, check_header: bool) -> String {
+    barrier_with(label, val_reg, check_header, "")
+}
+
+/// [`barrier`] during which the threads of warps 1.. (never signalling: a team has at most 8
+/// ranks) run `side` (code that falls through at its end and may branch to `$L_{label}_done`)
+/// while warp 0 signals and waits; empty `side`: exactly [`barrier`].
+fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> String {
+    let (to_side, side) = if side.is_empty() {
+        (String::new(), String::new())
+    } else {
+        (
+            format!(
+                "\t// warps 1.. do their side work while warp 0 meets the peers\n\tsetp.ge.u32 %p10, %r1, 32;\n\t@%p10 bra $L_{label}_side;\n"
+            ),
+            format!("\tbra.uni $L_{label}_done;\n$L_{label}_side:\n{side}"),
+        )
+    };
     let hdr_store = if check_header {
         format!(
             r#"	// header: [peer pad + HDR + 8*((parity*MAXB + b)*8 + rank)]
@@ -276,7 +298,7 @@ fn barrier(label: &str, val_reg: &str, check_header: bool) -> String {
     format!(
         r#"	// ---- barrier {label}: block b meets block b of every peer at value {val_reg}
 	bar.sync 0;
-	setp.ge.u32 %p10, %r1, %r6;
+{to_side}	setp.ge.u32 %p10, %r1, %r6;
 	setp.eq.or.u32 %p10, %r1, %r5, %p10;
 	@%p10 bra $L_{label}_done;
 	// thread t signals peer t: [pad_t + SIG + 4*(b*8 + rank)] = val (release, system scope)
@@ -307,7 +329,7 @@ $L_{label}_spin:
 	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
 	bra.uni $L_{label}_done;
 $L_{label}_arrived:
-{hdr_check}$L_{label}_done:
+{hdr_check}{side}$L_{label}_done:
 	bar.sync 0;
 "#
     )
@@ -800,7 +822,13 @@ $L_rkend:
 /// tail, barrier(c+R+1) and counters c + 2M (M odd, 2M ≥ R+1: the header parity still flips).
 fn two_shot_push(f: &Flavor) -> String {
     let name = Kernel::P2pTwoShotPush.entry(f.dtype, f.op);
-    let mut s = prologue(&name, f);
+    // the prologue copy's parameters; at most 1024 threads (the host's push shapes), so ptxas
+    // keeps to 64 registers, what one 1024-thread block per multiprocessor needs
+    let mut s = prologue_with(
+        &name,
+        f,
+        ",\n\t.param .u64 p_copy_src,\n\t.param .u64 p_copy_dst,\n\t.param .u64 p_copy_bytes\n)\n.maxntid 1024, 1, 1",
+    );
     s += &format!(
         r#"{PARITY_AND_DELTAS}	// slot bytes rd39; this block's share of a slot: bsz = (slot / 16) / G units rounded down
 	// to 8 (the host keeps G <= slot / 128) (rd50), at byte offset b * bsz * 16 (rd52); units
@@ -887,7 +915,7 @@ $L_pk_loop:
     );
     s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
     s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n";
-    s += &barrier("b1", "%r12", true);
+    s += &barrier_with("b1", "%r12", true, &prologue_copy_slice("b1"));
     // phase B: my part; rank k's copy is my input (k == rank) or my slot k (local memory)
     s += &part_of_chunk("%r5");
     s += "\tshl.b64 %rd43, %rd37, 4;\n\tsub.u64 %rd60, %rd58, %rd43;\n";
@@ -906,6 +934,68 @@ $L_pk_loop:
     s += &barrier("b2", "%r14", false);
     s += &epilogue_to("%r21");
     s
+}
+
+/// The push kernel's prologue copy, round j's slice, run by the threads of warps 1.. of block b
+/// inside barrier `label` of round j (while warp 0 signals and waits): the `p_copy_bytes`
+/// bytes at `p_copy_src` to `p_copy_dst` in 16-byte vectors (the host passes 16-byte aligned
+/// addresses and a multiple of 16 bytes; 0 bytes: nothing). Block b owns units
+/// `[b * per, (b + 1) * per)`, per = ceil(units / G) rounded up to 8; slice j of its range is
+/// `[j * S, (j + 1) * S)`, S = ceil(per / R) rounded up to 8 (R = rounds, in %r20; j in %r37).
+/// Registers: rd61..rd68, rd20..rd25, r30..r33, r47, p15, p21, all dead after the barrier; it
+/// reads r1..r4, r20 and r37, live through the rounds anyway.
+fn prologue_copy_slice(label: &str) -> String {
+    format!(
+        r#"	// ---- prologue copy: this round's slice of this block's share, by warps 1..
+	ld.param.u64 %rd63, [p_copy_bytes];
+	shr.u64 %rd63, %rd63, 4;
+	setp.eq.u64 %p21, %rd63, 0;
+	@%p21 bra $L_{label}_done;
+	// block share [rd65, rd66): per = ceil(units / G) rounded up to 8 (rd64); G and b from
+	// %r4 and %r2 (live all kernel long), not the prologue's rd13 and rd15 (dead by now)
+	cvt.u64.u32 %rd67, %r4;
+	add.u64 %rd64, %rd63, %rd67;
+	sub.u64 %rd64, %rd64, 1;
+	div.u64 %rd64, %rd64, %rd67;
+	add.u64 %rd64, %rd64, 7;
+	and.b64 %rd64, %rd64, -8;
+	cvt.u64.u32 %rd67, %r2;
+	mul.lo.u64 %rd65, %rd67, %rd64;
+	min.u64 %rd65, %rd65, %rd63;
+	add.u64 %rd66, %rd65, %rd64;
+	min.u64 %rd66, %rd66, %rd63;
+	// slice S = ceil(per / R) rounded up to 8 (rd68); round j: [lo + j*S, lo + (j+1)*S) clamped
+	cvt.u64.u32 %rd67, %r20;
+	add.u64 %rd68, %rd64, %rd67;
+	sub.u64 %rd68, %rd68, 1;
+	div.u64 %rd68, %rd68, %rd67;
+	add.u64 %rd68, %rd68, 7;
+	and.b64 %rd68, %rd68, -8;
+	cvt.u64.u32 %rd67, %r37;
+	mad.lo.u64 %rd65, %rd67, %rd68, %rd65;
+	min.u64 %rd65, %rd65, %rd66;
+	add.u64 %rd68, %rd65, %rd68;
+	min.u64 %rd66, %rd68, %rd66;
+	ld.param.u64 %rd61, [p_copy_src];
+	ld.param.u64 %rd62, [p_copy_dst];
+	// thread t >= 32 copies units lo + (t - 32), + (ntid - 32), ...
+	sub.u32 %r47, %r1, 32;
+	cvt.u64.u32 %rd20, %r47;
+	add.u64 %rd20, %rd20, %rd65;
+	sub.u32 %r47, %r3, 32;
+	cvt.u64.u32 %rd23, %r47;
+$L_{label}_cp:
+	setp.ge.u64 %p15, %rd20, %rd66;
+	@%p15 bra $L_{label}_done;
+	shl.b64 %rd21, %rd20, 4;
+	add.u64 %rd24, %rd61, %rd21;
+	ld.global.cs.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd24];
+	add.u64 %rd25, %rd62, %rd21;
+	st.global.cs.v4.b32 [%rd25], {{%r30, %r31, %r32, %r33}};
+	add.u64 %rd20, %rd20, %rd23;
+	bra.uni $L_{label}_cp;
+"#
+    )
 }
 
 /// The copy-engine two-shot (see [`Kernel::P2pTwoShotCe`]). Rank r's part is the r-th N-th of

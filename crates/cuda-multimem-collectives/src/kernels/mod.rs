@@ -97,7 +97,10 @@ pub enum Kernel {
     /// Peer-to-peer two-shot whose remote traffic is only posted writes: each rank pushes part k
     /// of its input into owner k's staging, barrier, the owner reduces locally and pushes the
     /// result to every rank's output, barrier — in rounds through fixed-size staging slots.
-    /// Needs 16-byte aligned operands; the default above the one-shot limit.
+    /// Needs 16-byte aligned operands; the default above the one-shot limit. Three more
+    /// parameters than the other families (`copy_src`, `copy_dst`, `copy_bytes`): a local copy
+    /// of 16-byte vectors that warps 1.. do during each round's first barrier (0 bytes: none;
+    /// staged calls carry the previous chunk's copy out of the scratch in it).
     P2pTwoShotPush,
     /// Two-shot whose first half is done by the copy engines before the kernel starts: each
     /// rank's part k of the input (rank-major: part k is the k-th N-th of the message) is copied

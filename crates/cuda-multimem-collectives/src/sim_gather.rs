@@ -297,9 +297,12 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
         )));
     }
     let per = words.div_ceil(g);
+    // my own chunk: reduce-scatter's input chunk r, all-gather's output chunk r, broadcast's
+    // output
     let own = match c {
         Collective::ReduceScatter => inp + rank * b_,
-        _ => out + rank * b_,
+        Collective::AllGather => out + rank * b_,
+        Collective::Broadcast => out,
     };
     let in_place = match c {
         Collective::ReduceScatter => false,

@@ -485,9 +485,12 @@ fn chunk_k(base: &str) -> String {
 fn ll_kernel(c: Collective, f: &Flavor) -> String {
     let name = c.ll_entry(f.dtype, f.op);
     let es = f.es_log2();
-    let own_base = match c {
-        Collective::ReduceScatter => "%rd2",
-        _ => "%rd3",
+    // my own chunk (rd62): reduce-scatter's input chunk r, all-gather's output chunk r,
+    // broadcast's output
+    let own = match c {
+        Collective::ReduceScatter => "\tmul.lo.u64 %rd62, %rd36, %rd19;\n\tadd.u64 %rd62, %rd62, %rd2;\n",
+        Collective::AllGather => "\tmul.lo.u64 %rd62, %rd36, %rd19;\n\tadd.u64 %rd62, %rd62, %rd3;\n",
+        Collective::Broadcast => "\tmov.u64 %rd62, %rd3;\n",
     };
     let in_place = match c {
         Collective::AllGather => {
@@ -558,11 +561,9 @@ fn ll_kernel(c: Collective, f: &Flavor) -> String {
 {slots}	// root (r23); this rank is the root (p8)
 	cvt.u32.u64 %r23, %rd6;
 	setp.eq.u32 %p8, %r5, %r23;
-	// my own chunk (rd62): base + rank * B
+	// my own chunk (rd62)
 	cvt.u64.u32 %rd36, %r5;
-	mul.lo.u64 %rd62, %rd36, %rd19;
-	add.u64 %rd62, %rd62, {own_base};
-{in_place}"#,
+{own}{in_place}"#,
         slots = parity_slots(OFF_LL_SLOT, OFF_LL_STAGES),
     );
     let send = Addr::Table("%rd34", "%rd31").of_rank();

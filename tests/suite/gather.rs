@@ -524,10 +524,6 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
 fn back_to_back_low_latency_broadcasts_from_one_root_wait_for_every_receiver() {
     for (n, seed) in [(2usize, 5u64), (3, 6), (5, 7)] {
         let e = sim(SimConfig::new(n, 13000));
-        e.sim
-            .as_ref()
-            .unwrap()
-            .set_kernel_delays(Duration::from_micros(400), seed);
         let devices = e.driver.devices();
         let comm = Communicator::builder(&devices)
             .config(CommConfig {
@@ -539,21 +535,54 @@ fn back_to_back_low_latency_broadcasts_from_one_root_wait_for_every_receiver() {
             .unwrap();
         let s = streams(&comm);
         let mut data = seed;
-        let mut pending: Vec<Box<dyn Check>> = Vec::new();
-        for i in 0..14 {
-            let (kind, mem) = match i % 7 {
-                6 => (Kind::AllGather, Mem::Own),
-                k => (Kind::Broadcast(0), [Mem::Sym, Mem::Own][k % 2]),
+        // every buffer allocated and written first: nothing between the calls synchronises
+        let calls = 40;
+        let count = |i: usize| 40 + i;
+        let mut ins = Vec::new();
+        let mut outs = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..calls {
+            let ag = i % 8 == 7;
+            let (il, ol) = if ag {
+                (count(i), n * count(i))
+            } else {
+                (count(i), count(i))
             };
-            let p = queue::<f32>(&comm, &s, kind, 40 + i, mem, false, &mut data);
-            assert_eq!(p.choice.algorithm, Algorithm::PushLl);
-            pending.push(Box::new(p));
+            let b_in = comm.alloc::<f32>(il).unwrap();
+            let x: Vec<Vec<f32>> = (0..n).map(|_| random_input(il, &mut data)).collect();
+            for (r, x) in x.iter().enumerate() {
+                b_in.write(r, 0, x).unwrap();
+            }
+            let refs: Vec<&[f32]> = x.iter().map(|v| v.as_slice()).collect();
+            want.push(if ag {
+                all_gather_reference(&refs)
+            } else {
+                broadcast_reference(&refs, 0)
+            });
+            ins.push(b_in);
+            outs.push(comm.alloc::<f32>(ol).unwrap());
+        }
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_micros(400), seed);
+        for (i, (b_in, b_out)) in ins.iter().zip(outs.iter_mut()).enumerate() {
+            for (r, st) in s.iter().enumerate() {
+                let h = comm.rank(r).unwrap();
+                let c = if i % 8 == 7 {
+                    h.all_gather(b_in, &mut *b_out, st).unwrap()
+                } else {
+                    h.broadcast(b_in, &mut *b_out, 0, st).unwrap()
+                };
+                assert_eq!(c.algorithm, Algorithm::PushLl);
+            }
         }
         sync(&s);
-        comm.check()
-            .unwrap_or_else(|e| panic!("{n} ranks: {e}"));
-        for p in &pending {
-            p.check();
+        comm.check().unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+        for (i, (b, w)) in outs.iter().zip(&want).enumerate() {
+            for r in 0..n {
+                assert_eq!(&b.to_vec(r).unwrap(), w, "{n} ranks, call {i}, rank {r}");
+            }
         }
     }
 }

@@ -435,11 +435,19 @@ fn the_low_latency_forms_take_whole_buffers_up_to_ll_max_bytes() {
         Kind::Broadcast(1),
     ] {
         // whole buffer of 8192 bytes: 4096 bf16, 2048 per rank (broadcast: 4096)
-        let at = if kind == Kind::Broadcast(1) { 4096 } else { 2048 };
+        let at = if kind == Kind::Broadcast(1) {
+            4096
+        } else {
+            2048
+        };
         for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
             for in_place in [false, true] {
                 let c = once::<bf16>(&comm, &s, kind, at, mem, in_place, &mut seed);
-                assert_eq!(c.algorithm, Algorithm::PushLl, "{kind:?} {mem:?} at the limit");
+                assert_eq!(
+                    c.algorithm,
+                    Algorithm::PushLl,
+                    "{kind:?} {mem:?} at the limit"
+                );
                 let c = once::<bf16>(&comm, &s, kind, at + 1, mem, in_place, &mut seed);
                 assert_eq!(c.algorithm, Algorithm::PushStaged, "{kind:?} {mem:?} above");
             }
@@ -679,9 +687,17 @@ fn captured_collectives_replay_with_new_inputs() {
             .iter()
             .enumerate()
         {
-            assert_eq!(&rs_ll_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
+            assert_eq!(
+                &rs_ll_out.to_vec(r).unwrap(),
+                want,
+                "replay {replay} rank {r}"
+            );
             assert_eq!(ag_ll.to_vec(r).unwrap(), all_gather_reference(&agl));
-            assert_eq!(bc_ll.to_vec(r).unwrap(), bc_lls[1], "replay {replay} rank {r}");
+            assert_eq!(
+                bc_ll.to_vec(r).unwrap(),
+                bc_lls[1],
+                "replay {replay} rank {r}"
+            );
         }
     }
 }

@@ -182,7 +182,9 @@ impl CommConfig {
             MAX_FIELD_BYTES,
             "1 TiB",
         )?;
-        if let Some(a @ (Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl)) = self.algorithm {
+        if let Some(a @ (Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl)) =
+            self.algorithm
+        {
             return Err(Error::invalid(
                 "config.algorithm",
                 format!("{a}: not an allreduce algorithm (reduce-scatter, all-gather and broadcast choose their own)"),

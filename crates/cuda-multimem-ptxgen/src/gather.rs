@@ -377,7 +377,8 @@ fn direct(c: Collective, f: &Flavor) -> String {
 
 /// Where %p3 says: the word at %rd24 is 4-byte aligned and whole; %p4: the word is whole (its
 /// index %rd20 below the whole words %rd16). 16-bit types only.
-const ALIGNED_WHOLE: &str = "\t// one b32 when aligned and whole (p3); else its elements, the second only if whole (p4)
+const ALIGNED_WHOLE: &str =
+    "\t// one b32 when aligned and whole (p3); else its elements, the second only if whole (p4)
 \tand.b64 %rd65, %rd24, 3;
 \tsetp.eq.u64 %p3, %rd65, 0;
 \tsetp.lt.u64 %p4, %rd20, %rd16;
@@ -488,8 +489,12 @@ fn ll_kernel(c: Collective, f: &Flavor) -> String {
     // my own chunk (rd62): reduce-scatter's input chunk r, all-gather's output chunk r,
     // broadcast's output
     let own = match c {
-        Collective::ReduceScatter => "\tmul.lo.u64 %rd62, %rd36, %rd19;\n\tadd.u64 %rd62, %rd62, %rd2;\n",
-        Collective::AllGather => "\tmul.lo.u64 %rd62, %rd36, %rd19;\n\tadd.u64 %rd62, %rd62, %rd3;\n",
+        Collective::ReduceScatter => {
+            "\tmul.lo.u64 %rd62, %rd36, %rd19;\n\tadd.u64 %rd62, %rd62, %rd2;\n"
+        }
+        Collective::AllGather => {
+            "\tmul.lo.u64 %rd62, %rd36, %rd19;\n\tadd.u64 %rd62, %rd62, %rd3;\n"
+        }
         Collective::Broadcast => "\tmov.u64 %rd62, %rd3;\n",
     };
     let in_place = match c {
@@ -574,7 +579,11 @@ fn ll_kernel(c: Collective, f: &Flavor) -> String {
     match c {
         Collective::ReduceScatter => {
             s += "\t// send: word w of chunk k of my input to rank k's slot [parity][rank]\n";
-            let body = format!("{}{}{pack}{put}", chunk_k("%rd2"), ll_load(f, "sl", "%rd66"));
+            let body = format!(
+                "{}{}{pack}{put}",
+                chunk_k("%rd2"),
+                ll_load(f, "sl", "%rd66")
+            );
             s += &strided("snd", "%rd11", "%rd12", 3, &peers("sp", &body));
         }
         Collective::AllGather | Collective::Broadcast => {

@@ -275,53 +275,65 @@ fn team(e: &Env, config: CommConfig) -> Option<Communicator> {
     )
 }
 
-/// Every case of `kinds` at `sizes`, every type, every operand kind, in place and not.
-fn sweep(comm: &Communicator, kinds: &[Kind], sizes: &[usize]) {
+/// Every case of `kinds` at `sizes`, every type, every operand kind, in place and not; each
+/// must run `expect`.
+fn sweep(comm: &Communicator, kinds: &[Kind], sizes: &[usize], expect: Algorithm) {
     let s = streams(comm);
     let mut seed = 0x9e37_79b9_7f4a_7c15;
     for &kind in kinds {
         for &count in sizes {
             for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
                 for in_place in [false, true] {
-                    once::<f32>(comm, &s, kind, count, mem, in_place, &mut seed);
-                    once::<f16>(comm, &s, kind, count, mem, in_place, &mut seed);
-                    once::<bf16>(comm, &s, kind, count, mem, in_place, &mut seed);
+                    let c = [
+                        once::<f32>(comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<f16>(comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<bf16>(comm, &s, kind, count, mem, in_place, &mut seed),
+                    ];
+                    for c in c {
+                        assert_eq!(c.algorithm, expect, "{kind:?} of {count}, {mem:?}");
+                    }
                 }
             }
         }
     }
 }
 
+/// No low-latency forms: every small call runs the staged kernel.
+fn staged_only() -> CommConfig {
+    CommConfig {
+        ll_max_bytes: 0,
+        ..Default::default()
+    }
+}
+
+/// The same sweep with the low-latency forms (the default at these sizes: at most 32 KiB of
+/// whole buffer; odd counts and 2-byte aligned 16-bit operands included) and without them.
+fn sweep_both(kinds: &[Kind]) {
+    let e = env();
+    for (config, expect) in [
+        (CommConfig::default(), Algorithm::PushLl),
+        (staged_only(), Algorithm::PushStaged),
+    ] {
+        let Some(comm) = team(&e, config) else {
+            return;
+        };
+        sweep(&comm, kinds, &[1, 7, 1000, 4099], expect);
+    }
+}
+
 #[test]
 fn reduce_scatter_equals_the_host_reference_for_every_dtype_op_and_operand_kind() {
-    let e = env();
-    let Some(comm) = team(&e, CommConfig::default()) else {
-        return;
-    };
-    let kinds: Vec<Kind> = ReduceOp::ALL.map(Kind::ReduceScatter).to_vec();
-    sweep(&comm, &kinds, &[1, 7, 1000, 4099]);
+    sweep_both(&ReduceOp::ALL.map(Kind::ReduceScatter));
 }
 
 #[test]
 fn all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
-    let e = env();
-    let Some(comm) = team(&e, CommConfig::default()) else {
-        return;
-    };
-    sweep(&comm, &[Kind::AllGather], &[1, 7, 1000, 4099]);
+    sweep_both(&[Kind::AllGather]);
 }
 
 #[test]
 fn broadcast_from_every_root_equals_the_host_reference_for_every_dtype_and_operand_kind() {
-    let e = env();
-    let Some(comm) = team(&e, CommConfig::default()) else {
-        return;
-    };
-    sweep(
-        &comm,
-        &[Kind::Broadcast(0), Kind::Broadcast(1)],
-        &[1, 7, 1000, 4099],
-    );
+    sweep_both(&[Kind::Broadcast(0), Kind::Broadcast(1)]);
 }
 
 /// The direct path (symmetric outputs above the one-shot limit, lowered here) and many staged
@@ -333,6 +345,7 @@ fn direct_stores_and_staged_rounds_equal_the_host_reference() {
         one_shot_max_bytes: Some(4096),
         stage_bytes: Some(4096),
         max_blocks: 4,
+        ll_max_bytes: 0,
         ..Default::default()
     };
     let Some(comm) = team(&e, config) else {
@@ -365,24 +378,79 @@ fn direct_stores_and_staged_rounds_equal_the_host_reference() {
 }
 
 #[test]
-fn small_messages_run_one_staged_launch_with_few_threads() {
+fn small_messages_run_one_low_latency_launch_with_few_threads() {
     let e = env();
-    let Some(comm) = team(&e, CommConfig::default()) else {
+    // low-latency up to 64 KiB of whole buffer (one word per thread), else staged (16-byte
+    // units, at least 64 threads)
+    for (config, alg, threads) in [
+        (CommConfig::default(), Algorithm::PushLl, 128),
+        (staged_only(), Algorithm::PushStaged, 64),
+    ] {
+        let Some(comm) = team(&e, config) else {
+            return;
+        };
+        let s = streams(&comm);
+        let mut seed = 3;
+        for kind in [
+            Kind::ReduceScatter(ReduceOp::Sum),
+            Kind::AllGather,
+            Kind::Broadcast(0),
+        ] {
+            // 1 KiB gathered / scattered: 256 f32 in all, 128 per rank
+            for mem in [Mem::Sym, Mem::Own] {
+                let count = if kind == Kind::Broadcast(0) { 256 } else { 128 };
+                let c = once::<f32>(&comm, &s, kind, count, mem, false, &mut seed);
+                let t = if kind == Kind::Broadcast(0) && alg == Algorithm::PushLl {
+                    256
+                } else {
+                    threads
+                };
+                assert_eq!(c.algorithm, alg, "{kind:?} {mem:?}");
+                assert_eq!((c.blocks, c.threads, c.staged_chunks), (1, t, 0));
+            }
+        }
+    }
+}
+
+/// The low-latency forms take whole buffers (reduce-scatter's input, all-gather's output,
+/// broadcast's message) up to `ll_max_bytes`, whatever the operands' alignment; one element
+/// more runs the staged kernel (or the direct one, symmetric outputs above the one-shot limit).
+#[test]
+fn the_low_latency_forms_take_whole_buffers_up_to_ll_max_bytes() {
+    let e = env();
+    let Some(comm) = team(
+        &e,
+        CommConfig {
+            ll_max_bytes: 8192,
+            ..Default::default()
+        },
+    ) else {
         return;
     };
     let s = streams(&comm);
-    let mut seed = 3;
+    let mut seed = 21;
     for kind in [
-        Kind::ReduceScatter(ReduceOp::Sum),
+        Kind::ReduceScatter(ReduceOp::Max),
         Kind::AllGather,
-        Kind::Broadcast(0),
+        Kind::Broadcast(1),
     ] {
-        // 1 KiB gathered / scattered: 256 f32 in all, 128 per rank
-        for mem in [Mem::Sym, Mem::Own] {
-            let count = if kind == Kind::Broadcast(0) { 256 } else { 128 };
-            let c = once::<f32>(&comm, &s, kind, count, mem, false, &mut seed);
-            assert_eq!(c.algorithm, Algorithm::PushStaged, "{kind:?} {mem:?}");
-            assert_eq!((c.blocks, c.threads, c.staged_chunks), (1, 64, 0));
+        // whole buffer of 8192 bytes: 4096 bf16, 2048 per rank (broadcast: 4096)
+        let at = if kind == Kind::Broadcast(1) {
+            4096
+        } else {
+            2048
+        };
+        for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+            for in_place in [false, true] {
+                let c = once::<bf16>(&comm, &s, kind, at, mem, in_place, &mut seed);
+                assert_eq!(
+                    c.algorithm,
+                    Algorithm::PushLl,
+                    "{kind:?} {mem:?} at the limit"
+                );
+                let c = once::<bf16>(&comm, &s, kind, at + 1, mem, in_place, &mut seed);
+                assert_eq!(c.algorithm, Algorithm::PushStaged, "{kind:?} {mem:?} above");
+            }
         }
     }
 }
@@ -401,7 +469,9 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
         let devices = e.driver.devices();
         let comm = Communicator::builder(&devices)
             .config(CommConfig {
-                // direct above 4 KiB, slots of 4 KiB: multi-round staged calls
+                // low-latency up to 2 KiB (allreduce and the others), direct above 4 KiB,
+                // slots of 4 KiB: multi-round staged calls
+                ll_max_bytes: 2048,
                 one_shot_max_bytes: Some(4096),
                 stage_bytes: Some(4096),
                 max_blocks: 3,
@@ -421,7 +491,7 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
         };
         let mut pending: Vec<Box<dyn Check>> = Vec::new();
         let mut data = seed + 100;
-        for _ in 0..10 {
+        for _ in 0..16 {
             let op = ReduceOp::ALL[rnd(3) as usize];
             let kind = match rnd(4) {
                 0 => Kind::ReduceScatter(op),
@@ -452,6 +522,79 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
     }
 }
 
+/// Low-latency broadcasts from one root, back to back: the root hears nothing from the
+/// others in a broadcast, yet it must not overwrite a slot a slow receiver still polls two
+/// calls later. The non-roots' presence words (every rank hears from every peer in every call)
+/// hold it back; without them a receiver finds a newer call's flags and times out, or a rank
+/// reads data of another call. Teams of 2, 3 and 5 with random delays; interleaved all-gathers
+/// change nothing of the rule.
+#[test]
+fn back_to_back_low_latency_broadcasts_from_one_root_wait_for_every_receiver() {
+    for (n, seed) in [(2usize, 5u64), (3, 6), (5, 7)] {
+        let e = sim(SimConfig::new(n, 13000));
+        let devices = e.driver.devices();
+        let comm = Communicator::builder(&devices)
+            .config(CommConfig {
+                timeout: Duration::from_secs(5),
+                ..Default::default()
+            })
+            .multicast(MulticastPolicy::Never)
+            .build()
+            .unwrap();
+        let s = streams(&comm);
+        let mut data = seed;
+        // every buffer allocated and written first: nothing between the calls synchronises
+        let calls = 40;
+        let count = |i: usize| 40 + i;
+        let mut ins = Vec::new();
+        let mut outs = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..calls {
+            let ag = i % 8 == 7;
+            let (il, ol) = if ag {
+                (count(i), n * count(i))
+            } else {
+                (count(i), count(i))
+            };
+            let b_in = comm.alloc::<f32>(il).unwrap();
+            let x: Vec<Vec<f32>> = (0..n).map(|_| random_input(il, &mut data)).collect();
+            for (r, x) in x.iter().enumerate() {
+                b_in.write(r, 0, x).unwrap();
+            }
+            let refs: Vec<&[f32]> = x.iter().map(|v| v.as_slice()).collect();
+            want.push(if ag {
+                all_gather_reference(&refs)
+            } else {
+                broadcast_reference(&refs, 0)
+            });
+            ins.push(b_in);
+            outs.push(comm.alloc::<f32>(ol).unwrap());
+        }
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_micros(400), seed);
+        for (i, (b_in, b_out)) in ins.iter().zip(outs.iter_mut()).enumerate() {
+            for (r, st) in s.iter().enumerate() {
+                let h = comm.rank(r).unwrap();
+                let c = if i % 8 == 7 {
+                    h.all_gather(b_in, &mut *b_out, st).unwrap()
+                } else {
+                    h.broadcast(b_in, &mut *b_out, 0, st).unwrap()
+                };
+                assert_eq!(c.algorithm, Algorithm::PushLl);
+            }
+        }
+        sync(&s);
+        comm.check().unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+        for (i, (b, w)) in outs.iter().zip(&want).enumerate() {
+            for r in 0..n {
+                assert_eq!(&b.to_vec(r).unwrap(), w, "{n} ranks, call {i}, rank {r}");
+            }
+        }
+    }
+}
+
 /// A captured sequence (reduce-scatter, all-gather, broadcast, staged and direct) replays
 /// correctly with new inputs each time: nothing is reset from the host.
 #[test]
@@ -461,6 +604,7 @@ fn captured_collectives_replay_with_new_inputs() {
     let n = 3;
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
+            ll_max_bytes: 1024,
             one_shot_max_bytes: Some(4096),
             stage_bytes: Some(4096),
             max_blocks: 2,
@@ -471,6 +615,11 @@ fn captured_collectives_replay_with_new_inputs() {
         .unwrap();
     let s = streams(&comm);
     let count = 700;
+    // low-latency: 3 x 80 f32 scattered, 3 x 64 gathered, 200 broadcast (at most 1 KiB)
+    let rs_ll_in = comm.alloc::<f32>(n * 80).unwrap();
+    let mut rs_ll_out = comm.alloc::<f32>(80).unwrap();
+    let mut ag_ll = comm.alloc::<f32>(n * 64).unwrap();
+    let mut bc_ll = comm.alloc::<f32>(200).unwrap();
     let rs_in = comm.alloc::<f32>(n * count).unwrap();
     let mut rs_out = comm.alloc::<f32>(count).unwrap();
     let ag_in = comm.alloc::<f32>(count).unwrap();
@@ -489,6 +638,14 @@ fn captured_collectives_replay_with_new_inputs() {
         let c = h.all_gather_in_place(&mut ag_small, st).unwrap();
         assert_eq!(c.algorithm, Algorithm::PushStaged);
         h.broadcast_in_place(&mut bc, 2, st).unwrap();
+        for c in [
+            h.reduce_scatter(&rs_ll_in, &mut rs_ll_out, ReduceOp::Sum, st)
+                .unwrap(),
+            h.all_gather_in_place(&mut ag_ll, st).unwrap(),
+            h.broadcast_in_place(&mut bc_ll, 1, st).unwrap(),
+        ] {
+            assert_eq!(c.algorithm, Algorithm::PushLl);
+        }
         execs.push(sr.end_capture().unwrap().instantiate().unwrap());
     }
     let mut seed = 77;
@@ -497,11 +654,17 @@ fn captured_collectives_replay_with_new_inputs() {
         let ags: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
         let smalls: Vec<Vec<f32>> = (0..n).map(|_| random_input(100, &mut seed)).collect();
         let bcs: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        let rs_lls: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * 80, &mut seed)).collect();
+        let ag_lls: Vec<Vec<f32>> = (0..n).map(|_| random_input(64, &mut seed)).collect();
+        let bc_lls: Vec<Vec<f32>> = (0..n).map(|_| random_input(200, &mut seed)).collect();
         for r in 0..n {
             rs_in.write(r, 0, &ins[r]).unwrap();
             ag_in.write(r, 0, &ags[r]).unwrap();
             ag_small.write(r, r * 100, &smalls[r]).unwrap();
             bc.write(r, 0, &bcs[r]).unwrap();
+            rs_ll_in.write(r, 0, &rs_lls[r]).unwrap();
+            ag_ll.write(r, r * 64, &ag_lls[r]).unwrap();
+            bc_ll.write(r, 0, &bc_lls[r]).unwrap();
         }
         for (x, st) in execs.iter().zip(&s) {
             x.launch(st).unwrap();
@@ -518,15 +681,35 @@ fn captured_collectives_replay_with_new_inputs() {
             assert_eq!(ag_small.to_vec(r).unwrap(), all_gather_reference(&smr));
             assert_eq!(bc.to_vec(r).unwrap(), bcs[2], "replay {replay} rank {r}");
         }
+        let rsl: Vec<&[f32]> = rs_lls.iter().map(|v| v.as_slice()).collect();
+        let agl: Vec<&[f32]> = ag_lls.iter().map(|v| v.as_slice()).collect();
+        for (r, want) in reduce_scatter_reference(ReduceOp::Sum, &rsl)
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(
+                &rs_ll_out.to_vec(r).unwrap(),
+                want,
+                "replay {replay} rank {r}"
+            );
+            assert_eq!(ag_ll.to_vec(r).unwrap(), all_gather_reference(&agl));
+            assert_eq!(
+                bc_ll.to_vec(r).unwrap(),
+                bc_lls[1],
+                "replay {replay} rank {r}"
+            );
+        }
     }
 }
 
-fn small_team(n: usize) -> (Env, Communicator, Vec<Stream>) {
+/// A simulated team of `n` with a 300 ms timeout, with or without the low-latency forms.
+fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
     let e = sim(SimConfig::new(n, 13000));
     let devices = e.driver.devices();
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
             timeout: Duration::from_millis(300),
+            ll_max_bytes: if ll { 64 << 10 } else { 0 },
             ..Default::default()
         })
         .multicast(MulticastPolicy::Never)
@@ -536,31 +719,65 @@ fn small_team(n: usize) -> (Env, Communicator, Vec<Stream>) {
     (e, comm, s)
 }
 
-/// Rank 0 and rank 1 call different things; `check()` must say the ranks disagree.
+/// Rank 0 and rank 1 call different things; `check()` must say the ranks disagree (the
+/// staged kernel compares call headers at its barrier), or, with the low-latency forms (flags
+/// in the data, no header exchange), that a peer did not arrive.
 fn expect_disagreement(
     what: &str,
+    ll: bool,
     a: impl Fn(&Communicator, &Stream, &mut SymmetricBuffer<f32>),
     b: impl Fn(&Communicator, &Stream, &mut SymmetricBuffer<f32>),
 ) {
-    let (_e, comm, s) = small_team(2);
+    let (_e, comm, s) = small_team(2, ll);
     let mut buf = comm.alloc::<f32>(30_000).unwrap();
     a(&comm, &s[0], &mut buf);
     b(&comm, &s[1], &mut buf);
     sync(&s);
-    match comm.check() {
-        Err(Error::RanksDisagree { .. }) => {}
-        other => panic!("{what}: expected RanksDisagree, got {other:?}"),
+    match (ll, comm.check()) {
+        (false, Err(Error::RanksDisagree { .. })) | (true, Err(Error::Timeout { .. })) => {}
+        (_, other) => panic!("{what} (low-latency: {ll}): got {other:?}"),
     }
+}
+
+fn rank_of(c: &Communicator, s: &Stream) -> usize {
+    c.local_ranks()
+        .into_iter()
+        .find(|&r| c.device(r).unwrap() == s.device())
+        .unwrap()
 }
 
 #[test]
 fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
-    fn rank_of(c: &Communicator, s: &Stream) -> usize {
-        c.local_ranks()
-            .into_iter()
-            .find(|&r| c.device(r).unwrap() == s.device())
-            .unwrap()
-    }
+    disagreements(false);
+}
+
+/// The same disagreements on the low-latency forms: the flags fold the call header (size,
+/// collective, root, operator), so nobody takes a disagreeing peer's words; the polls time out.
+#[test]
+fn ranks_that_disagree_on_a_low_latency_call_time_out() {
+    disagreements(true);
+    // a low-latency all-gather against a low-latency allreduce of the same bytes
+    expect_disagreement(
+        "all-gather / low-latency allreduce",
+        true,
+        |c, s, b| {
+            c.rank(rank_of(c, s))
+                .unwrap()
+                .all_gather_in_place(b.slice_mut(..256).unwrap(), s)
+                .unwrap();
+        },
+        |c, s, b| {
+            let ch = c
+                .rank(rank_of(c, s))
+                .unwrap()
+                .all_reduce_in_place(b.slice_mut(..256).unwrap(), ReduceOp::Sum, s)
+                .unwrap();
+            assert_eq!(ch.algorithm, Algorithm::OneShotLl);
+        },
+    );
+}
+
+fn disagreements(ll: bool) {
     let ag = |count: usize| {
         move |c: &Communicator, s: &Stream, b: &mut SymmetricBuffer<f32>| {
             c.rank(rank_of(c, s))
@@ -569,9 +786,10 @@ fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
                 .unwrap();
         }
     };
-    expect_disagreement("all-gather sizes 64 / 128", ag(64), ag(128));
+    expect_disagreement("all-gather sizes 64 / 128", ll, ag(64), ag(128));
     expect_disagreement(
         "reduce-scatter / all-gather",
+        ll,
         |c, s, b| {
             c.rank(rank_of(c, s))
                 .unwrap()
@@ -582,6 +800,7 @@ fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
     );
     expect_disagreement(
         "broadcast roots 0 / 1",
+        ll,
         |c, s, b| {
             c.rank(rank_of(c, s))
                 .unwrap()
@@ -597,6 +816,7 @@ fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
     );
     expect_disagreement(
         "reduce-scatter sum / max",
+        ll,
         |c, s, b| {
             c.rank(rank_of(c, s))
                 .unwrap()
@@ -612,7 +832,7 @@ fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
     );
     // an allreduce above the low-latency limit (the low-latency protocol has no barrier and no
     // header: a peer that calls something else only makes it time out)
-    expect_disagreement("all-gather / allreduce", ag(128), |c, s, b| {
+    expect_disagreement("all-gather / allreduce", ll, ag(128), |c, s, b| {
         c.rank(rank_of(c, s))
             .unwrap()
             .all_reduce_in_place(b.slice_mut(..30_000).unwrap(), ReduceOp::Sum, s)
@@ -622,18 +842,22 @@ fn ranks_that_disagree_on_size_collective_or_root_are_reported_by_check() {
 
 #[test]
 fn a_peer_that_never_calls_is_reported_as_a_timeout() {
-    for kind in [
+    for (kind, ll) in [
         Kind::ReduceScatter(ReduceOp::Sum),
         Kind::AllGather,
         Kind::Broadcast(0),
-    ] {
-        let (_e, comm, s) = small_team(3);
+        Kind::Broadcast(2),
+    ]
+    .into_iter()
+    .flat_map(|k| [(k, true), (k, false)])
+    {
+        let (_e, comm, s) = small_team(3, ll);
         let (il, ol) = lengths(kind, 3, 100);
         let input = comm.alloc::<f32>(il).unwrap();
         let mut output = comm.alloc::<f32>(ol).unwrap();
-        // ranks 0 and 1 call; rank 2 never does
+        // ranks 0 and 1 call; rank 2 never does (as the root of a broadcast, too)
         for (r, st) in s.iter().enumerate().take(2) {
-            call(
+            let c = call(
                 &comm,
                 r,
                 kind,
@@ -642,13 +866,19 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
                 st,
             )
             .unwrap();
+            let want = if ll {
+                Algorithm::PushLl
+            } else {
+                Algorithm::PushStaged
+            };
+            assert_eq!(c.algorithm, want, "{kind:?}");
         }
         sync(&s);
         match comm.check() {
             Err(Error::Timeout { after, .. }) => {
                 assert_eq!(after, Duration::from_millis(300), "{kind:?}")
             }
-            other => panic!("{kind:?}: expected a timeout, got {other:?}"),
+            other => panic!("{kind:?} (low-latency: {ll}): expected a timeout, got {other:?}"),
         }
     }
 }
@@ -662,7 +892,7 @@ fn arg_of(r: cuda_multimem::Result<Choice>) -> &'static str {
 
 #[test]
 fn bad_lengths_roots_and_overlaps_are_refused_before_any_launch() {
-    let (_e, comm, s) = small_team(2);
+    let (_e, comm, s) = small_team(2, true);
     let h = comm.rank(0).unwrap();
     let st = &s[0];
     let a = comm.alloc::<f32>(1000).unwrap();

@@ -29,8 +29,11 @@ pub struct CommConfig {
     pub threads: u32,
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
     pub max_blocks: u32,
-    /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
-    /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off. At most 16 MiB.
+    /// Messages up to this many bytes use the low-latency one-shot (when not forced), and
+    /// reduce-scatter, all-gather and broadcast whose whole buffer (the scattered input, the
+    /// gathered output, the message) is at most this many bytes their low-latency forms
+    /// ([`Algorithm::PushLl`]); also sizes its staging (2 x N x 2 x this per rank). 0 turns it
+    /// off. At most 16 MiB.
     pub ll_max_bytes: usize,
     /// Threads per block of the write-only two-shot ([`Algorithm::TwoShotPush`]), which runs
     /// one block per multiprocessor (a power of two of them, unless `max_blocks` says
@@ -179,7 +182,9 @@ impl CommConfig {
             MAX_FIELD_BYTES,
             "1 TiB",
         )?;
-        if let Some(a @ (Algorithm::PushStaged | Algorithm::PushDirect)) = self.algorithm {
+        if let Some(a @ (Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl)) =
+            self.algorithm
+        {
             return Err(Error::invalid(
                 "config.algorithm",
                 format!("{a}: not an allreduce algorithm (reduce-scatter, all-gather and broadcast choose their own)"),

@@ -1,21 +1,21 @@
 //! Reduce-scatter, all-gather and broadcast on a [`RankHandle`]: operand checks, the choice
-//! between the staged and the direct kernel, the launch shape and the call header. Peer-to-peer
-//! on every team (there are no multimem versions yet). Protocol and memory-ordering argument:
-//! `docs/design/collectives.md`.
+//! between the low-latency, staged and direct kernels, the launch shape and the call header.
+//! Peer-to-peer on every team (there are no multimem versions yet). Protocol and
+//! memory-ordering argument: `docs/design/collectives.md`.
 
 use std::collections::HashMap;
 
 use cuda_multimem::{Device, Error, Function, LaunchConfig, Module, Result, StreamRef};
 
 use crate::comm::RankHandle;
-use crate::kernels::gather::Collective;
+use crate::kernels::gather::{ll_words, Collective};
 use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::operand::{Dst, Operand, Place, Src};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 
-/// The kernels of one device, by collective, type and operator (all-gather and broadcast under
-/// [`ReduceOp::Sum`] only).
-pub(crate) type Kernels = HashMap<(Collective, DType, ReduceOp), Function>;
+/// The kernels of one device, by collective, form (`true`: low-latency), type and operator
+/// (all-gather and broadcast under [`ReduceOp::Sum`] only).
+pub(crate) type Kernels = HashMap<(Collective, bool, DType, ReduceOp), Function>;
 
 /// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
 pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
@@ -27,7 +27,8 @@ pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
         let m = Module::load_ptx(device, &text)?;
         for dt in DType::ALL {
             for &op in c.ops() {
-                functions.insert((c, dt, op), m.function(&c.entry(dt, op))?);
+                functions.insert((c, false, dt, op), m.function(&c.entry(dt, op))?);
+                functions.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
             }
         }
     }
@@ -133,11 +134,14 @@ impl<'a> RankHandle<'a> {
     }
 
     /// All-gather: `input` holds `count` elements, `output` N chunks of `count`; chunk k of
-    /// every rank's output becomes rank k's input. With a symmetric output above the one-shot
-    /// limit the ranks store straight into each other's outputs ([`Algorithm::PushDirect`]);
-    /// otherwise (the caller's own output, or small messages) every rank pushes its input into
-    /// its peers' staging slots and each copies out locally ([`Algorithm::PushStaged`]: one
-    /// extra local write and read of the message, no extra launches).
+    /// every rank's output becomes rank k's input. Up to [`crate::CommConfig::ll_max_bytes`] of
+    /// output, every rank's words travel with the call's flag into its peers' low-latency slots
+    /// and each copies them out as they arrive, with no barrier ([`Algorithm::PushLl`]). Above
+    /// it, with a symmetric output above the one-shot limit, the ranks store straight into each
+    /// other's outputs ([`Algorithm::PushDirect`]); otherwise (the caller's own output, or
+    /// medium messages) every rank pushes its input into its peers' staging slots and each
+    /// copies out locally ([`Algorithm::PushStaged`]: one extra local write and read of the
+    /// message, no extra launches).
     pub fn all_gather<'s, 'd, 'x, T: Element>(
         &self,
         input: impl Into<Src<'s, T>>,
@@ -269,9 +273,9 @@ impl<'a> RankHandle<'a> {
     }
 
     /// What `coll` runs for `chunk_bytes` per rank (reduce-scatter: the output; all-gather: the
-    /// input; broadcast: the message): the algorithm and the launch shape, the same on every
-    /// rank that makes the same call.
-    fn gather_shape(&self, chunk_bytes: usize, direct: bool) -> Choice {
+    /// input; broadcast: the message) by `algorithm`: the launch shape, the same on every rank
+    /// that makes the same call.
+    fn gather_shape(&self, chunk_bytes: usize, algorithm: Algorithm) -> Choice {
         let inner = &*self.comm.inner;
         let c = &inner.config;
         let max_blocks = if c.max_blocks != 0 {
@@ -284,24 +288,24 @@ impl<'a> RankHandle<'a> {
                 .clamp(1, MAX_BLOCKS as u32)
                 .ilog2()
         } as u64;
-        let max_threads = c.push_threads as u64;
-        let units = chunk_bytes.div_ceil(16) as u64;
+        // the low-latency form: one 4-byte word per thread, up to `threads` per block (as the
+        // low-latency allreduce); the others: 16-byte units, up to `push_threads`
+        let (units, max_threads) = match algorithm {
+            Algorithm::PushLl => (ll_words(chunk_bytes as u64), c.threads as u64),
+            _ => (chunk_bytes.div_ceil(16) as u64, c.push_threads as u64),
+        };
         let mut blocks = units.div_ceil(max_threads).clamp(1, max_blocks);
-        if !direct {
+        if algorithm == Algorithm::PushStaged {
             // every block owns at least 128 bytes of each staging slot
             blocks = blocks.min(inner.p2p.stage_half as u64 / 128).max(1);
         }
         let threads = units
             .div_ceil(blocks)
             .next_multiple_of(32)
-            .clamp(64, max_threads);
+            .clamp(64, max_threads.max(64));
         Choice {
             path: Path::PeerToPeer,
-            algorithm: if direct {
-                Algorithm::PushDirect
-            } else {
-                Algorithm::PushStaged
-            },
+            algorithm,
             blocks: blocks as u32,
             threads: threads as u32,
             staged_chunks: 0,
@@ -348,13 +352,28 @@ impl<'a> RankHandle<'a> {
             _ => call.input.bytes,
         };
         let count = (chunk / es) as u64;
+        // The whole buffer: reduce-scatter's input, all-gather's output, broadcast's message.
+        let total = call.output.bytes.max(call.input.bytes);
+        // low-latency: the whole buffer up to `ll_max_bytes` (each rank then sends at most
+        // (N - 1) x 2 x that / N, under the low-latency allreduce's traffic at its limit), and
+        // a chunk that fits a low-latency slot as 8-byte (flag, word) pairs. Size only: the
+        // kernel serves any alignment, so every rank making the same call makes this choice.
+        let ll = total <= c.ll_max_bytes
+            && ll_words(chunk as u64).saturating_mul(8) <= c.ll_slot_bytes() as u64;
         // direct: the output is symmetric (every rank's mapped here) and the message is above
         // the one-shot limit, where saving the local copy beats saving a barrier
-        let total = call.output.bytes.max(call.input.bytes);
-        let direct = call.coll != Collective::ReduceScatter
+        let direct = !ll
+            && call.coll != Collective::ReduceScatter
             && call.output.is_sym()
             && total > c.one_shot_max(n);
-        let choice = self.gather_shape(chunk, direct);
+        let algorithm = if ll {
+            Algorithm::PushLl
+        } else if direct {
+            Algorithm::PushDirect
+        } else {
+            Algorithm::PushStaged
+        };
+        let choice = self.gather_shape(chunk, algorithm);
         self.check_stream(&stream)?;
         if chunk == 0 {
             return Ok(choice);
@@ -362,7 +381,7 @@ impl<'a> RankHandle<'a> {
         inner.ranks.next_call(l);
         let f = l
             .gather
-            .get(&(call.coll, call.dtype, call.op))
+            .get(&(call.coll, ll, call.dtype, call.op))
             .ok_or_else(|| {
                 Error::invalid(
                     "op",
@@ -387,7 +406,8 @@ impl<'a> RankHandle<'a> {
                 0xff
             },
             call.coll.code(),
-            direct as u64,
+            // the form: 0 staged, 1 direct, 2 low-latency (whose flags fold this header)
+            if ll { 2 } else { direct as u64 },
             call.root as u64,
             out_id,
             out_off,
@@ -396,8 +416,10 @@ impl<'a> RankHandle<'a> {
         // SAFETY: a function of this device's module whose entry takes these eight .u64
         // parameters (pad, in, out, count, out_tab, root, header, timeout); the operands were
         // checked to lie inside their buffers (input and output lengths in the collective's
-        // ratio), the table holds N addresses of a symmetric output, the pad and staging are
-        // the communicator's; the stream is a live stream of this device (checked).
+        // ratio), the table holds N addresses of a symmetric output (direct; else 0, unread),
+        // the pad, staging and low-latency slots are the communicator's (a low-latency chunk
+        // fits a slot as 8-byte pairs: checked above); the stream is a live stream of this
+        // device (checked).
         unsafe {
             f.launch_u64(
                 &LaunchConfig::linear(choice.blocks, choice.threads),

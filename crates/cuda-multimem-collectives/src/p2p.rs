@@ -169,7 +169,7 @@ impl P2p {
                 units.div_ceil(n as u64)
             }
             // not allreduce algorithms (refused by CommConfig::validate; shapes: src/gather.rs)
-            Algorithm::PushStaged | Algorithm::PushDirect => units,
+            Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl => units,
         };
         let mut blocks = per_rank.div_ceil(max_threads).clamp(1, max_blocks);
         if algorithm == Algorithm::TwoShotPush {
@@ -272,7 +272,7 @@ impl P2p {
             Algorithm::OneShot | Algorithm::OneShotLl => true,
             Algorithm::TwoShotPush | Algorithm::TwoShotCe => sym_out && (sym_in || bytes % 16 == 0),
             Algorithm::TwoShot => sym_in && sym_out,
-            Algorithm::PushStaged | Algorithm::PushDirect => false,
+            Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl => false,
         };
         Ok(ok.then_some(alg))
     }
@@ -364,7 +364,7 @@ impl P2p {
             Algorithm::TwoShot => Kernel::P2pTwoShot,
             Algorithm::TwoShotPush => Kernel::P2pTwoShotPush,
             Algorithm::TwoShotCe => Kernel::P2pTwoShotCe,
-            Algorithm::PushStaged | Algorithm::PushDirect => {
+            Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl => {
                 return Err(Error::invalid(
                     "config.algorithm",
                     format!("{alg} is not an allreduce algorithm"),

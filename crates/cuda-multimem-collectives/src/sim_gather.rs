@@ -1,11 +1,12 @@
 //! Host-side equivalents of the reduce-scatter, all-gather and broadcast kernels
 //! (`kernels/p2p_{reduce_scatter,all_gather,broadcast}.ptx`), step by step: the same byte split
 //! per block, the same rounds through the same staging slots, the same barrier (the parent
-//! module's), header check at the first barrier only, the same final counters. Registered by
-//! [`super::install`].
+//! module's), header check at the first barrier only, the same final counters; and their
+//! low-latency forms ([`run_ll`]): the same word split, flags, slots, presence words and
+//! polls. Registered by [`super::install`].
 
 use super::*;
-use crate::kernels::gather::Collective;
+use crate::kernels::gather::{ll_words, Collective};
 
 /// Register every entry of the three collectives.
 pub(super) fn register() {
@@ -13,6 +14,7 @@ pub(super) fn register() {
         for d in DType::ALL {
             for &o in c.ops() {
                 register_kernel(&c.entry(d, o), move |a| run(c, d, o, a));
+                register_kernel(&c.ll_entry(d, o), move |a| run_ll(c, d, o, a));
             }
         }
     }
@@ -174,6 +176,266 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
         let mut j = b as usize;
         while j < MAX_BLOCKS {
             u32_at(pad + OFF_CTR + 4 * j).store(final_ctr, Ordering::Relaxed);
+            j += g as usize;
+        }
+    }
+    Ok(())
+}
+
+/// Words [lo, hi) of a chunk of `chunk` bytes at `base`, as the low-latency kernels address
+/// them (4 bytes per word, the last one possibly half an element pair), checked.
+fn check_words(
+    a: &LaunchArgs,
+    base: usize,
+    (lo, hi): (u64, u64),
+    chunk: u64,
+    write: bool,
+) -> Result<(), KernelError> {
+    let x0 = (4 * lo).min(chunk);
+    let x1 = (4 * hi).min(chunk).max(x0);
+    if x1 > x0 {
+        a.check(base + x0 as usize, (x1 - x0) as usize, write)?;
+    }
+    Ok(())
+}
+
+/// Word `w` of the chunk at `base` (see the PTX `ll_load`): one 4-byte load when the address is
+/// 4-byte aligned and the word whole (`w < whole`), else its 16-bit elements, a missing second
+/// one read as 0.
+fn load_word(d: DType, base: usize, w: u64, whole: u64) -> u32 {
+    let at = base + 4 * w as usize;
+    // SAFETY: inside a range checked with `check_words`; volatile, as `ld` (other devices
+    // write device memory concurrently).
+    unsafe {
+        if d.size() == 4 || (at % 4 == 0 && w < whole) {
+            std::ptr::read_volatile(at as *const u32)
+        } else {
+            let lo = std::ptr::read_volatile(at as *const u16) as u32;
+            let hi = if w < whole {
+                std::ptr::read_volatile((at + 2) as *const u16) as u32
+            } else {
+                0
+            };
+            lo | hi << 16
+        }
+    }
+}
+
+/// Store `x` as word `w` of the chunk at `base` (as [`load_word`]: the second element of a word
+/// that is not whole is not stored).
+fn store_word(d: DType, base: usize, w: u64, whole: u64, x: u32) {
+    let at = base + 4 * w as usize;
+    // SAFETY: inside a range checked writable with `check_words`.
+    unsafe {
+        if d.size() == 4 || (at % 4 == 0 && w < whole) {
+            std::ptr::write_volatile(at as *mut u32, x);
+        } else {
+            std::ptr::write_volatile(at as *mut u16, x as u16);
+            if w < whole {
+                std::ptr::write_volatile((at + 2) as *mut u16, (x >> 16) as u16);
+            }
+        }
+    }
+}
+
+/// Poll the 8-byte cell at `at` until its flag (high half) is `flag`'s, bounded by the timeout
+/// (then `ERR_TIMEOUT`), or until the error word is set; its word.
+fn poll(cx: &Ctx, at: usize, flag: u64) -> u32 {
+    let cell = u64_at(at);
+    let start = Instant::now();
+    loop {
+        let v = cell.load(Ordering::Relaxed);
+        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
+            return v as u32;
+        }
+        if start.elapsed() >= cx.timeout {
+            let _ = cx
+                .err()
+                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+            return v as u32;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// The low-latency forms (see the PTX `ll_kernel`): per block, its words of the chunk; the
+/// sends (8-byte (flag, word) stores into the receivers' slots `[parity][rank]`; broadcast's
+/// non-roots a presence word), then the polls of the own slots, the reduction in rank order or
+/// the copy into the output, the broadcast's presence polls; counters c + 2. No barrier.
+fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
+    let pad = a.u64(0)? as usize;
+    let (inp, out, count) = (a.u64(1)? as usize, a.u64(2)? as usize, a.u64(3)?);
+    let root = a.u64(5)? as usize;
+    a.check(pad, PAD_BYTES, true)?;
+    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
+    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
+    if n == 0 || n > MAX_RANKS || rank >= n || root >= n {
+        return Err(KernelError::Failed(format!(
+            "bad pad or root: rank {rank} of {n}, root {root}"
+        )));
+    }
+    let cx = Ctx {
+        pad,
+        rank,
+        n,
+        pads: Vec::new(),
+        timeout: Duration::from_nanos(a.u64(7)?),
+        sig: a.u64(6)?,
+    };
+    let g = a.grid.0 as u64;
+    if g as usize > MAX_BLOCKS {
+        return Err(KernelError::Failed(format!("grid of {g} blocks")));
+    }
+    let slot = u64_at(pad + OFF_LL_SLOT).load(Ordering::Relaxed) as usize;
+    let stage = |t: usize| u64_at(pad + OFF_LL_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
+    let chunk = count * d.size() as u64;
+    let b_ = chunk as usize;
+    let (words, whole) = (ll_words(chunk), chunk / 4);
+    if 8 * words > slot as u64 {
+        return Err(KernelError::Failed(format!(
+            "{words} words do not fit a {slot}-byte low-latency slot"
+        )));
+    }
+    let per = words.div_ceil(g);
+    // my own chunk: reduce-scatter's input chunk r, all-gather's output chunk r, broadcast's
+    // output
+    let own = match c {
+        Collective::ReduceScatter => inp + rank * b_,
+        Collective::AllGather => out + rank * b_,
+        Collective::Broadcast => out,
+    };
+    let in_place = match c {
+        Collective::ReduceScatter => false,
+        Collective::AllGather => inp == own,
+        Collective::Broadcast => inp == out,
+    };
+    let is_root = rank == root;
+    let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
+    let halves = if d.size() == 4 { 1 } else { 2 };
+    for b in 0..g {
+        let cnt = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
+        let flag = ((cnt.wrapping_add(1) ^ fold) as u64) << 32;
+        let parity = ((cnt >> 1) & 1) as usize;
+        let push = |t: usize| stage(t) + (parity * n + rank) * slot;
+        let mine = |k: usize| stage(rank) + (parity * n + k) * slot;
+        let r = ((b * per).min(words), ((b + 1) * per).min(words));
+        let (lo, hi) = r;
+        let cells = |base: usize| -> Result<(), KernelError> {
+            if hi > lo {
+                a.check(base + 8 * lo as usize, 8 * (hi - lo) as usize, true)?;
+            }
+            Ok(())
+        };
+        // send: posted 8-byte stores only
+        match c {
+            Collective::ReduceScatter => {
+                for k in (0..n).filter(|&k| k != rank) {
+                    check_words(a, inp + k * b_, r, chunk, false)?;
+                    cells(push(k))?;
+                }
+                for w in lo..hi {
+                    for k in (0..n).filter(|&k| k != rank) {
+                        let x = load_word(d, inp + k * b_, w, whole);
+                        u64_at(push(k) + 8 * w as usize).store(flag | x as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+            Collective::AllGather | Collective::Broadcast => {
+                if c == Collective::AllGather || is_root {
+                    check_words(a, inp, r, chunk, false)?;
+                    check_words(a, own, r, chunk, true)?;
+                    for k in (0..n).filter(|&k| k != rank) {
+                        cells(push(k))?;
+                    }
+                    for w in lo..hi {
+                        let x = load_word(d, inp, w, whole);
+                        for k in (0..n).filter(|&k| k != rank) {
+                            u64_at(push(k) + 8 * w as usize)
+                                .store(flag | x as u64, Ordering::Relaxed);
+                        }
+                        if !in_place {
+                            store_word(d, own, w, whole, x);
+                        }
+                    }
+                }
+                if c == Collective::Broadcast && !is_root && b == 0 {
+                    // presence: the flag as word 0 of my slot on every peer
+                    for t in (0..n).filter(|&t| t != rank) {
+                        a.check(push(t), 8, true)?;
+                        u64_at(push(t)).store(flag, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        a.jitter();
+        // receive: local polls and stores only
+        match c {
+            Collective::ReduceScatter => {
+                check_words(a, own, r, chunk, false)?;
+                check_words(a, out, r, chunk, true)?;
+                for k in (0..n).filter(|&k| k != rank) {
+                    cells(mine(k))?;
+                }
+                for w in lo..hi {
+                    let mut acc = [0f32; 2];
+                    for k in 0..n {
+                        let x = if k == rank {
+                            load_word(d, own, w, whole)
+                        } else {
+                            poll(&cx, mine(k) + 8 * w as usize, flag)
+                        };
+                        for (h, acc) in acc.iter_mut().enumerate().take(halves) {
+                            let bits = if halves == 1 {
+                                x
+                            } else {
+                                (x >> (16 * h)) & 0xffff
+                            };
+                            let v = d.decode(bits);
+                            *acc = if k == 0 { v } else { op.apply(*acc, v) };
+                        }
+                    }
+                    let x = if halves == 1 {
+                        d.encode(acc[0])
+                    } else {
+                        d.encode(acc[0]) | d.encode(acc[1]) << 16
+                    };
+                    store_word(d, out, w, whole, x);
+                }
+            }
+            Collective::AllGather => {
+                for k in (0..n).filter(|&k| k != rank) {
+                    cells(mine(k))?;
+                    check_words(a, out + k * b_, r, chunk, true)?;
+                }
+                for w in lo..hi {
+                    for k in (0..n).filter(|&k| k != rank) {
+                        let x = poll(&cx, mine(k) + 8 * w as usize, flag);
+                        store_word(d, out + k * b_, w, whole, x);
+                    }
+                }
+            }
+            Collective::Broadcast => {
+                if !is_root {
+                    cells(mine(root))?;
+                    check_words(a, out, r, chunk, true)?;
+                    for w in lo..hi {
+                        let x = poll(&cx, mine(root) + 8 * w as usize, flag);
+                        store_word(d, out, w, whole, x);
+                    }
+                }
+                if b == 0 {
+                    // presence of every non-root other than me: every rank hears from every
+                    // peer in every call, as in the other two (the slot-reuse argument)
+                    for t in (0..n).filter(|&t| t != rank && t != root) {
+                        a.check(mine(t), 8, false)?;
+                        poll(&cx, mine(t), flag);
+                    }
+                }
+            }
+        }
+        let mut j = b as usize;
+        while j < MAX_BLOCKS {
+            u32_at(pad + OFF_CTR + 4 * j).store(cnt.wrapping_add(2), Ordering::Relaxed);
             j += g as usize;
         }
     }

@@ -248,6 +248,12 @@ pub enum Algorithm {
     /// into every rank's output, barrier. Chosen above the one-shot limit
     /// ([`crate::CommConfig::one_shot_max_bytes`]) when the output is symmetric.
     PushDirect,
+    /// Reduce-scatter, all-gather and broadcast with the low-latency protocol (small messages,
+    /// up to [`crate::CommConfig::ll_max_bytes`] of the whole gathered, scattered or broadcast
+    /// buffer): the data travel with the call's flag in 8-byte stores into the receivers'
+    /// low-latency slots, the receivers poll the data, no barrier. Serves every operand kind
+    /// and alignment with no copies outside the kernel. See `docs/design/collectives.md`.
+    PushLl,
 }
 
 impl std::fmt::Display for Algorithm {
@@ -260,6 +266,7 @@ impl std::fmt::Display for Algorithm {
             Algorithm::TwoShotCe => "two-shot-ce",
             Algorithm::PushStaged => "push-staged",
             Algorithm::PushDirect => "push-direct",
+            Algorithm::PushLl => "push-ll",
         })
     }
 }

@@ -15,6 +15,10 @@
 //! | 5 | `p_root` | broadcast: the root rank (others: 0) |
 //! | 6 | `p_sig` | the call header |
 //! | 7 | `p_timeout` | barrier deadline, nanoseconds |
+//!
+//! Each file holds two entries per type (and operator): the staged/direct kernel
+//! ([`Collective::entry`]) and the low-latency form ([`Collective::ll_entry`]: flags in the
+//! data, no barrier; `p_out_tab` is 0 and unused).
 
 use crate::{DType, ReduceOp as Op};
 
@@ -98,6 +102,16 @@ impl Collective {
         }
     }
 
+    /// The entry name of the low-latency form of one variant (`op` is ignored where nothing is
+    /// reduced).
+    pub fn ll_entry(self, dtype: DType, op: Op) -> String {
+        match self {
+            Collective::ReduceScatter => format!("cmm_rs_ll_{}_{}", dtype.name(), op.name()),
+            Collective::AllGather => format!("cmm_ag_ll_{}", dtype.name()),
+            Collective::Broadcast => format!("cmm_bc_ll_{}", dtype.name()),
+        }
+    }
+
     /// Its code in the call header: apart from every allreduce kernel's (`Kernel as u64`, below
     /// 16), so ranks that call different collectives are reported as disagreeing.
     pub fn code(self) -> u64 {
@@ -122,4 +136,10 @@ pub fn staged_rounds(chunk_bytes: u64, blocks: u64, slot: u64) -> u64 {
     let per = units.div_ceil(blocks.max(1)).next_multiple_of(8);
     let share = ((slot / blocks.max(1)) & !127) / 16;
     per.div_ceil(share.max(1)).max(1)
+}
+
+/// 4-byte words of a low-latency call's chunk of `chunk_bytes` (the last one may hold a single
+/// 16-bit element); each travels as 8 bytes, so a slot must hold `8 × words` bytes.
+pub fn ll_words(chunk_bytes: u64) -> u64 {
+    chunk_bytes.div_ceil(4)
 }

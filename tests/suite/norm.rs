@@ -336,7 +336,7 @@ fn the_low_latency_form_runs_up_to_its_limit_on_whole_aligned_words_only() {
         let c = comm
             .rank(r)
             .unwrap()
-            .all_reduce_add_rms_norm(xs, rs, &*g, os, h, EPS, &s[r])
+            .all_reduce_add_rms_norm(xs, rs, g, os, h, EPS, &s[r])
             .unwrap();
         assert_eq!(c.algorithm, Algorithm::OneShot, "operands off a word");
     }

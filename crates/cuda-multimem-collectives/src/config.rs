@@ -30,7 +30,8 @@ pub struct CommConfig {
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
     pub max_blocks: u32,
     /// Messages up to this many bytes use the low-latency one-shot (when not forced); also
-    /// sizes its staging (2 x N x 2 x this per rank). 0 turns it off. At most 16 MiB.
+    /// sizes its staging (2 x N x 2 x the larger of this and `norm_ll_max_bytes` per rank). 0
+    /// turns it off. At most 16 MiB.
     pub ll_max_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands

@@ -29,6 +29,8 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Form {
     Auto,
+    /// The low-latency one-shot where the call allows it (else the barrier one-shot).
+    Ll,
     OneShot,
     TwoShot,
 }
@@ -55,6 +57,10 @@ struct Args {
     /// Calls per graph (pipelined).
     #[arg(long, default_value_t = 50)]
     iters: usize,
+    /// Largest fused call (bytes) of the low-latency form (`CommConfig::norm_ll_max_bytes`;
+    /// default: the library's).
+    #[arg(long)]
+    norm_ll_max_bytes: Option<usize>,
 }
 
 const EPS: f32 = 1e-6;
@@ -148,9 +154,13 @@ fn run(args: &Args) -> Res<bool> {
     let config = CommConfig {
         algorithm: match args.form {
             Form::Auto => None,
+            Form::Ll => Some(Algorithm::OneShotLl),
             Form::OneShot => Some(Algorithm::OneShot),
             Form::TwoShot => Some(Algorithm::TwoShot),
         },
+        norm_ll_max_bytes: args
+            .norm_ll_max_bytes
+            .unwrap_or(CommConfig::default().norm_ll_max_bytes),
         ..Default::default()
     };
     // the norm never uses multicast; no multicast object is created on any machine

@@ -198,7 +198,159 @@ fn each_dtype(
 
 #[test]
 fn one_shot_matches_the_reference_for_every_dtype_at_hidden_8192_and_4100() {
-    each_dtype(2, None, &[1, 3, 16], &[8192, 4100], false);
+    each_dtype(
+        2,
+        Some(Algorithm::OneShot),
+        &[1, 3, 16],
+        &[8192, 4100],
+        false,
+    );
+}
+
+#[test]
+fn low_latency_one_shot_matches_the_reference_for_every_dtype_at_hidden_8192_and_4100() {
+    each_dtype(
+        2,
+        Some(Algorithm::OneShotLl),
+        &[1, 3, 16],
+        &[8192, 4100],
+        false,
+    );
+}
+
+#[test]
+fn low_latency_one_shot_serves_the_callers_own_memory() {
+    each_dtype(
+        2,
+        Some(Algorithm::OneShotLl),
+        &[1, 3, 16],
+        &[8192, 4100],
+        true,
+    );
+}
+
+/// Operands 4-byte but not 16-byte aligned (element units, a 16-bit element taking half of a
+/// polled word), and an odd number of words per row.
+#[test]
+fn low_latency_one_shot_runs_element_units_on_rows_not_16_byte_aligned() {
+    each_dtype(2, Some(Algorithm::OneShotLl), &[1, 3], &[4098, 130], true);
+    each_dtype(3, Some(Algorithm::OneShotLl), &[5], &[4098], false);
+}
+
+/// The low-latency form's results are the barrier one-shot's bits: the same threads, units and
+/// sum-of-squares order.
+#[test]
+fn low_latency_and_barrier_one_shot_give_the_same_bits() {
+    for (t, h) in [(1, 8192), (3, 4100), (16, 8192), (2, 4098)] {
+        let (_e, ll, sl) = team(2, forced(Some(Algorithm::OneShotLl)));
+        let case = Case::<bf16>::new(2, t, h, (t * h) as u64);
+        let a = run(&ll, &sl, &case, true, "low-latency");
+        drop((ll, sl, _e));
+        let (_e, os, so) = team(2, forced(Some(Algorithm::OneShot)));
+        let b = run(&os, &so, &case, true, "barrier one-shot");
+        assert_eq!(a, b, "{t} x {h}: the two one-shots differ");
+        let f = Case::<f32>::new(2, t, h, (t + h) as u64);
+        let a = run(&os, &so, &f, false, "barrier one-shot f32");
+        drop((os, so, _e));
+        let (_e, ll, sl) = team(2, forced(Some(Algorithm::OneShotLl)));
+        let b = run(&ll, &sl, &f, false, "low-latency f32");
+        assert_eq!(a, b, "{t} x {h} f32: the two one-shots differ");
+    }
+}
+
+#[test]
+fn teams_of_2_to_8_match_the_reference_in_the_low_latency_form() {
+    for n in [2, 3, 4, 5, 8] {
+        let (_e, comm, s) = team(n, forced(Some(Algorithm::OneShotLl)));
+        for (t, h) in [(1, 8192), (3, 1000), (16, 520)] {
+            let what = format!("{n} ranks low-latency {t} x {h}");
+            let c = comm
+                .add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)
+                .unwrap();
+            assert_eq!(c.algorithm, Algorithm::OneShotLl, "{what}");
+            run(
+                &comm,
+                &s,
+                &Case::<bf16>::new(n, t, h, (n + t) as u64),
+                t % 2 == 1,
+                &what,
+            );
+            run(
+                &comm,
+                &s,
+                &Case::<f16>::new(n, t, h, (n * t + 1) as u64),
+                t % 2 == 0,
+                &what,
+            );
+        }
+    }
+}
+
+/// Up to `norm_ll_max_bytes` on 4-byte words the default choice is the low-latency form; above
+/// it, on rows of odd 16-bit elements, or on operands that are not 4-byte aligned, the barrier
+/// one-shot runs (and gives the reference's results).
+#[test]
+fn the_low_latency_form_runs_up_to_its_limit_on_whole_aligned_words_only() {
+    use cuda_multimem_collectives::DType;
+    let (_e, comm, s) = team(2, CommConfig::default());
+    let ll = |t, h, d| comm.add_rms_norm_choice(d, t, h).unwrap().algorithm;
+    assert_eq!(ll(1, 8192, DType::Bf16), Algorithm::OneShotLl);
+    assert_eq!(ll(16, 8192, DType::Bf16), Algorithm::OneShotLl);
+    assert_eq!(ll(17, 8192, DType::Bf16), Algorithm::OneShot);
+    assert_eq!(ll(8, 8192, DType::F32), Algorithm::OneShotLl);
+    assert_eq!(ll(9, 8192, DType::F32), Algorithm::OneShot);
+    assert_eq!(ll(3, 4099, DType::Bf16), Algorithm::OneShot);
+    assert_eq!(ll(3, 4099, DType::F32), Algorithm::OneShotLl);
+    // odd elements, and operands 2 bytes off a word: the barrier one-shot, correct
+    run(
+        &comm,
+        &s,
+        &Case::<bf16>::new(2, 3, 4099, 7),
+        true,
+        "odd row, default",
+    );
+    let (t, h) = (2, 1000);
+    let case = Case::<bf16>::new(2, t, h, 8);
+    let mut got = Vec::new();
+    let mut keep = Vec::new();
+    for r in 0..2 {
+        let d = comm.device(r).unwrap();
+        let pad = |v: &[bf16]| [&[bf16::ZERO][..], v].concat();
+        keep.push((
+            DeviceBuffer::from_host(d, &pad(&case.xs[r])).unwrap(),
+            DeviceBuffer::from_host(d, &pad(&case.r)).unwrap(),
+            DeviceBuffer::from_host(d, &case.gamma).unwrap(),
+            DeviceBuffer::<bf16>::zeroed(d, t * h + 1).unwrap(),
+        ));
+    }
+    for (r, (x, res, g, out)) in keep.iter().enumerate() {
+        // SAFETY: ranges inside these buffers, alive until the streams are synchronised below.
+        let (xs, rs, os) = unsafe {
+            use cuda_multimem_collectives::{Dst, Src};
+            (
+                Src::<bf16>::from_raw(x.device_ptr() + 2, t * h),
+                Dst::<bf16>::from_raw(res.device_ptr() + 2, t * h),
+                Dst::<bf16>::from_raw(out.device_ptr() + 2, t * h),
+            )
+        };
+        let c = comm
+            .rank(r)
+            .unwrap()
+            .all_reduce_add_rms_norm(xs, rs, g, os, h, EPS, &s[r])
+            .unwrap();
+        assert_eq!(c.algorithm, Algorithm::OneShot, "operands off a word");
+    }
+    for st in &s {
+        st.synchronize().unwrap();
+    }
+    comm.check().unwrap();
+    for (r, (_, res, _, out)) in keep.iter().enumerate() {
+        got.push((
+            res.to_vec().unwrap()[1..].to_vec(),
+            out.to_vec().unwrap()[1..].to_vec(),
+        ));
+        case.check("operands 2 bytes off a word", r, &got[r].0, &got[r].1);
+    }
 }
 
 #[test]
@@ -293,14 +445,26 @@ fn calls_larger_than_the_staging_run_in_several_launches() {
 fn the_form_is_one_shot_up_to_3_ranks_and_two_shot_above_the_limit_for_larger_teams() {
     use cuda_multimem_collectives::DType;
     {
-        let (_e, comm, _s) = team(2, CommConfig::default());
+        let (_e, comm, _s) = team(
+            2,
+            CommConfig {
+                norm_ll_max_bytes: 0,
+                ..Default::default()
+            },
+        );
         for t in [1, 16, 1024] {
             let c = comm.add_rms_norm_choice(DType::Bf16, t, 8192).unwrap();
             assert_eq!(c.algorithm, Algorithm::OneShot, "{t} tokens on 2 ranks");
             assert_eq!(c.staged_chunks, 0);
         }
     }
-    let (_e, comm, _s) = team(4, CommConfig::default());
+    let (_e, comm, _s) = team(
+        4,
+        CommConfig {
+            norm_ll_max_bytes: 0,
+            ..Default::default()
+        },
+    );
     assert_eq!(
         comm.add_rms_norm_choice(DType::Bf16, 16, 8192)
             .unwrap()
@@ -317,7 +481,7 @@ fn the_form_is_one_shot_up_to_3_ranks_and_two_shot_above_the_limit_for_larger_te
 
 #[test]
 fn out_may_be_x_itself() {
-    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
         let (_e, comm, s) = team(2, forced(Some(alg)));
         let (t, h) = (5, 1000);
         let case = Case::<bf16>::new(2, t, h, 21);
@@ -395,8 +559,8 @@ fn the_unfused_baseline_after_an_allreduce_gives_the_fused_bits_for_f32() {
 /// Each rank captures one fused call into a graph and replays it with new inputs: nothing is
 /// reset from the host between replays.
 #[test]
-fn a_captured_graph_replays_the_fused_norm_in_both_forms() {
-    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+fn a_captured_graph_replays_the_fused_norm_in_every_form() {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
         let (_e, comm, s) = team(2, forced(Some(alg)));
         let (t, h) = (16, 1024);
         let x: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
@@ -439,12 +603,12 @@ fn a_captured_graph_replays_the_fused_norm_in_both_forms() {
     }
 }
 
-/// Norm calls of both forms and allreduce calls of every algorithm, back to back on the same
+/// Norm calls of every form and allreduce calls of every algorithm, back to back on the same
 /// pad and staging, with random per-device delays: every result exact (allreduce) or within
-/// tolerance (norm), on teams of 2, 3 and 5.
+/// tolerance (norm), on teams of 2, 3, 5 and 8.
 #[test]
 fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
-    for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3)] {
+    for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {
         let e = sim(SimConfig::new(n, 13000));
         e.sim
             .as_ref()
@@ -454,7 +618,9 @@ fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
         let comm = Communicator::builder(&devices)
             .multicast(MulticastPolicy::Never)
             .config(CommConfig {
-                // norm calls of 6 or 7 rows of 520 bytes run one-shot, of 8 to 10 two-shot
+                // norm calls of 6 rows of 520 bytes run low-latency, of 7 one-shot, of 8 to 10
+                // two-shot
+                norm_ll_max_bytes: 3200,
                 one_shot_max_bytes: Some(4 << 10),
                 ll_max_bytes: 2 << 10,
                 stage_bytes: Some(16 << 10),
@@ -670,7 +836,7 @@ fn short_timeout(
 
 #[test]
 fn ranks_that_disagree_on_hidden_are_reported_not_waited_for() {
-    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
         let (_e, comm, s) = short_timeout(2, alg);
         let x: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
         let mut res: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
@@ -694,9 +860,12 @@ fn ranks_that_disagree_on_hidden_are_reported_not_waited_for() {
         for st in &s {
             st.synchronize().unwrap();
         }
-        match comm.check() {
-            Err(Error::RanksDisagree { .. }) => {}
-            other => panic!("{alg}: expected a disagreement, got {other:?}"),
+        match (alg, comm.check()) {
+            (_, Err(Error::RanksDisagree { .. })) => {}
+            // no barrier, no header to compare: the flags differ, nobody takes the other's
+            // words, and the poll ends at the timeout
+            (Algorithm::OneShotLl, Err(Error::Timeout { .. })) => {}
+            (_, other) => panic!("{alg}: expected a disagreement, got {other:?}"),
         }
         assert!(matches!(
             comm.rank(0)
@@ -709,7 +878,7 @@ fn ranks_that_disagree_on_hidden_are_reported_not_waited_for() {
 
 #[test]
 fn a_peer_that_never_calls_the_norm_is_a_timeout_not_a_hang() {
-    for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
+    for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
         let (_e, comm, s) = short_timeout(3, alg);
         let x: SymmetricBuffer<bf16> = comm.alloc(4 * 300).unwrap();
         let mut res: SymmetricBuffer<bf16> = comm.alloc(4 * 300).unwrap();

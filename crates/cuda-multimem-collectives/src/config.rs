@@ -32,9 +32,15 @@ pub struct CommConfig {
     /// Messages up to this many bytes use the low-latency one-shot (when not forced), and
     /// reduce-scatter, all-gather and broadcast whose whole buffer (the scattered input, the
     /// gathered output, the message) is at most this many bytes their low-latency forms
-    /// ([`Algorithm::PushLl`]); also sizes its staging (2 x N x 2 x this per rank). 0 turns it
-    /// off. At most 16 MiB.
+    /// ([`Algorithm::PushLl`]); also sizes its staging (2 x N x 2 x the larger of this and
+    /// `norm_ll_max_bytes` per rank). 0 turns it off. At most 16 MiB.
     pub ll_max_bytes: usize,
+    /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
+    /// hidden × element size) use its low-latency one-shot (when not forced and the operands
+    /// allow it; docs/design/rmsnorm.md); the low-latency slots are sized for the larger of
+    /// this and `ll_max_bytes`. Default 256 KiB: 16 tokens of hidden 8192 in bf16. 0 turns it
+    /// off. At most 16 MiB.
+    pub norm_ll_max_bytes: usize,
     /// Threads per block of the write-only two-shot ([`Algorithm::TwoShotPush`]), which runs
     /// one block per multiprocessor (a power of two of them, unless `max_blocks` says
     /// otherwise): 1024 and 128 blocks on 2 x H200 moved 362 GB/s at 256 MiB where 512 x 256
@@ -66,6 +72,7 @@ impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
             ll_max_bytes: 64 << 10,
+            norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,
             ce_max_bytes: 0,
@@ -109,9 +116,12 @@ impl CommConfig {
             .next_multiple_of(4096)
     }
 
-    /// Bytes of one low-latency staging slot.
+    /// Bytes of one low-latency staging slot: two stored bytes per data byte of the larger
+    /// low-latency limit (allreduce, norm).
     pub(crate) fn ll_slot_bytes(&self) -> usize {
-        (2 * self.ll_max_bytes).max(4096).next_multiple_of(4096)
+        (2 * self.ll_max_bytes.max(self.norm_ll_max_bytes))
+            .max(4096)
+            .next_multiple_of(4096)
     }
 
     /// Bytes of the scratch: three regions of whole 4 KiB pages (0: none).
@@ -146,6 +156,12 @@ impl CommConfig {
             ));
         }
         at_most("config.ll_max_bytes", self.ll_max_bytes, 16 << 20, "16 MiB")?;
+        at_most(
+            "config.norm_ll_max_bytes",
+            self.norm_ll_max_bytes,
+            16 << 20,
+            "16 MiB",
+        )?;
         if let Some(b) = self.one_shot_max_bytes {
             at_most("config.one_shot_max_bytes", b, 1 << 30, "1 GiB")?;
         }
@@ -226,6 +242,7 @@ impl CommConfig {
             self.scratch_bytes as u64,
             self.multimem_min_bytes as u64,
             self.multimem_capacity as u64,
+            self.norm_ll_max_bytes as u64,
             self.timeout_ns(),
             multiprocessors as u64,
         ] {
@@ -294,6 +311,7 @@ mod tests {
             scratch_bytes: 16 << 30,
             multimem_capacity: 16 << 30,
             ll_max_bytes: 16 << 20,
+            norm_ll_max_bytes: 16 << 20,
             ..Default::default()
         };
         c.validate().unwrap();

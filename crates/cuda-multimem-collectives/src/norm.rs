@@ -52,6 +52,7 @@ fn form_name(k: NormKernel) -> Algorithm {
     match k {
         NormKernel::OneShot => Algorithm::OneShot,
         NormKernel::TwoShot => Algorithm::TwoShotPush,
+        NormKernel::OneShotLl => Algorithm::OneShotLl,
     }
 }
 
@@ -68,9 +69,11 @@ fn threads_for(row_bytes: usize, es: usize) -> u32 {
 
 impl Communicator {
     /// What [`RankHandle::all_reduce_add_rms_norm`] runs for `tokens` rows of `hidden`
-    /// elements of `dtype`: the form (one-shot for teams of up to 3, and up to the one-shot
-    /// limit for larger teams; else two-shot — docs/design/rmsnorm.md says why) and the launch
-    /// shape of its first launch. `staged_chunks` is 0: the operands are always used in place.
+    /// elements of `dtype` on 4-byte aligned operands: the form (the low-latency one-shot up
+    /// to `norm_ll_max_bytes` when a row is whole 4-byte words; else one-shot for teams of up
+    /// to 3, and up to the one-shot limit for larger teams; else two-shot —
+    /// docs/design/rmsnorm.md says why) and the launch shape of its first launch.
+    /// `staged_chunks` is 0: the operands are always used in place.
     pub fn add_rms_norm_choice(
         &self,
         dtype: DType,
@@ -83,31 +86,46 @@ impl Communicator {
             .ok_or_else(|| {
                 Error::invalid("hidden", format!("{hidden}; expected 1 to {MAX_HIDDEN}"))
             })?;
-        let k = self.norm_form(tokens.saturating_mul(row_bytes));
+        let bytes = tokens.saturating_mul(row_bytes);
+        let k = self.norm_form(bytes, self.norm_ll_fits(bytes, row_bytes, 0));
         let mp = self.inner.ranks.locals[0].norm.multiprocessors;
         let (rows, _) = self.norm_launch_rows(k, tokens, row_bytes)?;
         Ok(self.norm_shape(k, rows, row_bytes, dtype.size(), mp))
     }
 
-    fn norm_form(&self, bytes: usize) -> NormKernel {
+    /// Whether the low-latency one-shot can run a call of `bytes` in rows of `row_bytes`
+    /// whose operand addresses, or-ed together, are `addrs`: whole aligned 4-byte words, and
+    /// at most `norm_ll_max_bytes` and what a low-latency slot holds (two bytes per data byte).
+    fn norm_ll_fits(&self, bytes: usize, row_bytes: usize, addrs: u64) -> bool {
+        let c = &self.inner.config;
+        let limit = c.norm_ll_max_bytes.min(c.ll_slot_bytes() / 2);
+        row_bytes % 4 == 0 && addrs % 4 == 0 && bytes <= limit
+    }
+
+    /// The form for a call of `bytes`; `ll`: the low-latency one-shot can run it.
+    fn norm_form(&self, bytes: usize, ll: bool) -> NormKernel {
         let c = &self.inner.config;
         let n = self.inner.ranks.n;
         match c.algorithm {
+            Some(Algorithm::OneShotLl) if ll => NormKernel::OneShotLl,
             Some(Algorithm::OneShot | Algorithm::OneShotLl) => NormKernel::OneShot,
             Some(_) => NormKernel::TwoShot,
             None => {
                 // One-shot moves (N-1)·M bytes out of every rank, the two-shot 3(N-1)/N·M (x to
                 // the owners, then residual_out and out back): one-shot moves no more up to 3
-                // ranks, and has one barrier instead of three.
+                // ranks, and has one barrier instead of three. The low-latency one-shot (twice
+                // the bytes, no barrier) below its own limit, inside the one-shot's.
                 let limit = match c.one_shot_max_bytes {
                     Some(b) => b,
                     None if n <= 3 => usize::MAX,
                     None => c.one_shot_max(n),
                 };
-                if bytes <= limit {
-                    NormKernel::OneShot
-                } else {
+                if bytes > limit {
                     NormKernel::TwoShot
+                } else if ll {
+                    NormKernel::OneShotLl
+                } else {
+                    NormKernel::OneShot
                 }
             }
         }
@@ -122,7 +140,7 @@ impl Communicator {
     ) -> Result<(usize, usize)> {
         let half = self.inner.p2p.stage_half;
         let n = self.inner.ranks.n;
-        if 2 * row_bytes > half {
+        if k != NormKernel::OneShotLl && 2 * row_bytes > half {
             return Err(Error::invalid(
                 "hidden",
                 format!(
@@ -133,6 +151,8 @@ impl Communicator {
         let cap = match k {
             NormKernel::OneShot => half / row_bytes,
             NormKernel::TwoShot => n * (half / (2 * row_bytes)),
+            // one launch: the call fits a low-latency slot (norm_ll_fits)
+            NormKernel::OneShotLl => tokens.max(1),
         };
         Ok((tokens.min(cap), cap))
     }
@@ -153,7 +173,7 @@ impl Communicator {
             (2 * mp).min(MAX_BLOCKS as u32)
         } as usize;
         let per_block = match k {
-            NormKernel::OneShot => rows,
+            NormKernel::OneShot | NormKernel::OneShotLl => rows,
             NormKernel::TwoShot => nk::part_rows(rows as u64, n as u64) as usize,
         };
         Choice {
@@ -204,7 +224,11 @@ impl<'a> RankHandle<'a> {
         let es = T::DTYPE.size();
         let n = inner.ranks.n;
         let rb = shape.row_bytes;
-        let k = self.comm.norm_form(shape.tokens * rb);
+        let bytes = shape.tokens * rb;
+        let addrs = ptrs.iter().fold(0, |a, p| a | p);
+        let k = self
+            .comm
+            .norm_form(bytes, self.comm.norm_ll_fits(bytes, rb, addrs));
         let (first_rows, cap) = self.comm.norm_launch_rows(k, shape.tokens, rb)?;
         let nkk = &self.local.norm;
         let first = self

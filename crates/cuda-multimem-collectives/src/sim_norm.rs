@@ -11,7 +11,7 @@ use std::time::Duration;
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
 use super::{ld, st, u32_at, u64_at, Ctx};
-use crate::kernels::norm::{part_rows, unfused_entry, NormKernel};
+use crate::kernels::norm::{ll_row_bytes, part_rows, unfused_entry, NormKernel};
 use crate::kernels::*;
 use crate::DType;
 
@@ -56,6 +56,18 @@ enum Sum<'a> {
     Slots(&'a [usize]),
     /// An already reduced row.
     Reduced(usize),
+    /// Every rank's copy of the row as 4-byte words (polled from the low-latency staging),
+    /// reduced in rank order.
+    Words(&'a [Vec<u32>]),
+}
+
+/// Element `e` of a row held as 4-byte words.
+fn word_elem(d: DType, words: &[u32], e: usize) -> f32 {
+    let bits = match d.size() {
+        4 => words[e],
+        _ => (words[e / 2] >> (16 * (e % 2))) & 0xffff,
+    };
+    super::decode(d, bits)
 }
 
 impl Row {
@@ -88,6 +100,7 @@ impl Row {
         match sum {
             Sum::Slots(s) => s.iter().try_for_each(|&x| a.check(x, rb, false))?,
             Sum::Reduced(x) => a.check(x, rb, false)?,
+            Sum::Words(_) => {}
         }
         a.check(res, rb, true)?;
         a.check(out, rb, true)?;
@@ -102,6 +115,9 @@ impl Row {
                     .iter()
                     .fold(ld(d, s[0], e as u64), |acc, &x| acc + ld(d, x, e as u64)),
                 Sum::Reduced(x) => ld(d, x, e as u64),
+                Sum::Words(ws) => ws[1..]
+                    .iter()
+                    .fold(word_elem(d, &ws[0], e), |acc, w| acc + word_elem(d, w, e)),
             };
             let v = d.decode(d.encode(s + ld(d, res, e as u64)));
             st(d, res, e as u64, v);
@@ -177,6 +193,8 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     let rb = hidden * d.size();
     let half = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
     let stage = |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
+    let ll_half = u64_at(pad + OFF_LL_SLOT).load(Ordering::Relaxed) as usize;
+    let ll_stage = |t: usize| u64_at(pad + OFF_LL_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
     let pp = part_rows(rows as u64, n as u64) as usize;
     let part = |k: usize| {
         let f0 = (k * pp).min(rows);
@@ -186,6 +204,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
         let c = u32_at(pad + OFF_CTR + 4 * b).load(Ordering::Relaxed);
         let p = ((c >> 1) & 1) as usize;
         let slot = |t: usize, q: usize, s: usize| stage(t) + (q * n + s) * half;
+        let ll_slot = |t: usize, q: usize, s: usize| ll_stage(t) + (q * n + s) * ll_half;
         match k {
             NormKernel::OneShot => {
                 for j in (b..rows).step_by(g) {
@@ -226,6 +245,42 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                 }
                 cx.barrier(a, b, c.wrapping_add(3), None);
             }
+            NormKernel::OneShotLl => {
+                // send every word of my rows as (flag, word) into my slot of every rank, then
+                // poll my slots row by row: no barrier
+                let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
+                let flag = ((c.wrapping_add(1) ^ fold) as u64) << 32;
+                let lrb = ll_row_bytes(rb as u64) as usize;
+                let words = rb / 4;
+                for j in (b..rows).step_by(g) {
+                    a.check(x + j * rb, rb, false)?;
+                    for t in 0..n {
+                        let dst = ll_slot(t, p, rank) + j * lrb;
+                        a.check(dst, lrb, true)?;
+                        for i in 0..words {
+                            // SAFETY: checked above; 4-byte aligned (the host checks).
+                            let v = unsafe {
+                                std::ptr::read_volatile((x + j * rb + 4 * i) as *const u32)
+                            };
+                            u64_at(dst + 8 * i).store(flag | v as u64, Ordering::Relaxed);
+                        }
+                    }
+                }
+                a.jitter();
+                for j in (b..rows).step_by(g) {
+                    let mut got = Vec::with_capacity(n);
+                    for s in 0..n {
+                        let src = ll_slot(rank, p, s) + j * lrb;
+                        a.check(src, lrb, false)?;
+                        got.push(
+                            (0..words)
+                                .map(|i| poll(&cx, src + 8 * i, flag))
+                                .collect::<Vec<u32>>(),
+                        );
+                    }
+                    row.run(a, Sum::Words(&got), res + j * rb, w, out + j * rb, &[])?;
+                }
+            }
         }
         let fin = c.wrapping_add(k.counter_step());
         let mut j = b;
@@ -235,6 +290,26 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
         }
     }
     Ok(())
+}
+
+/// The PTX's poll of one (flag, word) pair: until its flag is `flag` (the high word), the
+/// error word is set, or the deadline passes (then `ERR_TIMEOUT`). The word as found.
+fn poll(cx: &Ctx, at: usize, flag: u64) -> u32 {
+    let cell = u64_at(at);
+    let start = std::time::Instant::now();
+    loop {
+        let v = cell.load(Ordering::Relaxed);
+        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
+            return v as u32;
+        }
+        if start.elapsed() >= cx.timeout {
+            let _ = cx
+                .err()
+                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+            return v as u32;
+        }
+        std::thread::yield_now();
+    }
 }
 
 fn run_unfused(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {

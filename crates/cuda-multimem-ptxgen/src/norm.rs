@@ -5,7 +5,8 @@
 
 pub use cuda_multimem_collectives::kernels::norm::*;
 use cuda_multimem_collectives::kernels::{
-    OFF_CTR, OFF_NRANKS, OFF_RANK, OFF_STAGES, OFF_STAGE_HALF,
+    ERR_TIMEOUT, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_RANK, OFF_STAGES,
+    OFF_STAGE_HALF,
 };
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
@@ -190,6 +191,9 @@ enum Sum<'a> {
     Slots(&'a str, &'a str),
     /// The row of x at %rd2 + %rd51.
     Reduced,
+    /// Rank k's copy of the row in the low-latency staging at `base + k * stride` (u64
+    /// registers), as (flag, word) pairs, polled until every word carries this call's flag.
+    Ll(&'a str, &'a str),
 }
 
 /// Pass 1 over the row at byte offset %rd51 of residual: s (the sum), s + r rounded to T
@@ -205,6 +209,9 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
                 Addr::Stride(base, stride),
                 vector,
             ),
+            Sum::Ll(base, stride) => {
+                reduce_ll(&format!("{label}{}", vector as u8), f, base, stride, vector)
+            }
             Sum::Reduced => {
                 if vector {
                     format!(
@@ -356,6 +363,176 @@ fn pass2(label: &str, f: &Flavor, push: Option<(&str, &str)>) -> String {
     vector_or_scalar(label, f, &v, &s)
 }
 
+/// Poll the (flag, word) pairs at %rd26 (`pairs`: 1, or 4 for a 16-byte unit as two 16-byte
+/// loads) until every flag is this call's (%rd70: the flag in the high word), into %rd71..;
+/// gives up when the error word is set, and sets `ERR_TIMEOUT` past the deadline (the clock is
+/// read only once a first poll failed).
+fn poll(label: &str, pairs: usize) -> String {
+    let mut s = format!("\tmov.u64 %rd45, 0;\n$L_{label}_spin:\n");
+    if pairs == 1 {
+        s += "\tld.relaxed.sys.global.b64 %rd71, [%rd26];\n";
+    } else {
+        s += "\tld.relaxed.sys.global.v2.b64 {%rd71, %rd72}, [%rd26];\n";
+        s += "\tld.relaxed.sys.global.v2.b64 {%rd73, %rd74}, [%rd26+16];\n";
+    }
+    for i in 0..pairs {
+        let and = if i == 0 { "" } else { ".and" };
+        let tail = if i == 0 { "" } else { ", %p11" };
+        s += &format!(
+            "\tand.b64 %rd75, %rd{}, -4294967296;\n\tsetp.eq{and}.u64 %p11, %rd75, %rd70{tail};\n",
+            71 + i
+        );
+    }
+    s += &format!(
+        r#"	@%p11 bra $L_{label}_got;
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+	setp.ne.u32 %p12, %r44, 0;
+	@%p12 bra $L_{label}_got;
+	mov.u64 %rd46, %globaltimer;
+	setp.eq.u64 %p13, %rd45, 0;
+	@%p13 mov.u64 %rd45, %rd46;
+	sub.u64 %rd46, %rd46, %rd45;
+	setp.lt.u64 %p13, %rd46, %rd8;
+	@%p13 bra $L_{label}_spin;
+	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
+$L_{label}_got:
+"#
+    );
+    s
+}
+
+/// The reduced value of the current unit (%rd20, byte offset %rd21 in the row) from every
+/// rank's low-latency slot, rank 0 first, into the accumulators (%f1.. as the barrier
+/// one-shot's `reduce_over_ranks` leaves them). The unit's words lie at `(%rd21 & ~3) * 2` in
+/// the slot's row; a 16-bit element takes the half of its word that %rd20's parity names.
+fn reduce_ll(label: &str, f: &Flavor, base: &str, stride: &str, vector: bool) -> String {
+    let at = format!(
+        "\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, {stride};\n\tadd.u64 %rd26, {base}, %rd27;\n\tadd.u64 %rd26, %rd26, %rd66;\n"
+    );
+    let take = |first: bool| -> String {
+        if vector {
+            let mut t = String::new();
+            for w in 0..4 {
+                t += &format!("\tcvt.u32.u64 %r{}, %rd{};\n", 30 + w, 71 + w);
+            }
+            t + &f.vec_in(first)
+        } else {
+            let d = if first { 1 } else { 11 };
+            let mut t = "\tcvt.u32.u64 %r31, %rd71;\n".to_string();
+            if f.half() {
+                t += &format!(
+                    "\tshr.b32 %r31, %r31, %r47;\n\tmov.b32 {{%h1, %h2}}, %r31;\n\t{} %f{d}, %h1;\n",
+                    f.cvt_in()
+                );
+            } else {
+                t += &format!("\tmov.b32 %f{d}, %r31;\n");
+            }
+            if !first {
+                t += &format!("\t{} %f1, %f1, %f11;\n", f.opi());
+            }
+            t
+        }
+    };
+    let pairs = if vector { 4 } else { 1 };
+    let mut s = "\t// the unit's words in the slot row: (byte offset & ~3) * 2; a 16-bit element's half\n\tand.b64 %rd66, %rd21, -4;\n\tshl.b64 %rd66, %rd66, 1;\n".to_string();
+    if !vector && f.half() {
+        s += "\tcvt.u32.u64 %r47, %rd20;\n\tand.b32 %r47, %r47, 1;\n\tshl.b32 %r47, %r47, 4;\n";
+    }
+    s +=
+        "\t// rank 0 first, then 1.. in order (the barrier one-shot's order)\n\tmov.u32 %r34, 0;\n";
+    s += &at;
+    s += &poll(&format!("{label}_p0"), pairs);
+    s += &take(true);
+    s += &format!(
+        "\tmov.u32 %r34, 1;\n$L_{label}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{label}_kend;\n"
+    );
+    s += &at;
+    s += &poll(&format!("{label}_pk"), pairs);
+    s += &take(false);
+    s += &format!("\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{label}_k;\n$L_{label}_kend:\n");
+    s
+}
+
+/// Store with `st` (address %rd26) at `[table %rd34 + 8k] + %rd77` for every rank k.
+fn ll_push(label: &str, st: &str) -> String {
+    format!(
+        r#"	mov.u32 %r34, 0;
+$L_{label}_k:
+	setp.ge.u32 %p16, %r34, %r6;
+	@%p16 bra $L_{label}_kend;
+	mul.wide.u32 %rd27, %r34, 8;
+	add.u64 %rd27, %rd34, %rd27;
+	ld.global.nc.u64 %rd26, [%rd27];
+	add.u64 %rd26, %rd26, %rd77;
+{st}	add.u32 %r34, %r34, 1;
+	bra.uni $L_{label}_k;
+$L_{label}_kend:
+"#
+    )
+}
+
+/// The low-latency one-shot (see [`NormKernel::OneShotLl`]): the barrier one-shot's launch
+/// shape, units and arithmetic, with x sent as (flag, word) pairs and polled instead of a
+/// barrier.
+fn one_shot_ll(f: &Flavor) -> String {
+    let mut s = prologue(&NormKernel::OneShotLl.entry(f.dtype), f, true);
+    s += &parity_slots(OFF_LL_SLOT, OFF_LL_STAGES);
+    s += r#"	// flag = (c + 1) ^ fold(header) in the high word of rd70; a slot row is 2 * row bytes (rd65)
+	add.u32 %r12, %r7, 1;
+	cvt.u32.u64 %r17, %rd7;
+	shr.b64 %rd18, %rd7, 32;
+	cvt.u32.u64 %r18, %rd18;
+	xor.b32 %r17, %r17, %r18;
+	xor.b32 %r12, %r12, %r17;
+	cvt.u64.u32 %rd70, %r12;
+	shl.b64 %rd70, %rd70, 32;
+	shl.b64 %rd65, %rd16, 1;
+"#;
+    // phase A: every word of my rows of x, with the flag, into my slot of every rank
+    s += "\t// ---- send: rows j = b, b + G, ... of x as (flag, word) into my slot [parity][rank] of every rank\n";
+    let mut v =
+        "\tadd.u64 %rd24, %rd57, %rd21;\n\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n"
+            .to_string();
+    for w in 0..4 {
+        v += &format!(
+            "\tcvt.u64.u32 %rd{0}, %r{1};\n\tor.b64 %rd{0}, %rd{0}, %rd70;\n",
+            71 + w,
+            30 + w
+        );
+    }
+    v += "\tshl.b64 %rd77, %rd21, 1;\n\tadd.u64 %rd77, %rd77, %rd58;\n";
+    v += &ll_push(
+        "lsv",
+        "\tst.relaxed.sys.global.v2.b64 [%rd26], {%rd71, %rd72};\n\tst.relaxed.sys.global.v2.b64 [%rd26+16], {%rd73, %rd74};\n",
+    );
+    let mut sc = "\tand.b64 %rd77, %rd21, -4;\n".to_string();
+    if f.half() {
+        // a word holds two elements: the even one sends it
+        sc +=
+            "\tand.b64 %rd78, %rd20, 1;\n\tsetp.ne.u64 %p25, %rd78, 0;\n\t@%p25 bra $L_lss_skip;\n";
+    }
+    sc += "\tadd.u64 %rd24, %rd57, %rd77;\n\tld.global.b32 %r30, [%rd24];\n\tcvt.u64.u32 %rd71, %r30;\n\tor.b64 %rd71, %rd71, %rd70;\n\tshl.b64 %rd77, %rd77, 1;\n\tadd.u64 %rd77, %rd77, %rd58;\n";
+    sc += &ll_push("lss", "\tst.relaxed.sys.global.b64 [%rd26], %rd71;\n");
+    if f.half() {
+        sc += "$L_lss_skip:\n";
+    }
+    let body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tmul.lo.u64 %rd52, %rd50, %rd65;\n\tadd.u64 %rd57, %rd2, %rd51;\n\tadd.u64 %rd58, %rd31, %rd52;\n".to_string()
+        + &vector_or_scalar("ls", f, &v, &sc);
+    s += &rows("la", "%rd6", &body);
+    // phase B: poll my slots for my rows, then the barrier one-shot's arithmetic. Rows of x
+    // may be rows of out (out == x): every thread's sends precede the block's first bar.sync
+    // (in block_rstd), every store to out follows it.
+    s += "\t// ---- poll my slots [parity][k], reduce, add r, normalise: local memory only\n";
+    let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tmul.lo.u64 %rd52, %rd50, %rd65;\n\tadd.u64 %rd52, %rd52, %rd33;\n".to_string();
+    body += &pass1("p1", f, Sum::Ll("%rd52", "%rd30"), None);
+    body += &block_rstd("br");
+    body += &pass2("p2", f, None);
+    s += &rows("pb", "%rd6", &body);
+    s += "\tadd.u32 %r9, %r7, 2;\n";
+    s += &epilogue_to("%r9");
+    s
+}
+
 fn one_shot(f: &Flavor) -> String {
     let mut s = prologue(&NormKernel::OneShot.entry(f.dtype), f, true);
     s += &parity_slots(OFF_STAGE_HALF, OFF_STAGES);
@@ -466,6 +643,7 @@ pub fn generate() -> String {
         let f = Flavor { dtype, op: Op::Sum };
         s += &one_shot(&f);
         s += &two_shot(&f);
+        s += &one_shot_ll(&f);
         s += &unfused(&f);
     }
     s

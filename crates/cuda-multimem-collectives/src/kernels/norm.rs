@@ -35,16 +35,29 @@ pub enum NormKernel {
     /// [owner]`), barrier; every rank copies the other owners' rows into its own residual and
     /// out, barrier. Counters + 6 (the header parity flips, as after every call).
     TwoShot,
+    /// Low-latency one-shot (small calls): every 4-byte word of this launch's rows of x travels
+    /// as one 8-byte `(flag << 32) | word` store into slot `[parity][rank]` of every rank's
+    /// low-latency staging (row j at `j · 2 · row bytes`), flag = (c + 1) xor the call header
+    /// folded to 32 bits; each rank polls its own N slots for its rows, then reduces, adds r
+    /// and normalises as [`NormKernel::OneShot`] does (the same threads, units and order, so
+    /// the same bits). No barrier. Needs 4-byte aligned operands and whole words per row.
+    /// Counters + 2.
+    OneShotLl,
 }
 
 impl NormKernel {
     /// Both forms.
-    pub const ALL: [NormKernel; 2] = [NormKernel::OneShot, NormKernel::TwoShot];
+    pub const ALL: [NormKernel; 3] = [
+        NormKernel::OneShot,
+        NormKernel::TwoShot,
+        NormKernel::OneShotLl,
+    ];
 
     fn tag(self) -> &'static str {
         match self {
             NormKernel::OneShot => "oneshot",
             NormKernel::TwoShot => "twoshot",
+            NormKernel::OneShotLl => "oneshot_ll",
         }
     }
 
@@ -56,7 +69,7 @@ impl NormKernel {
     /// What the counters of every block advance by in one launch.
     pub fn counter_step(self) -> u32 {
         match self {
-            NormKernel::OneShot => 2,
+            NormKernel::OneShot | NormKernel::OneShotLl => 2,
             NormKernel::TwoShot => 6,
         }
     }
@@ -73,6 +86,11 @@ impl NormKernel {
 /// residual, weight, out, rows, hidden, ε bits.
 pub fn unfused_entry(dtype: DType) -> String {
     format!("cmm_add_rms_norm_{}", dtype.name())
+}
+
+/// Bytes of a row in the low-latency staging: every 4 data bytes travel with a 4-byte flag.
+pub fn ll_row_bytes(row_bytes: u64) -> u64 {
+    2 * row_bytes
 }
 
 /// Rows `[rank * P, ...)` of a two-shot launch of `rows`: P = ceil(rows / n).

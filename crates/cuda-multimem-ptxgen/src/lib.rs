@@ -806,6 +806,9 @@ $L_rkend:
 	st.global.b32 [%rd24], %r31;
 ";
     s += &strided("rcv", "%rd11", "%rd12", 3, &body);
+    // Every warp has read the block's counter (at its start) before thread 0 overwrites it: no
+    // barrier orders them otherwise, and a late warp would take c + 2 for its c.
+    s += "\tbar.sync 0;\n";
     s += &epilogue();
     s
 }

@@ -528,7 +528,9 @@ fn one_shot_ll(f: &Flavor) -> String {
     body += &block_rstd("br");
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
-    s += "\tadd.u32 %r9, %r7, 2;\n";
+    // Every warp has read the block's counter before thread 0 overwrites it (a block without
+    // rows passes no other bar.sync).
+    s += "\tbar.sync 0;\n\tadd.u32 %r9, %r7, 2;\n";
     s += &epilogue_to("%r9");
     s
 }

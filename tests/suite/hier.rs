@@ -161,7 +161,7 @@ fn interleaved(rank: usize, domains: usize, _per_domain: usize) -> u64 {
 
 /// Two domains of two, {0, 3} and {1, 2}: neither domains nor rails are blocks of ranks.
 fn scattered(rank: usize, _domains: usize, _per_domain: usize) -> u64 {
-    (((rank + 1) / 2) % 2) as u64
+    (rank.div_ceil(2) % 2) as u64
 }
 
 /// Allreduce calls on a symmetric buffer and on the caller's own memory, several sizes (a

@@ -63,3 +63,29 @@ pub fn pick_driver(min_devices: usize, sim_devices: usize) -> Res<(Driver, Strin
         format!("a simulated NVLink machine of {sim_devices} GPUs (driver 13030)"),
     ))
 }
+
+/// NCCL for the examples that cross NVLink domains: the library `CUDA_MULTIMEM_NCCL` names,
+/// else `libnccl.so.2` / `libnccl.so` through the dynamic loader, else the `nvidia-nccl` wheel
+/// of the machine's `python3` (where torch installs it). The error says what was tried.
+pub fn locate_nccl() -> Result<std::sync::Arc<cuda_multimem_collectives::Nccl>, String> {
+    use cuda_multimem_collectives::{nccl::NCCL_ENV, Nccl};
+    let first = match Nccl::load() {
+        Ok(n) => return Ok(n),
+        Err(e) => e.to_string(),
+    };
+    if std::env::var_os(NCCL_ENV).is_some() {
+        return Err(first);
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import nvidia.nccl,os; print(list(nvidia.nccl.__path__)[0])",
+        ])
+        .output()
+        .map_err(|e| format!("{first}; python3: {e}"))?;
+    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() || dir.is_empty() {
+        return Err(format!("{first}; python3 has no nvidia.nccl wheel"));
+    }
+    Nccl::load_from(&std::path::Path::new(&dir).join("lib/libnccl.so.2")).map_err(|e| e.to_string())
+}

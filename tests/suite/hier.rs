@@ -67,6 +67,19 @@ fn sim_team(
     domain_of: fn(usize, usize, usize) -> u64,
     body: fn(&HierCommunicator, &Stream) -> Result<(), String>,
 ) {
+    sim_team_with(tag, domains, per_domain, domain_of, None, body)
+}
+
+/// [`sim_team`] with the domains' `one_shot_max_bytes` set (a small one makes the domain's
+/// all-gather store directly into symmetric outputs at test sizes).
+fn sim_team_with(
+    tag: &str,
+    domains: usize,
+    per_domain: usize,
+    domain_of: fn(usize, usize, usize) -> u64,
+    one_shot_max: Option<usize>,
+    body: fn(&HierCommunicator, &Stream) -> Result<(), String>,
+) {
     if std::env::var_os(ISOLATED).is_none() {
         let test = std::thread::current()
             .name()
@@ -110,6 +123,7 @@ fn sim_team(
                     .multicast(MulticastPolicy::Never)
                     .config(CommConfig {
                         timeout: Duration::from_secs(30),
+                        one_shot_max_bytes: one_shot_max,
                         ..Default::default()
                     })
                     .cross_domain_test_double()
@@ -140,9 +154,14 @@ fn contiguous(rank: usize, _domains: usize, per_domain: usize) -> u64 {
     (rank / per_domain) as u64
 }
 
-/// Rank r in domain r mod M (domains that are not blocks of ranks).
+/// Rank r in domain r mod M (domains that are not blocks of ranks; each rail's ranks are).
 fn interleaved(rank: usize, domains: usize, _per_domain: usize) -> u64 {
     (rank % domains) as u64
+}
+
+/// Two domains of two, {0, 3} and {1, 2}: neither domains nor rails are blocks of ranks.
+fn scattered(rank: usize, _domains: usize, _per_domain: usize) -> u64 {
+    (rank.div_ceil(2) % 2) as u64
 }
 
 /// Allreduce calls on a symmetric buffer and on the caller's own memory, several sizes (a
@@ -151,10 +170,13 @@ fn allreduce_calls(hier: &HierCommunicator, s: &Stream) -> Result<(), String> {
     let l = hier.layout();
     let (rank, n) = (l.rank(), l.size());
     let err = |x: Error| x.to_string();
+    // A whole number of shards; a tail of count mod D elements; fewer elements than ranks in
+    // a domain (no reduce-scatter, the tail alone).
     for (call, (count, op)) in [
         (4096usize, ReduceOp::Sum),
         (1003, ReduceOp::Max),
         (5, ReduceOp::Sum),
+        (1, ReduceOp::Sum),
     ]
     .into_iter()
     .enumerate()
@@ -203,13 +225,15 @@ fn hierarchical_allreduce_equals_the_host_reference_at_4_domains_of_2_interleave
     sim_team("4x2", 4, 2, interleaved, allreduce_calls);
 }
 
-/// Reduce-scatter and all-gather, in place and out of place where the layout allows.
+/// Reduce-scatter and all-gather, in place and out of place, on the caller's own memory and (for
+/// domains of several GPUs) on symmetric buffers; bf16 sums checked bit for bit against the
+/// hierarchy's rounding (inside each domain, then across).
 fn scatter_gather_calls(hier: &HierCommunicator, s: &Stream) -> Result<(), String> {
     let l = hier.layout();
     let (rank, n) = (l.rank(), l.size());
     let err = |x: Error| x.to_string();
     let chunk = 300;
-    let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(70, r, n * chunk)).collect();
+    let inputs: Vec<Vec<bf16>> = (0..n).map(|r| input(70, r, n * chunk)).collect();
     let want = hier_reference(l, ReduceOp::Sum, &inputs);
     let mine = rank * chunk..(rank + 1) * chunk;
     // reduce-scatter in place: chunk r of rank r
@@ -222,29 +246,41 @@ fn scatter_gather_calls(hier: &HierCommunicator, s: &Stream) -> Result<(), Strin
     if let Some(d) = first_difference(&got[mine.clone()], &want[mine.clone()]) {
         return Err(format!("reduce-scatter in place: {d}"));
     }
+    // reduce-scatter out of place; the input is left as it was
+    let mut one = DeviceBuffer::<bf16>::zeroed(hier.device(), chunk).map_err(err)?;
+    let src = DeviceBuffer::from_host(hier.device(), &inputs[rank]).map_err(err)?;
+    hier.reduce_scatter(&src, &mut one, ReduceOp::Sum, s)
+        .map_err(err)?;
+    s.synchronize().map_err(err)?;
+    hier.check().map_err(err)?;
+    if let Some(d) = first_difference(&one.to_vec().map_err(err)?, &want[mine.clone()]) {
+        return Err(format!("reduce-scatter: {d}"));
+    }
+    if let Some(d) = first_difference(&src.to_vec().map_err(err)?, &inputs[rank]) {
+        return Err(format!("reduce-scatter wrote its input: {d}"));
+    }
     // all-gather out of place: every rank's chunk (its own data) everywhere
-    let parts: Vec<Vec<f32>> = (0..n).map(|r| input(80, r, chunk)).collect();
+    let parts: Vec<Vec<bf16>> = (0..n).map(|r| input(80, r, chunk)).collect();
     let src = DeviceBuffer::from_host(hier.device(), &parts[rank]).map_err(err)?;
-    let mut out = DeviceBuffer::<f32>::zeroed(hier.device(), n * chunk).map_err(err)?;
+    let mut out = DeviceBuffer::<bf16>::zeroed(hier.device(), n * chunk).map_err(err)?;
     hier.all_gather(&src, &mut out, s).map_err(err)?;
     s.synchronize().map_err(err)?;
     hier.check().map_err(err)?;
     if let Some(d) = first_difference(&out.to_vec().map_err(err)?, &parts.concat()) {
         return Err(format!("all-gather: {d}"));
     }
-    // reduce-scatter out of place: one-GPU domains only; refused otherwise, before any work
-    let mut one = DeviceBuffer::<f32>::zeroed(hier.device(), chunk).map_err(err)?;
-    let src = DeviceBuffer::from_host(hier.device(), &inputs[rank]).map_err(err)?;
-    match hier.reduce_scatter(&src, &mut one, ReduceOp::Sum, s) {
-        Ok(()) if l.domain_size() == 1 => {
-            s.synchronize().map_err(err)?;
-            hier.check().map_err(err)?;
-            if let Some(d) = first_difference(&one.to_vec().map_err(err)?, &want[mine]) {
-                return Err(format!("reduce-scatter: {d}"));
-            }
+    if l.domain_size() > 1 {
+        // symmetric buffers, in place: reduce-scatter, then all-gather of the results
+        let mut sym = hier.alloc::<bf16>(n * chunk).map_err(err)?;
+        sym.write(l.local_index(), 0, &inputs[rank]).map_err(err)?;
+        hier.reduce_scatter_in_place(&mut sym, ReduceOp::Sum, s)
+            .map_err(err)?;
+        hier.all_gather_in_place(&mut sym, s).map_err(err)?;
+        s.synchronize().map_err(err)?;
+        hier.check().map_err(err)?;
+        if let Some(d) = first_difference(&sym.to_vec(l.local_index()).map_err(err)?, &want) {
+            return Err(format!("symmetric reduce-scatter then all-gather: {d}"));
         }
-        Err(Error::InvalidArgument { .. }) if l.domain_size() > 1 => {}
-        other => return Err(format!("reduce-scatter out of place answered {other:?}")),
     }
     Ok(())
 }
@@ -255,8 +291,63 @@ fn reduce_scatter_and_all_gather_equal_the_host_reference_at_2_domains_of_2() {
 }
 
 #[test]
+fn reduce_scatter_and_all_gather_equal_the_host_reference_at_2_domains_of_4() {
+    sim_team("rs2x4", 2, 4, contiguous, scatter_gather_calls);
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_equal_the_host_reference_at_4_domains_of_2_rail_major() {
+    sim_team("rs4x2", 4, 2, interleaved, scatter_gather_calls);
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_equal_the_host_reference_with_scattered_domains() {
+    sim_team("rsodd", 2, 2, scattered, scatter_gather_calls);
+}
+
+#[test]
+fn domain_all_gathers_storing_directly_into_symmetric_outputs_equal_the_host_reference() {
+    // a one-shot limit below the test's sizes: the domain's all-gathers store into the peers'
+    // symmetric buffers
+    sim_team_with("dir2x2", 2, 2, contiguous, Some(256), scatter_gather_calls);
+}
+
+#[test]
+fn domain_all_gathers_storing_directly_equal_the_host_reference_with_rail_major_ranks() {
+    sim_team_with(
+        "dir2x2i",
+        2,
+        2,
+        interleaved,
+        Some(256),
+        scatter_gather_calls,
+    );
+}
+
+#[test]
 fn domains_of_one_gpu_reduce_scatter_and_all_gather_through_the_cross_domain_step_alone() {
     sim_team("rs4x1", 4, 1, interleaved, scatter_gather_calls);
+}
+
+#[test]
+fn a_single_domain_reduce_scatters_and_all_gathers_with_its_own_collectives() {
+    sim_team("rs1x4", 1, 4, contiguous, scatter_gather_calls);
+}
+
+#[test]
+fn hierarchical_allreduce_equals_the_host_reference_with_scattered_domains() {
+    sim_team("arodd", 2, 2, scattered, allreduce_calls);
+}
+
+#[test]
+fn rank_order_says_whether_domains_or_rails_are_blocks_of_ranks() {
+    use cuda_multimem_collectives::hier::RankOrder;
+    let order = |keys: &[u64]| HierLayout::from_keys(0, keys).unwrap().rank_order();
+    assert_eq!(order(&[0, 0, 1, 1]), RankOrder::DomainMajor);
+    assert_eq!(order(&[0, 1, 0, 1]), RankOrder::RailMajor);
+    assert_eq!(order(&[0, 1, 1, 0]), RankOrder::Other);
+    assert_eq!(order(&[0, 1, 2]), RankOrder::DomainMajor);
+    assert_eq!(order(&[5, 5, 5]), RankOrder::DomainMajor);
 }
 
 #[test]

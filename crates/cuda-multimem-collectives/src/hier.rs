@@ -19,14 +19,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_multimem::sys::CUdeviceptr;
-use cuda_multimem::{Device, DeviceRepr, Error, Result, StreamRef};
+use cuda_multimem::{Device, DeviceBuffer, DeviceRepr, Error, Result, Stream, StreamRef};
+use parking_lot::Mutex;
 
 use crate::bootstrap::Bootstrap;
 use crate::comm::{Communicator, RankHandle};
 use crate::config::CommConfig;
 use crate::memory::SymmetricBuffer;
 use crate::nccl::{Nccl, NcclComm, NcclUniqueId};
-use crate::operand::{bytes_dst, Dst, Operand, Place, Src};
+use crate::operand::{bytes_dst, typed_dst, typed_src, Dst, Operand, Place, Src};
 use crate::reference::reference_bytes;
 use crate::types::{DType, Element, MulticastPolicy, ReduceOp};
 
@@ -196,6 +197,36 @@ impl HierLayout {
     pub fn rail_members(&self, l: usize) -> Vec<usize> {
         self.domains.iter().map(|d| d[l]).collect()
     }
+
+    /// How team ranks follow the domains, which decides how a reduce-scatter or all-gather
+    /// (whose chunks are in team-rank order) is cut into its intra- and cross-domain steps.
+    pub fn rank_order(&self) -> RankOrder {
+        let (m, d) = (self.domain_count(), self.domain_size());
+        let all = |f: &dyn Fn(usize, usize) -> usize| {
+            (0..m).all(|k| (0..d).all(|l| self.domains[k][l] == f(k, l)))
+        };
+        if all(&|k, l| k * d + l) {
+            RankOrder::DomainMajor
+        } else if all(&|k, l| l * m + k) {
+            RankOrder::RailMajor
+        } else {
+            RankOrder::Other
+        }
+    }
+}
+
+/// How a team's ranks follow its domains ([`HierLayout::rank_order`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankOrder {
+    /// Rank = domain · D + local index: each domain's ranks are consecutive (one process per
+    /// GPU, hosts filled in turn: `mpirun`'s default). A single domain, and domains of one
+    /// GPU, count as this.
+    DomainMajor,
+    /// Rank = local index · M + domain: each rail's ranks are consecutive.
+    RailMajor,
+    /// Neither (explicit domain ids that scatter the ranks): reduce-scatter and all-gather fall
+    /// back to the hierarchical allreduce of the whole buffer.
+    Other,
 }
 
 fn hostname() -> String {
@@ -590,16 +621,16 @@ impl CrossDomain for HostCrossDomainDouble {
 
 // ---- the intra-domain steps ----
 //
-// SWITCH when the domain reduce-scatter and all-gather (branch h8-gather:
-// `RankHandle::reduce_scatter_in_place(buf, op, stream)`, result in chunk r of buf, and
-// `RankHandle::all_gather_in_place(buf, stream)`) are on main: in
-// `HierCommunicator::all_reduce_op`, step 1 becomes `reduce_scatter_in_place` of the main region
-// (plus the domain allreduce of the tail), and step 4-5 (`zero_others` + the summing allreduce)
-// become `all_gather_in_place` of the main region. The fence (step 2) stays only when there is
-// a tail: a real reduce-scatter leaves peers reading only their own chunks of this rank's
-// buffer, so the cross-domain step may write chunk l at once; the stand-in below reads every
-// chunk, hence the fence. Until then the domain steps run through the domain's allreduce:
-// correct, at about twice the NVLink traffic and one small allreduce more.
+// An allreduce inside the domain is its reduce-scatter then its all-gather (RankHandle's staged
+// and direct push kernels, docs/design/collectives.md), with the cross-domain step between them
+// on a shard of 1/D of the message. Why no fence is needed around the cross-domain step: the
+// staged reduce-scatter never lets a peer read or write this rank's buffer (peers push into its
+// staging; only this rank writes its output), and its first barrier proves that every peer has
+// finished its earlier stream work; the all-gather after it either touches only this rank's
+// buffer (staged) or stores into it only after a barrier that this rank passes once its
+// cross-domain step is done (direct). The tail of an allreduce (count mod D elements) goes
+// through the domain's allreduce before the reduce-scatter, whose barrier then fences it; with
+// no reduce-scatter (count < D) the explicit fence does. `docs/design/hierarchical.md`.
 
 /// Zero every chunk of `buf` (`total` bytes at `ptr`, chunks of `chunk` bytes) but chunk
 /// `mine`, on `stream`: what the all-gather stand-in sums (x + 0 = x exactly, but a -0.0 comes
@@ -851,10 +882,19 @@ impl HierBuilder {
             layout,
             device: self.device,
             fence,
+            scratch: Mutex::new(Scratch::default()),
             domain,
             cross,
         })
     }
+}
+
+/// The hierarchical communicator's scratch: the buffer in use, and those it outgrew (kept
+/// until the communicator drops: a captured graph may still point into them).
+#[derive(Default)]
+struct Scratch {
+    current: Option<DeviceBuffer<u8>>,
+    retired: Vec<DeviceBuffer<u8>>,
 }
 
 /// A team across NVLink domains: reduce-scatter inside each domain (our NVLink kernels),
@@ -872,6 +912,9 @@ pub struct HierCommunicator {
     device: Device,
     /// Declared before `domain`: dropped first.
     fence: Option<SymmetricBuffer<f32>>,
+    /// Device memory of this rank for the steps that need it (see
+    /// [`HierCommunicator::reserve_scratch`]).
+    scratch: Mutex<Scratch>,
     domain: Option<Communicator>,
     cross: Option<Box<dyn CrossDomain>>,
 }
@@ -1105,31 +1148,47 @@ impl HierCommunicator {
             }
             return Ok(());
         };
+        let Some(x) = &self.cross else {
+            // One domain: its own allreduce (which picks its algorithm per size).
+            h.all_reduce_dyn_in_place(dtype, bytes_dst(o), op, s)?;
+            return Ok(());
+        };
         let (d, l) = (self.layout.domain_size(), self.layout.local_index());
         let q = count / d;
         let main = q * d;
-        // 1. Inside the domain: every chunk reduced (stand-in for the reduce-scatter of the
-        //    main region), the tail (count mod D elements) too.
-        h.all_reduce_dyn_in_place(dtype, bytes_dst(o), op, s)?;
-        if let Some(x) = &self.cross {
-            // 2. No domain peer reads this rank's buffer any more.
-            self.fence(&h, s)?;
-            // 3. Across domains: shard l on rail l, and the tail on every rail.
-            if q > 0 {
-                let shard = p + (l * q * es) as u64;
-                // SAFETY: shard l of the checked operand.
-                unsafe { x.all_reduce(dtype, op, shard, shard, q, &s) }?;
+        // 1. The tail (count mod D elements): the domain's allreduce, before the reduce-scatter,
+        //    whose first barrier then proves that no domain peer reads this rank's tail any more.
+        if main < count {
+            h.all_reduce_dyn_in_place(
+                dtype,
+                bytes_dst(o.sub(main * es, (count - main) * es)),
+                op,
+                s,
+            )?;
+            if q == 0 {
+                // No reduce-scatter follows: fence instead.
+                self.fence(&h, s)?;
             }
-            if main < count {
-                let t = p + (main * es) as u64;
-                // SAFETY: the checked operand's last count - main elements.
-                unsafe { x.all_reduce(dtype, op, t, t, count - main, &s) }?;
-            }
-            // 4-5. Inside the domain: all-gather of the shards (stand-in: zero the others, sum).
-            if q > 0 && d > 1 {
-                zero_others(&s, (p, main * es), q * es, l)?;
-                h.all_reduce_dyn_in_place(dtype, bytes_dst(o.sub(0, main * es)), ReduceOp::Sum, s)?;
-            }
+        }
+        // 2. Reduce-scatter of the main region inside the domain: local rank l ends with shard l
+        //    of the domain's result. Staged: peers write only into this rank's staging, never
+        //    into its buffer, so the cross-domain step may write shard l as soon as it ends.
+        if q > 0 {
+            rs_in_place_dyn(&h, dtype, o.sub(0, main * es), op, s)?;
+            let shard = p + (l * q * es) as u64;
+            // 3. Across domains, on rail l: shard l.
+            // SAFETY: shard l of the checked operand.
+            unsafe { x.all_reduce(dtype, op, shard, shard, q, &s) }?;
+        }
+        if main < count {
+            // 3'. The tail, on every rail.
+            let t = p + (main * es) as u64;
+            // SAFETY: the checked operand's last count - main elements.
+            unsafe { x.all_reduce(dtype, op, t, t, count - main, &s) }?;
+        }
+        // 4. All-gather of the shards inside the domain.
+        if q > 0 {
+            ag_in_place_dyn(&h, dtype, o.sub(0, main * es), s)?;
         }
         Ok(())
     }
@@ -1150,6 +1209,50 @@ impl HierCommunicator {
         Ok(())
     }
 
+    /// At least `bytes` of this rank's scratch (device memory no peer sees), on `s`'s device:
+    /// grown outside graph capture only; a buffer it outgrows stays allocated until the
+    /// communicator drops (a captured graph may still use it).
+    fn scratch(&self, bytes: usize, s: &StreamRef<'_>) -> Result<CUdeviceptr> {
+        let mut sc = self.scratch.lock();
+        if let Some(b) = sc.current.as_ref().filter(|b| b.bytes() >= bytes) {
+            return Ok(b.device_ptr());
+        }
+        if s.is_capturing()? {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "capturing, and this call needs {bytes} bytes of the hierarchical scratch ({} allocated); call HierCommunicator::reserve_scratch({bytes}) (or make one eager call of this size) before capturing",
+                    sc.current.as_ref().map_or(0, |b| b.bytes())
+                ),
+            ));
+        }
+        let b = DeviceBuffer::<u8>::zeroed(&self.device, bytes.next_power_of_two())?;
+        let ptr = b.device_ptr();
+        if let Some(old) = sc.current.replace(b) {
+            sc.retired.push(old);
+        }
+        Ok(ptr)
+    }
+
+    /// Allocate the scratch that reduce-scatters and all-gathers of `bytes` (the whole buffer of
+    /// N chunks) need, so that they can be captured into a graph: teams whose ranks are
+    /// domain-major ([`RankOrder::DomainMajor`]) use M chunks of it, out-of-place reduce-scatters
+    /// M chunks, and layouts of [`RankOrder::Other`] the whole buffer. The allreduce needs none.
+    pub fn reserve_scratch(&self, bytes: usize) -> Result<()> {
+        let s = Stream::new(&self.device)?;
+        self.scratch(bytes, &s.as_stream_ref()).map(drop)
+    }
+
+    fn local_op(&self, ptr: CUdeviceptr, bytes: usize) -> Operand<'_> {
+        Operand {
+            place: Place::Local {
+                ptr,
+                device: Some(&self.device),
+            },
+            bytes,
+        }
+    }
+
     fn chunk(&self, o: &Operand<'_>, es: usize, arg: &'static str) -> Result<usize> {
         let n = self.layout.size();
         if o.bytes % (n * es) != 0 {
@@ -1164,10 +1267,44 @@ impl HierCommunicator {
         Ok(o.bytes / n)
     }
 
+    /// The domain reduce-scatters of a domain-major team into M chunks of scratch (chunk k: the
+    /// domain's result for chunk local-index of block k, block k = domain k's ranks' chunks),
+    /// then the rail's reduce-scatter of the scratch into `recv` (this rank's chunk).
+    fn rs_domain_major<T: Element>(
+        &self,
+        (h, x): (&RankHandle<'_>, &dyn CrossDomain),
+        input: Operand<'_>,
+        recv: CUdeviceptr,
+        (c, op): (usize, ReduceOp),
+        s: StreamRef<'_>,
+    ) -> Result<()> {
+        let (m, d) = (self.layout.domain_count(), self.layout.domain_size());
+        let scratch = self.scratch(m * c, &s)?;
+        for k in 0..m {
+            let out = self.local_op(scratch + (k * c) as u64, c);
+            h.reduce_scatter(
+                typed_src::<T>(input.sub(k * d * c, d * c)),
+                typed_dst::<T>(out),
+                op,
+                s,
+            )?;
+        }
+        // SAFETY: M chunks of c bytes of this rank's scratch; `recv` one chunk of the caller's
+        // checked operand.
+        unsafe { x.reduce_scatter(T::DTYPE, op, scratch, recv, c / T::DTYPE.size(), &s) }
+    }
+
     /// Reduce-scatter in place: `buf` holds N chunks (N = team size); chunk r of rank r gets the
-    /// team's result for that chunk (other chunks are left with partial or full results).
-    /// Domains of one GPU run it as one NCCL reduce-scatter; larger domains, until the
-    /// domain reduce-scatter lands, as the hierarchical allreduce of the whole buffer.
+    /// team's result for that chunk (other chunks are left with partial results or inputs).
+    /// Every 16-bit result is rounded twice: once inside the domain, once across.
+    ///
+    /// - domains of one GPU: one cross-domain reduce-scatter;
+    /// - one domain: the domain's reduce-scatter;
+    /// - rail-major ranks ([`RankOrder::RailMajor`]): the domain's reduce-scatter of the whole
+    ///   buffer (local rank l gets rail l's M chunks), then the rail's, both in place;
+    /// - domain-major ranks: M domain reduce-scatters (one per domain's block of D chunks) into
+    ///   M chunks of scratch, then the rail's reduce-scatter of the scratch into chunk r;
+    /// - [`RankOrder::Other`]: the hierarchical allreduce of the whole buffer.
     pub fn reduce_scatter_in_place<'d, 'x, T: Element>(
         &self,
         buf: impl Into<Dst<'d, T>>,
@@ -1177,21 +1314,44 @@ impl HierCommunicator {
         let (b, s) = (buf.into(), stream.into());
         let es = T::DTYPE.size();
         let c = self.chunk(&b.op, es, "buf")?;
-        match (&self.domain, &self.cross) {
+        self.check_stream(&s)?;
+        let p = self.ptr(&b.op, "buf", es)?;
+        let (r, l, m) = (
+            self.layout.rank(),
+            self.layout.local_index(),
+            self.layout.domain_count(),
+        );
+        if c == 0 {
+            return Ok(());
+        }
+        let h = self.handle()?;
+        match (&h, self.cross.as_deref()) {
             (None, Some(x)) => {
-                self.check_stream(&s)?;
-                let p = self.ptr(&b.op, "buf", es)?;
-                let r = self.layout.rank() as u64;
                 // SAFETY: N chunks at p (checked); NCCL's in-place position.
-                unsafe { x.reduce_scatter(T::DTYPE, op, p, p + r * c as u64, c / es, &s) }
+                unsafe { x.reduce_scatter(T::DTYPE, op, p, p + (r * c) as u64, c / es, &s) }
             }
-            _ => self.all_reduce_op(T::DTYPE, b.op, op, s),
+            (None, None) => Ok(()),
+            (Some(h), None) => h.reduce_scatter_in_place(b, op, s).map(drop),
+            (Some(h), Some(x)) => match self.layout.rank_order() {
+                RankOrder::RailMajor => {
+                    h.reduce_scatter_in_place(typed_dst::<T>(b.op), op, s)?;
+                    let send = p + (l * m * c) as u64;
+                    // SAFETY: rail l's M chunks of the checked operand; chunk r = l·M + domain
+                    // is NCCL's in-place position in them.
+                    unsafe { x.reduce_scatter(T::DTYPE, op, send, p + (r * c) as u64, c / es, &s) }
+                }
+                RankOrder::DomainMajor => {
+                    self.rs_domain_major::<T>((h, x), b.op, p + (r * c) as u64, (c, op), s)
+                }
+                RankOrder::Other => self.all_reduce_op(T::DTYPE, b.op, op, s),
+            },
         }
     }
 
     /// Reduce-scatter `input` (N chunks) into `output` (one chunk): this rank's chunk of the
-    /// team's result. Domains of one GPU only until the domain reduce-scatter lands (use
-    /// [`HierCommunicator::reduce_scatter_in_place`] there).
+    /// team's result; the input is only read. As
+    /// [`HierCommunicator::reduce_scatter_in_place`], with the domain's step out of place into
+    /// scratch (M chunks; [`RankOrder::Other`]: a copy of the whole input, allreduced).
     pub fn reduce_scatter<'s, 'd, 'x, T: Element>(
         &self,
         input: impl Into<Src<'s, T>>,
@@ -1208,20 +1368,56 @@ impl HierCommunicator {
                 format!("{} bytes; one chunk of the input is {c}", o.op.bytes),
             ));
         }
-        let Some(x) = self.cross.as_ref().filter(|_| self.domain.is_none()) else {
-            return Err(Error::invalid(
-                "output",
-                "out of place needs domains of one GPU (use reduce_scatter_in_place)",
-            ));
-        };
         self.check_stream(&s)?;
         let ip = self.ptr(&i.op, "input", es)?;
         let op_ = self.ptr(&o.op, "output", es)?;
-        // SAFETY: both operands checked for these lengths.
-        unsafe { x.reduce_scatter(T::DTYPE, op, ip, op_, c / es, &s) }
+        if ip < op_ + c as u64 && op_ < ip + i.op.bytes as u64 && c > 0 {
+            return Err(Error::invalid(
+                "output",
+                "overlaps the input (in place: reduce_scatter_in_place)",
+            ));
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let m = self.layout.domain_count();
+        let h = self.handle()?;
+        match (&h, self.cross.as_deref()) {
+            // SAFETY: both operands checked for these lengths.
+            (None, Some(x)) => unsafe { x.reduce_scatter(T::DTYPE, op, ip, op_, c / es, &s) },
+            (None, None) => self.copy_into(T::DTYPE, &i.op, &o.op, 0, &s),
+            (Some(h), None) => h.reduce_scatter(i, o, op, s).map(drop),
+            (Some(h), Some(x)) => match self.layout.rank_order() {
+                RankOrder::RailMajor => {
+                    let scratch = self.scratch(m * c, &s)?;
+                    h.reduce_scatter(i, typed_dst::<T>(self.local_op(scratch, m * c)), op, s)?;
+                    // SAFETY: M chunks of this rank's scratch; the checked output.
+                    unsafe { x.reduce_scatter(T::DTYPE, op, scratch, op_, c / es, &s) }
+                }
+                RankOrder::DomainMajor => self.rs_domain_major::<T>((h, x), i.op, op_, (c, op), s),
+                RankOrder::Other => {
+                    let n = self.layout.size();
+                    let scratch = self.scratch(n * c, &s)?;
+                    let all = self.local_op(scratch, n * c);
+                    self.copy_into(T::DTYPE, &i.op, &all, 0, &s)?;
+                    self.all_reduce_op(T::DTYPE, all, op, s)?;
+                    let r = self.layout.rank();
+                    let mine = self.local_op(scratch + (r * c) as u64, c);
+                    self.copy_into(T::DTYPE, &mine, &o.op, 0, &s)
+                }
+            },
+        }
     }
 
     /// All-gather in place: `buf` holds N chunks; rank r's chunk r goes to every rank.
+    ///
+    /// - domains of one GPU: one cross-domain all-gather; one domain: the domain's;
+    /// - rail-major ranks: the rail's all-gather into rail l's M chunks (in place), then the
+    ///   domain's all-gather of the whole buffer;
+    /// - domain-major ranks: the rail's all-gather of chunk r into M chunks of scratch, then M
+    ///   domain all-gathers from the scratch into the domains' blocks;
+    /// - [`RankOrder::Other`]: every chunk but this rank's zeroed, then the hierarchical
+    ///   allreduce (sum) of the whole buffer (a -0.0 comes back as +0.0).
     pub fn all_gather_in_place<'d, 'x, T: Element>(
         &self,
         buf: impl Into<Dst<'d, T>>,
@@ -1232,22 +1428,53 @@ impl HierCommunicator {
         let c = self.chunk(&b.op, es, "buf")?;
         self.check_stream(&s)?;
         let p = self.ptr(&b.op, "buf", es)?;
-        let r = self.layout.rank();
-        match (&self.domain, &self.cross) {
+        let (r, l) = (self.layout.rank(), self.layout.local_index());
+        let (m, d) = (self.layout.domain_count(), self.layout.domain_size());
+        if c == 0 {
+            return Ok(());
+        }
+        let h = self.handle()?;
+        match (&h, self.cross.as_deref()) {
             (None, Some(x)) => {
                 // SAFETY: N chunks at p (checked); NCCL's in-place position.
                 unsafe { x.all_gather(T::DTYPE, p + (r * c) as u64, p, c / es, &s) }
             }
             (None, None) => Ok(()),
-            (Some(_), _) => {
-                // Zero every chunk but this rank's (after a fence: earlier calls of the domain
-                // peers may read this buffer), then sum across the team.
-                if let Some(h) = self.handle()? {
-                    self.fence(&h, s)?;
+            (Some(h), None) => h.all_gather_in_place(b, s).map(drop),
+            (Some(h), Some(x)) => match self.layout.rank_order() {
+                RankOrder::RailMajor => {
+                    if b.op.is_sym() {
+                        // The rail writes this rank's symmetric buffer first: a domain call
+                        // made before this one (an allreduce) may still read it.
+                        self.fence(h, s)?;
+                    }
+                    let recv = p + (l * m * c) as u64;
+                    // SAFETY: rail l's M chunks of the checked operand; chunk r = l·M + domain
+                    // is NCCL's in-place position in them.
+                    unsafe { x.all_gather(T::DTYPE, p + (r * c) as u64, recv, c / es, &s) }?;
+                    h.all_gather_in_place(typed_dst::<T>(b.op), s).map(drop)
                 }
-                zero_others(&s, (p, b.op.bytes), c, r)?;
-                self.all_reduce_op(T::DTYPE, b.op, ReduceOp::Sum, s)
-            }
+                RankOrder::DomainMajor => {
+                    let scratch = self.scratch(m * c, &s)?;
+                    // SAFETY: chunk r of the checked operand; M chunks of this rank's scratch.
+                    unsafe { x.all_gather(T::DTYPE, p + (r * c) as u64, scratch, c / es, &s) }?;
+                    for k in 0..m {
+                        h.all_gather(
+                            typed_src::<T>(self.local_op(scratch + (k * c) as u64, c)),
+                            typed_dst::<T>(b.op.sub(k * d * c, d * c)),
+                            s,
+                        )?;
+                    }
+                    Ok(())
+                }
+                RankOrder::Other => {
+                    // Zero every chunk but this rank's (after a fence: earlier calls of the
+                    // domain peers may read this buffer), then sum across the team.
+                    self.fence(h, s)?;
+                    zero_others(&s, (p, b.op.bytes), c, r)?;
+                    self.all_reduce_op(T::DTYPE, b.op, ReduceOp::Sum, s)
+                }
+            },
         }
     }
 
@@ -1271,4 +1498,35 @@ impl HierCommunicator {
         self.copy_into(T::DTYPE, &i.op, &o.op, self.layout.rank() * c, &s)?;
         self.all_gather_in_place(o, s)
     }
+}
+
+/// The domain's reduce-scatter in place, for a run-time element type.
+fn rs_in_place_dyn(
+    h: &RankHandle<'_>,
+    dtype: DType,
+    o: Operand<'_>,
+    op: ReduceOp,
+    s: StreamRef<'_>,
+) -> Result<()> {
+    match dtype {
+        DType::F32 => h.reduce_scatter_in_place(typed_dst::<f32>(o), op, s),
+        DType::F16 => h.reduce_scatter_in_place(typed_dst::<half::f16>(o), op, s),
+        DType::Bf16 => h.reduce_scatter_in_place(typed_dst::<half::bf16>(o), op, s),
+    }
+    .map(drop)
+}
+
+/// The domain's all-gather in place, for a run-time element type.
+fn ag_in_place_dyn(
+    h: &RankHandle<'_>,
+    dtype: DType,
+    o: Operand<'_>,
+    s: StreamRef<'_>,
+) -> Result<()> {
+    match dtype {
+        DType::F32 => h.all_gather_in_place(typed_dst::<f32>(o), s),
+        DType::F16 => h.all_gather_in_place(typed_dst::<half::f16>(o), s),
+        DType::Bf16 => h.all_gather_in_place(typed_dst::<half::bf16>(o), s),
+    }
+    .map(drop)
 }

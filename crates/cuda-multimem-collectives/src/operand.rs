@@ -261,3 +261,23 @@ pub(crate) fn bytes_dst(op: Operand<'_>) -> Dst<'_, u8> {
         _t: PhantomData,
     }
 }
+
+/// A typed input view of an operand the crate resolved itself (`op.bytes` a whole number of
+/// `T`: the hierarchical collectives hand blocks of their operands and of their scratch to the
+/// domain's reduce-scatter and all-gather this way).
+pub(crate) fn typed_src<T>(op: Operand<'_>) -> Src<'_, T> {
+    Src {
+        op,
+        len: op.bytes / std::mem::size_of::<T>(),
+        _t: PhantomData,
+    }
+}
+
+/// A typed output view of an operand the crate resolved itself (as [`typed_src`]).
+pub(crate) fn typed_dst<T>(op: Operand<'_>) -> Dst<'_, T> {
+    Dst {
+        op,
+        len: op.bytes / std::mem::size_of::<T>(),
+        _t: PhantomData,
+    }
+}

@@ -16,6 +16,19 @@ use cuda_multimem_collectives::{
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{sim, skip};
 
+/// The simulated driver version `CUDA_MULTIMEM_DRIVER` selects (`sim:...,version=V`; `cargo
+/// xtask test` runs the suite at each), else 13000: the hierarchical teams make their own
+/// simulated machines of as many devices as they need, at that version.
+fn sim_version() -> i32 {
+    std::env::var(cuda_multimem::DRIVER_ENV)
+        .ok()
+        .and_then(|v| {
+            v.split([':', ','])
+                .find_map(|kv| kv.trim().strip_prefix("version=")?.parse().ok())
+        })
+        .unwrap_or(13000)
+}
+
 fn rendezvous(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("cmm-hier-{tag}-{}", std::process::id()))
 }
@@ -108,7 +121,7 @@ fn sim_team_with(
         return;
     }
     let n = domains * per_domain;
-    let e = sim(SimConfig::new(n, 13000));
+    let e = sim(SimConfig::new(n, sim_version()));
     let path = rendezvous(tag);
     let handles: Vec<_> = (0..n)
         .map(|rank| {
@@ -377,7 +390,7 @@ fn domains_of_one_gpu_allreduce_through_the_cross_domain_step_alone() {
 #[test]
 fn ranks_of_one_host_whose_devices_reach_each_other_are_discovered_as_one_domain() {
     let n = 4;
-    let e = sim(SimConfig::new(n, 13000));
+    let e = sim(SimConfig::new(n, sim_version()));
     let path = rendezvous("disc");
     let hs: Vec<_> = (0..n)
         .map(|rank| {
@@ -442,7 +455,7 @@ fn building_with_a_missing_nccl_fails_on_every_rank_without_hanging() {
     // Two one-GPU domains whose rails would need NCCL, with a library path that does not exist:
     // every rank reports it (rank 0 its own error, the other the disagreement), within the
     // bootstrap's timeout.
-    let e = sim(SimConfig::new(2, 13000));
+    let e = sim(SimConfig::new(2, sim_version()));
     let path = rendezvous("nonccl");
     let hs: Vec<_> = (0..2)
         .map(|rank| {
@@ -629,7 +642,7 @@ fn two_processes_as_two_domains_allreduce_through_nccl() {
 fn a_bootstrap_communicator_of_4_threads_on_one_simulator_allreduces() {
     use cuda_multimem_collectives::Communicator;
     let n = 4;
-    let e = sim(SimConfig::new(n, 13000));
+    let e = sim(SimConfig::new(n, sim_version()));
     let path = rendezvous("plain4");
     let hs: Vec<_> = (0..n)
         .map(|rank| {

@@ -633,7 +633,8 @@ impl CrossDomain for HostCrossDomainDouble {
 // no reduce-scatter (count < D) the explicit fence does. `docs/design/hierarchical.md`.
 
 /// Zero every chunk of `buf` (`total` bytes at `ptr`, chunks of `chunk` bytes) but chunk
-/// `mine`, on `stream`: what the all-gather stand-in sums (x + 0 = x exactly, but a -0.0 comes
+/// `mine`, on `stream`: what the all-gather of layouts of
+/// [`RankOrder::Other`] sums (x + 0 = x exactly, but a -0.0 comes
 /// back as +0.0).
 fn zero_others(
     stream: &StreamRef<'_>,
@@ -904,9 +905,10 @@ struct Scratch {
 ///
 /// Every rank makes the same calls in the same order ([`HierCommunicator::alloc`] included):
 /// the domain's and the rail's exchanges go through the one bootstrap of the whole team.
-/// Operands: [`SymmetricBuffer`]s of [`HierCommunicator::alloc`] (domains of 2 or more; no
-/// copies inside the domain), or the caller's own device memory (the domain step stages it
-/// through the communicator's scratch above the one-shot limit).
+/// Operands: [`SymmetricBuffer`]s of [`HierCommunicator::alloc`] (domains of 2 or more), or
+/// the caller's own device memory; the domain's reduce-scatter and all-gather take either with
+/// no copies outside their kernels. One call at a time per communicator (its scratch and its
+/// NCCL communicators are shared by its calls): queue them on one stream, as with NCCL.
 pub struct HierCommunicator {
     layout: HierLayout,
     device: Device,

@@ -71,6 +71,7 @@ pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
 pub use hier::{
     CrossDomain, HierBuilder, HierCommunicator, HierLayout, HostCrossDomainDouble, NcclCrossDomain,
+    RankOrder,
 };
 pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};

@@ -4,7 +4,7 @@
 //! driver only, so this runs in `test-hw` and is skipped, saying so, on the simulator.
 
 use cuda_multimem_collectives::{
-    bf16, f16, random_input, reference, Communicator, Element, MulticastPolicy, ReduceOp,
+    bf16, f16, random_input, reference, Communicator, Element, MulticastPolicy, Operands, ReduceOp,
 };
 use cuda_multimem_tests::{env, skip};
 use cudarc::driver::{CudaContext, DeviceRepr as CudarcRepr, ValidAsZeroBits};
@@ -16,7 +16,8 @@ where
     let n = comm.size();
     let mut seed = 77;
     for op in ReduceOp::ALL {
-        // 10 001 elements: one-shot; 3 M + 5: above the one-shot limit, staged through the scratch
+        // 10 001 elements: one-shot; 3 M + 5: one-shot for 16-bit types (6 MB), staged through
+        // the scratch for f32 (12 MB, above the 8 MiB one-shot limit of two ranks)
         for count in [10_001usize, 3_000_005] {
             for in_place in [false, true] {
                 let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
@@ -28,7 +29,11 @@ where
                     let mut input = s.clone_htod(&inputs[r]).unwrap();
                     if in_place {
                         let c = h.all_reduce_cudarc_in_place(&mut input, op, s).unwrap();
-                        assert_eq!(c.staged_chunks > 0, count > 10_001, "{c}");
+                        let want_chunks = comm
+                            .choice(T::DTYPE, op, count, Operands::Local)
+                            .unwrap()
+                            .staged_chunks;
+                        assert_eq!(c.staged_chunks, want_chunks, "{c}");
                         outs.push(input);
                     } else {
                         let mut out = s.alloc_zeros::<T>(count).unwrap();

@@ -658,7 +658,7 @@ fn bench<T: Element + Default + Copy>(args: &Args) -> Res<bool> {
                         "impl": "cuda-multimem",
                         "operand": kind,
                         "dtype": T::DTYPE.name(),
-                        "op": if coll == Coll::ReduceScatter { op.name() } else { "none" },
+                        "op": if coll == Coll::ReduceScatter { op.name() } else { "-" },
                         "ranks": n,
                         "bytes": bytes,
                         "mode": mode,

@@ -2,7 +2,7 @@
 //! for the three: a prologue, the staged rounds (push into the receivers' staging slots,
 //! barrier, reduce or copy locally), and for all-gather and broadcast a direct path (barrier,
 //! store into every rank's symmetric output, barrier); the epilogue of the allreduce kernels.
-//! A second template for their low-latency forms ([`ll_kernel`]: flags in the data, as the
+//! A second template for their low-latency forms (`ll_kernel`: flags in the data, as the
 //! allreduce's low-latency one-shot).
 //! Parameters and layout: `cuda_multimem_collectives::kernels::gather`; protocol:
 //! `docs/design/collectives.md`.

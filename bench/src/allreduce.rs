@@ -12,7 +12,6 @@
 //! mean nothing.
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{DeviceBuffer, Event, Stream};
@@ -22,7 +21,9 @@ use cuda_multimem_collectives::{
 use half::{bf16, f16};
 use serde_json::json;
 
-type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+mod common;
+
+use common::{median, result_line, Res, SpinBarrier};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Operands {
@@ -406,50 +407,6 @@ impl<T: Element + Default> Bench<'_, T> {
             .collect();
         Ok(median(times))
     }
-}
-
-/// A barrier that spins (a futex wake-up can skew the ranks' launches by tens of µs, which a
-/// single-call latency would measure instead of the call).
-struct SpinBarrier {
-    n: usize,
-    arrived: AtomicUsize,
-}
-
-impl SpinBarrier {
-    fn new(n: usize) -> Self {
-        SpinBarrier {
-            n,
-            arrived: AtomicUsize::new(0),
-        }
-    }
-
-    /// The barrier of round `round` (0, 1, ...; every thread passes the same rounds in order).
-    fn wait(&self, round: usize) {
-        self.arrived.fetch_add(1, Ordering::AcqRel);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while self.arrived.load(Ordering::Acquire) < self.n * (round + 1) {
-            if std::time::Instant::now() > deadline {
-                break; // a rank died; its error is reported by its thread
-            }
-            std::hint::spin_loop();
-        }
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-fn result_line(fields: serde_json::Value) -> Res<()> {
-    // serde_json writes a non-finite float as null: refuse it loudly instead.
-    for k in ["time_us", "algbw_gbs", "busbw_gbs"] {
-        if !fields[k].as_f64().is_some_and(f64::is_finite) {
-            return Err(format!("a non-finite {k} in {fields}").into());
-        }
-    }
-    println!("RESULT {}", serde_json::to_string(&fields)?);
-    Ok(())
 }
 
 fn bench<T: Element + Default>(args: &Args) -> Res<bool> {

@@ -13,7 +13,6 @@
 //! `reduce_scatter` | `all_gather` | `broadcast`). On the simulated driver times mean nothing.
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{DeviceBuffer, Event, Stream};
@@ -24,7 +23,9 @@ use cuda_multimem_collectives::{
 use half::{bf16, f16};
 use serde_json::json;
 
-type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+mod common;
+
+use common::{median, result_line, Res, SpinBarrier};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Operands {
@@ -356,7 +357,7 @@ impl<T: Element + Default + Copy> Bench<'_, T> {
             let timed = |r: usize, f: &dyn Fn(&Stream) -> Res<Choice>| -> Res<f64> {
                 let s = &streams[r];
                 let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
-                barrier.wait();
+                barrier.wait(0);
                 a.record(s)?;
                 f(s)?;
                 z.record(s)?;
@@ -444,47 +445,6 @@ impl<T: Element> Prefix<T> for DeviceBuffer<T> {
         // SAFETY: as `slice_src`, exclusively borrowed.
         unsafe { Dst::from_raw(self.device_ptr(), len.min(self.len())) }
     }
-}
-
-/// A barrier that spins (see bench-allreduce).
-struct SpinBarrier {
-    n: usize,
-    arrived: AtomicUsize,
-}
-
-impl SpinBarrier {
-    fn new(n: usize) -> Self {
-        SpinBarrier {
-            n,
-            arrived: AtomicUsize::new(0),
-        }
-    }
-
-    fn wait(&self) {
-        self.arrived.fetch_add(1, Ordering::AcqRel);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while self.arrived.load(Ordering::Acquire) < self.n {
-            if std::time::Instant::now() > deadline {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-fn result_line(fields: serde_json::Value) -> Res<()> {
-    for k in ["time_us", "algbw_gbs", "busbw_gbs"] {
-        if !fields[k].as_f64().is_some_and(f64::is_finite) {
-            return Err(format!("a non-finite {k} in {fields}").into());
-        }
-    }
-    println!("RESULT {}", serde_json::to_string(&fields)?);
-    Ok(())
 }
 
 fn bench<T: Element + Default + Copy>(args: &Args) -> Res<bool> {

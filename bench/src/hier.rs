@@ -27,7 +27,10 @@ use cuda_multimem_collectives::{
 use half::bf16;
 use serde_json::json;
 
-type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+#[allow(dead_code)] // the spinning barrier: its ranks are processes
+mod common;
+
+use common::{median, result_line, Res};
 
 const RANK_ENV: &str = "BENCH_HIER_RANK";
 const PATH_ENV: &str = "BENCH_HIER_PATH";
@@ -220,11 +223,6 @@ fn max_over_ranks(b: &dyn Bootstrap, t: f64) -> Res<f64> {
         .fold(t, f64::max))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 fn input(seed: u64, rank: usize, count: usize) -> Vec<bf16> {
     let mut state = (seed * 7919 + rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     random_input(count, &mut state)
@@ -314,16 +312,6 @@ impl Ctx<'_> {
         imp.check()?;
         Ok(median(times))
     }
-}
-
-fn result_line(fields: serde_json::Value) -> Res<()> {
-    for k in ["time_us", "algbw_gbs", "busbw_gbs"] {
-        if !fields[k].as_f64().is_some_and(f64::is_finite) {
-            return Err(format!("a non-finite {k} in {fields}").into());
-        }
-    }
-    println!("RESULT {}", serde_json::to_string(&fields)?);
-    Ok(())
 }
 
 fn rank_main(

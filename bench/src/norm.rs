@@ -13,7 +13,6 @@
 //! `tokens` field. On the simulated driver the times mean nothing.
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{CaptureMode, DeviceBuffer, Event, Stream};
@@ -24,7 +23,9 @@ use cuda_multimem_collectives::{
 use half::bf16;
 use serde_json::json;
 
-type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+mod common;
+
+use common::{median, result_line, Res, SpinBarrier};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Form {
@@ -73,11 +74,6 @@ struct Bufs {
     out: DeviceBuffer<bf16>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 /// Queue one call of `imp` for rank `r` on `s`.
 fn call(
     comm: &Communicator,
@@ -115,18 +111,6 @@ fn sync(streams: &[Stream]) -> Res<()> {
         s.synchronize()?;
     }
     Ok(())
-}
-
-struct SpinBarrier(usize, AtomicUsize);
-
-impl SpinBarrier {
-    fn wait(&self) {
-        self.1.fetch_add(1, Ordering::AcqRel);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while self.1.load(Ordering::Acquire) < self.0 && std::time::Instant::now() < deadline {
-            std::hint::spin_loop();
-        }
-    }
 }
 
 fn main() -> ExitCode {
@@ -252,7 +236,7 @@ fn run(args: &Args) -> Res<bool> {
             // single: one call between host barriers, the slowest rank
             let mut times = Vec::new();
             for run in 0..=runs {
-                let barrier = SpinBarrier(n, AtomicUsize::new(0));
+                let barrier = SpinBarrier::new(n);
                 let per_rank: Vec<Res<f64>> = std::thread::scope(|sc| {
                     let hs: Vec<_> = (0..n)
                         .map(|r| {
@@ -260,7 +244,7 @@ fn run(args: &Args) -> Res<bool> {
                             sc.spawn(move || -> Res<f64> {
                                 let (e0, e1) =
                                     (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
-                                barrier.wait();
+                                barrier.wait(0);
                                 e0.record(s)?;
                                 call(comm, r, b, imp, t, h, s)?;
                                 e1.record(s)?;
@@ -338,7 +322,7 @@ fn run(args: &Args) -> Res<bool> {
                     "staged_chunks": 0,
                     "correct": if imp == "fused" { json!(ok) } else { json!(null) },
                 });
-                println!("RESULT {}", serde_json::to_string(&fields)?);
+                result_line(fields)?;
             }
         }
     }

@@ -126,49 +126,58 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
             }
             let boff = (b * share) as usize;
             let rounds = per.div_ceil(cap).max(1);
-            let mut lo_r = bs;
-            for j in 0..rounds {
+            // round j: its slot parity and byte range of the chunk
+            let round = |j: u64| {
                 let q = ((parity as u64 + j) & 1) as usize;
-                let lo = lo_r.min(be);
-                let hi = (lo + cap).min(be);
-                let (x0, x1) = bytes(lo, hi);
-                let len = x1 - x0;
-                // phase A: my data for every other rank k into k's slot [q][rank]
-                if sends {
+                let lo = (bs + j * cap).min(be);
+                let (x0, x1) = bytes(lo, (lo + cap).min(be));
+                (q, x0, x1)
+            };
+            // software-pipelined as the kernel: step i runs phase A of round i (i < R), phase
+            // B of round i - 1 (i > 0), then the barrier of round i (i < R)
+            for i in 0..=rounds {
+                if i < rounds && sends {
+                    // phase A: my data for every other rank k into k's slot [q][rank]
+                    let (q, x0, x1) = round(i);
                     for k in (0..n).filter(|&k| k != rank) {
                         let src = match c {
                             Collective::ReduceScatter => inp + k * b_ + x0,
                             _ => inp + x0,
                         };
-                        copy(a, src, stage(k) + (q * n + rank) * slot + boff, len)?;
+                        copy(a, src, stage(k) + (q * n + rank) * slot + boff, x1 - x0)?;
                     }
                 }
-                let hdr = (j == 0).then_some(parity);
-                cx.barrier(a, b as usize, cnt.wrapping_add(1 + j as u32), hdr);
-                // phase B: from my own memory into my output
-                let mine = |k: usize| stage(rank) + (q * n + k) * slot + boff;
-                match c {
-                    Collective::ReduceScatter => {
-                        let (e0, e1) = ((x0 as u64) / es, (x1 as u64) / es);
-                        let srcs: Vec<(usize, u64)> = (0..n)
-                            .map(|k| if k == rank { (own, 0) } else { (mine(k), e0) })
-                            .collect();
-                        reduce_into(a, d, op, &srcs, &[out], e0, e1)?;
-                    }
-                    Collective::AllGather => {
-                        for k in (0..n).filter(|&k| k != rank || !in_place) {
-                            let src = if k == rank { inp + x0 } else { mine(k) };
-                            copy(a, src, out + k * b_ + x0, len)?;
+                if i > 0 {
+                    // phase B of round i - 1: from my own memory into my output
+                    let (q, x0, x1) = round(i - 1);
+                    let len = x1 - x0;
+                    let mine = |k: usize| stage(rank) + (q * n + k) * slot + boff;
+                    match c {
+                        Collective::ReduceScatter => {
+                            let (e0, e1) = ((x0 as u64) / es, (x1 as u64) / es);
+                            let srcs: Vec<(usize, u64)> = (0..n)
+                                .map(|k| if k == rank { (own, 0) } else { (mine(k), e0) })
+                                .collect();
+                            reduce_into(a, d, op, &srcs, &[out], e0, e1)?;
                         }
-                    }
-                    Collective::Broadcast => {
-                        if !(rank == root && in_place) {
-                            let src = if rank == root { inp + x0 } else { mine(root) };
-                            copy(a, src, out + x0, len)?;
+                        Collective::AllGather => {
+                            for k in (0..n).filter(|&k| k != rank || !in_place) {
+                                let src = if k == rank { inp + x0 } else { mine(k) };
+                                copy(a, src, out + k * b_ + x0, len)?;
+                            }
+                        }
+                        Collective::Broadcast => {
+                            if !(rank == root && in_place) {
+                                let src = if rank == root { inp + x0 } else { mine(root) };
+                                copy(a, src, out + x0, len)?;
+                            }
                         }
                     }
                 }
-                lo_r = lo + cap;
+                if i < rounds {
+                    let hdr = (i == 0).then_some(parity);
+                    cx.barrier(a, b as usize, cnt.wrapping_add(1 + i as u32), hdr);
+                }
             }
             // c + 2R: the next call's staging parity differs from my last round's
             final_ctr = cnt.wrapping_add(2 * rounds as u32);

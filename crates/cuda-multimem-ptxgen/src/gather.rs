@@ -87,6 +87,60 @@ fn units(
     s
 }
 
+/// Which round's registers [`round_regs`] fills: phase A's (units rd65..rd66, elements
+/// rd67..rd68, push base rd57) or phase B's (units rd55..rd56, elements rd63..rd64, my slots'
+/// base rd58).
+#[derive(Clone, Copy, PartialEq)]
+enum RoundRegs {
+    A,
+    B,
+}
+
+/// The geometry of round `j` (a u32 register): its units [lo, hi) = [min(first + j * C, end),
+/// min(lo + C, end)) of this block's range, as elements [lo << vl, min(hi << vl, count)), and
+/// its slot parity q = (parity + j) & 1. A unit at byte x of the chunk lands at slot byte
+/// share offset + x - lo * 16: phase A's push base = (q*n + rank)*slot + b*share - lo*16 (add a
+/// peer's staging), phase B's base of my slots = mine + q*n*slot + b*share - lo*16 (add
+/// k*slot). Scratch: rd43, rd69, r15, r16, r22.
+fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
+    let (lo, hi, elo, ehi) = match which {
+        RoundRegs::A => ("%rd65", "%rd66", "%rd67", "%rd68"),
+        RoundRegs::B => ("%rd55", "%rd56", "%rd63", "%rd64"),
+    };
+    let mut s = format!(
+        "\t// round {j}'s units [{lo}, {hi}), elements [{elo}, {ehi}), slot parity r22
+\tcvt.u64.u32 %rd69, {j};
+\tmad.lo.u64 {lo}, %rd69, %rd51, %rd11;
+\tmin.u64 {lo}, {lo}, %rd12;
+\tadd.u64 {hi}, {lo}, %rd51;
+\tmin.u64 {hi}, {hi}, %rd12;
+\tshl.b64 {elo}, {lo}, {vl};
+\tshl.b64 {ehi}, {hi}, {vl};
+\tmin.u64 {ehi}, {ehi}, %rd4;
+\tadd.u32 %r22, %r8, {j};
+\tand.b32 %r22, %r22, 1;
+\tshl.b64 %rd43, {lo}, 4;
+"
+    );
+    s += if which == RoundRegs::A {
+        "\tmad.lo.u32 %r15, %r22, %r6, %r5;
+\tcvt.u64.u32 %rd57, %r15;
+\tmul.lo.u64 %rd57, %rd57, %rd39;
+\tadd.u64 %rd57, %rd57, %rd52;
+\tsub.u64 %rd57, %rd57, %rd43;
+"
+    } else {
+        "\tmul.lo.u32 %r16, %r22, %r6;
+\tcvt.u64.u32 %rd58, %r16;
+\tmul.lo.u64 %rd58, %rd58, %rd39;
+\tadd.u64 %rd58, %rd58, %rd54;
+\tadd.u64 %rd58, %rd58, %rd52;
+\tsub.u64 %rd58, %rd58, %rd43;
+"
+    };
+    s
+}
+
 fn kernel(c: Collective, f: &Flavor) -> String {
     let name = c.entry(f.dtype, f.op);
     let (es, vl) = (f.es_log2(), f.v_log2());
@@ -183,37 +237,14 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	mul.wide.u32 %rd41, %r5, 8;
 	add.u64 %rd41, %rd1, %rd41;
 	ld.global.u64 %rd54, [%rd41+{OFF_STAGES}];
-	// ---- rounds: j in r37, the round's first unit in rd55
+	// ---- software-pipelined rounds, step i in r37 (i = 0..R): phase A of round i (if i < R),
+	// phase B of round i - 1 (if i > 0), the barrier of round i (if i < R). Each thread's
+	// posted writes of round i drain over the link while it reduces or copies round i - 1.
 	mov.u32 %r37, 0;
-	mov.u64 %rd55, %rd11;
 $L_round:
-	setp.ge.u32 %p20, %r37, %r20;
-	@%p20 bra $L_rounds_done;
-	// this round's units [lo, hi) = [min(rd55, end), min(lo + C, end)) (rd55, rd56); as
-	// elements [lo << {vl}, min(hi << {vl}, count)) (rd63, rd64)
-	min.u64 %rd55, %rd55, %rd12;
-	add.u64 %rd56, %rd55, %rd51;
-	min.u64 %rd56, %rd56, %rd12;
-	shl.b64 %rd63, %rd55, {vl};
-	shl.b64 %rd64, %rd56, {vl};
-	min.u64 %rd64, %rd64, %rd4;
-	// slot parity q = (parity + j) & 1 (r22); unit at byte x of the chunk lands at slot byte
-	// share offset + x - lo * 16: push base rd57 = (q*n + rank)*slot + b*share - lo*16 (add a
-	// peer's staging), my slots' base rd58 = mine + q*n*slot + b*share - lo*16 (add k*slot)
-	add.u32 %r22, %r8, %r37;
-	and.b32 %r22, %r22, 1;
-	shl.b64 %rd43, %rd55, 4;
-	mad.lo.u32 %r15, %r22, %r6, %r5;
-	cvt.u64.u32 %rd57, %r15;
-	mul.lo.u64 %rd57, %rd57, %rd39;
-	add.u64 %rd57, %rd57, %rd52;
-	sub.u64 %rd57, %rd57, %rd43;
-	mul.lo.u32 %r16, %r22, %r6;
-	cvt.u64.u32 %rd58, %r16;
-	mul.lo.u64 %rd58, %rd58, %rd39;
-	add.u64 %rd58, %rd58, %rd54;
-	add.u64 %rd58, %rd58, %rd52;
-	sub.u64 %rd58, %rd58, %rd43;
+	// p21: i = R (no phase A, no barrier: the last step)
+	setp.ge.u32 %p21, %r37, %r20;
+	@%p21 bra $L_skip_a;
 "#
     );
     // phase A: push into every other rank's slot [q][rank]
@@ -222,6 +253,7 @@ $L_round:
         Collective::ReduceScatter => "\tcvt.u64.u32 %rd60, %r36;\n\tmul.lo.u64 %rd60, %rd60, %rd19;\n\tadd.u64 %rd60, %rd60, %rd2;\n",
         _ => "\tmov.u64 %rd60, %rd2;\n",
     };
+    s += &round_regs("%r37", RoundRegs::A, vl);
     s += "\t// phase A: my data for every other rank k into k's slot [q][rank] (posted writes)\n";
     if c == Collective::Broadcast {
         s += "\t@!%p8 bra $L_pk_done;\n";
@@ -239,18 +271,13 @@ $L_pk_loop:
 	add.u64 %rd59, %rd59, %rd57;
 {src_k}"#
     );
-    s += &units(f, "pa", ("%rd55", "%rd56"), ("%rd63", "%rd64"), |v| {
+    s += &units(f, "pa", ("%rd65", "%rd66"), ("%rd67", "%rd68"), |v| {
         copy(f, v, "%rd60", "%rd59", false)
     });
     s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
-    // the round's barrier; the call header is checked at the first only (a peer may be in the
-    // next call once I arrive at my last barrier, and for even R its header parity is mine)
-    s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n\tsetp.ne.u32 %p5, %r37, 0;\n\t@%p5 bra $L_bn_go;\n";
-    s += &barrier("b0", "%r12", true);
-    s += "\tbra.uni $L_b_after;\n$L_bn_go:\n";
-    s += &barrier("bn", "%r12", false);
-    s += "$L_b_after:\n";
-    // phase B: from my own memory into my output
+    // phase B of round i - 1, from my own memory into my output (none at i = 0)
+    s += "$L_skip_a:\n\tsetp.eq.u32 %p22, %r37, 0;\n\t@%p22 bra $L_skip_b;\n\tsub.u32 %r39, %r37, 1;\n";
+    s += &round_regs("%r39", RoundRegs::B, vl);
     match c {
         Collective::ReduceScatter => {
             s += "\t// phase B: reduce my chunk (rd62) and my slots in rank order into my output\n";
@@ -303,7 +330,15 @@ $L_pk_loop:
             s += "$L_pbc_done:\n";
         }
     }
-    s += "\tadd.u32 %r37, %r37, 1;\n\tadd.u64 %rd55, %rd55, %rd51;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
+    // the barrier of round i; the call header is checked at the first only (a peer may be in
+    // the next call once I arrive at my last barrier, and for even R its header parity is mine)
+    s += "$L_skip_b:\n\t@%p21 bra $L_rounds_done;\n";
+    s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n\tsetp.ne.u32 %p5, %r37, 0;\n\t@%p5 bra $L_bn_go;\n";
+    s += &barrier("b0", "%r12", true);
+    s += "\tbra.uni $L_b_after;\n$L_bn_go:\n";
+    s += &barrier("bn", "%r12", false);
+    s += "$L_b_after:\n";
+    s += "\tadd.u32 %r37, %r37, 1;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
     if c != Collective::ReduceScatter {
         s += "\tbra.uni $L_fin;\n";
         s += &direct(c, f);

@@ -2,7 +2,7 @@
 //! baseline (`kernels/norm.ptx`), registered by [`super::install`]. They follow the PTX step by
 //! step: the same rows per block, the same staging slots and parities, the same barriers and
 //! counters, and the same arithmetic in the same order — the sum of squares per thread (units
-//! strided over the block's threads), a butterfly within each warp, then the warps in order — so
+//! strided over the block's threads), a butterfly within each warp, then one over the warps — so
 //! the simulator's `out` is what the GPU computes, bit for bit.
 
 use std::sync::atomic::Ordering;
@@ -140,19 +140,22 @@ impl Row {
     }
 }
 
-/// The PTX's block reduction: `shfl.sync.bfly` 16, 8, 4, 2, 1 within each warp, then lane 0 of
-/// every warp in warp order.
+/// The PTX's block reduction: `shfl.sync.bfly` 16, 8, 4, 2, 1 within each warp, then the
+/// warps' partials (lane i holds warp i's, 0 past the last warp) by the same butterfly.
 fn block_sum(per_thread: &[f32]) -> f32 {
-    let mut total = 0f32;
-    for (w, warp) in per_thread.chunks(32).enumerate() {
-        let mut v: Vec<f32> = warp.to_vec();
+    fn butterfly(mut v: Vec<f32>) -> f32 {
         v.resize(32, 0.0);
         for off in [16, 8, 4, 2, 1] {
             v = (0..32).map(|l| v[l] + v[l ^ off]).collect();
         }
-        total = if w == 0 { v[0] } else { total + v[0] };
+        v[0]
     }
-    total
+    butterfly(
+        per_thread
+            .chunks(32)
+            .map(|w| butterfly(w.to_vec()))
+            .collect(),
+    )
 }
 
 fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {

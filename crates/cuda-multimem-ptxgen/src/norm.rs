@@ -22,8 +22,9 @@ const HEADER: &str = "//
 .target sm_90
 .address_size 64
 
-// per-warp partial sums of squares of the row a block normalises
-.shared .align 4 .f32 cmm_norm_red[32];
+// per-warp partial sums of squares of the row a block normalises: two buffers of 32, the
+// rows of a block alternate between them
+.shared .align 4 .f32 cmm_norm_red[64];
 ";
 
 const REGS: &str = "\t.reg .pred %p<32>;
@@ -82,6 +83,11 @@ fn prologue(name: &str, f: &Flavor, pad: bool) -> String {
 	cvt.u64.u32 %rd15, %r2;
 	mov.u64 %rd19, 0;
 	mov.u32 %r54, cmm_norm_red;
+	// the reduction buffer of the block's next row (r63: 0, 1, 0, ...)
+	mov.u32 %r63, 0;
+	// p26: at most one unit per thread, so pass 2 takes residual_out and γ from registers
+	cvt.u64.u32 %rd76, %r3;
+	setp.le.u64 %p26, %rd10, %rd76;
 "#,
         es = f.es_log2(),
     )
@@ -225,9 +231,15 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
             }
         }
     };
-    let mut v = load(true);
+    // r (into r59..r62) and γ (r35..r38) of this unit are loaded before the sum, so their
+    // latency hides behind the peers' data
+    let mut v = res.to_string();
+    v += "\tld.global.v4.b32 {%r59, %r60, %r61, %r62}, [%rd24];\n";
+    v +=
+        "\tadd.u64 %rd25, %rd4, %rd21;\n\tld.global.nc.v4.b32 {%r35, %r36, %r37, %r38}, [%rd25];\n";
+    v += &load(true);
     v += res;
-    v += "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n";
+    v += "\tmov.b32 %r30, %r59;\n\tmov.b32 %r31, %r60;\n\tmov.b32 %r32, %r61;\n\tmov.b32 %r33, %r62;\n";
     v += &f.vec_in(false);
     v += &f.vec_out();
     v += "\tst.global.v4.b32 [%rd24], {%r30, %r31, %r32, %r33};\n";
@@ -265,49 +277,53 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
 }
 
 /// The block's sum of squares of the row (every thread's %f20): a butterfly within each warp,
-/// lane 0 of warp w stores it to `cmm_norm_red[w]`, then every thread adds warps 0, 1, ... in
-/// order; rstd = 1 / sqrt(sum / hidden + eps) into %f42 (correctly rounded steps).
+/// lane 0 of warp w stores it to `cmm_norm_red[32·r63 + w]`, one `bar.sync`, then every warp
+/// loads the partials (lane i partial i, 0 past the last warp) and adds them by the same
+/// butterfly, so every thread holds the same total; r63 flips for the next row (its buffer is
+/// the other one, so no second `bar.sync`: a thread writes this buffer again two rows later,
+/// after the next row's `bar.sync`, which every thread reaches only after reading these).
+/// rstd = 1 / sqrt(sum / hidden + eps) into %f42 (correctly rounded steps).
 fn block_rstd(label: &str) -> String {
+    let bfly = |s: &mut String| {
+        for off in [16, 8, 4, 2, 1] {
+            *s += &format!(
+                "\tmov.b32 %r50, %f20;\n\tshfl.sync.bfly.b32 %r51, %r50, {off}, 31, -1;\n\tmov.b32 %f21, %r51;\n\tadd.rn.f32 %f20, %f20, %f21;\n"
+            );
+        }
+    };
     let mut s = String::from(
-        "\t// ---- sum of squares over the block: warp butterfly, then warps in order\n",
+        "\t// ---- sum of squares over the block: warp butterfly, then across warps\n",
     );
-    for off in [16, 8, 4, 2, 1] {
-        s += &format!(
-            "\tmov.b32 %r50, %f20;\n\tshfl.sync.bfly.b32 %r51, %r50, {off}, 31, -1;\n\tmov.b32 %f21, %r51;\n\tadd.rn.f32 %f20, %f20, %f21;\n"
-        );
-    }
+    bfly(&mut s);
     s += &format!(
         r#"	and.b32 %r52, %r1, 31;
 	shr.u32 %r53, %r1, 5;
+	shl.b32 %r39, %r63, 7;
+	add.u32 %r39, %r54, %r39;
 	setp.ne.u32 %p23, %r52, 0;
 	@%p23 bra $L_{label}_nolane;
 	shl.b32 %r56, %r53, 2;
-	add.u32 %r56, %r54, %r56;
+	add.u32 %r56, %r39, %r56;
 	st.shared.f32 [%r56], %f20;
 $L_{label}_nolane:
 	bar.sync 0;
+	// lane i: partial i (0 past the warps), added by the same butterfly in every warp
 	shr.u32 %r57, %r3, 5;
-	ld.shared.f32 %f20, [%r54];
-	mov.u32 %r58, 1;
-$L_{label}_w:
-	setp.ge.u32 %p24, %r58, %r57;
-	@%p24 bra $L_{label}_wend;
-	shl.b32 %r56, %r58, 2;
-	add.u32 %r56, %r54, %r56;
-	ld.shared.f32 %f21, [%r56];
-	add.rn.f32 %f20, %f20, %f21;
-	add.u32 %r58, %r58, 1;
-	bra.uni $L_{label}_w;
-$L_{label}_wend:
-	// every thread has read the partial sums before the next row overwrites them
-	bar.sync 0;
+	setp.lt.u32 %p24, %r52, %r57;
+	shl.b32 %r56, %r52, 2;
+	add.u32 %r56, %r39, %r56;
+	mov.f32 %f20, 0f00000000;
+	@%p24 ld.shared.f32 %f20, [%r56];
+"#
+    );
+    bfly(&mut s);
+    s += r#"	xor.b32 %r63, %r63, 1;
 	cvt.rn.f32.u64 %f22, %rd9;
 	div.rn.f32 %f20, %f20, %f22;
 	add.rn.f32 %f20, %f20, %f40;
 	sqrt.rn.f32 %f20, %f20;
 	rcp.rn.f32 %f42, %f20;
-"#
-    );
+"#;
     s
 }
 
@@ -317,11 +333,16 @@ $L_{label}_wend:
 fn pass2(label: &str, f: &Flavor, push: Option<(&str, &str)>) -> String {
     let res = "\tadd.u64 %rd24, %rd3, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
     let out = "\tadd.u64 %rd24, %rd5, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
-    let mut v = res.to_string();
+    // one unit per thread (p26): residual_out is still in %f1.. from pass 1 and γ in r35..r38
+    let mut v = format!(
+        "\t@!%p26 bra $L_{label}_reload;\n\tmov.b32 %r30, %r35;\n\tmov.b32 %r31, %r36;\n\tmov.b32 %r32, %r37;\n\tmov.b32 %r33, %r38;\n\tbra.uni $L_{label}_have;\n$L_{label}_reload:\n"
+    );
+    v += res;
     v += "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n";
     v += &unpack(f, 1);
     v +=
         "\tadd.u64 %rd25, %rd4, %rd21;\n\tld.global.nc.v4.b32 {%r30, %r31, %r32, %r33}, [%rd25];\n";
+    v += &format!("$L_{label}_have:\n");
     v += &unpack(f, 11);
     for i in 1..=lanes(f) {
         v += &format!(

@@ -1099,6 +1099,17 @@ mod tests {
         }
     }
 
+    /// ptxas rejects any non-ASCII character, even in a comment (a Greek letter in a comment
+    /// once failed every module load on the H200).
+    #[test]
+    fn every_file_is_ascii() {
+        for (file, text) in files() {
+            if let Some((i, l)) = text.lines().enumerate().find(|(_, l)| !l.is_ascii()) {
+                panic!("{file}:{}: non-ASCII: {l}", i + 1);
+            }
+        }
+    }
+
     /// ptxas rejects a label defined twice in one function; check every generated entry, and
     /// that every branch target exists.
     #[test]

@@ -85,7 +85,7 @@ fn prologue(name: &str, f: &Flavor, pad: bool) -> String {
 	mov.u32 %r54, cmm_norm_red;
 	// the reduction buffer of the block's next row (r63: 0, 1, 0, ...)
 	mov.u32 %r63, 0;
-	// p26: at most one unit per thread, so pass 2 takes residual_out and γ from registers
+	// p26: at most one unit per thread, so pass 2 takes residual_out and gamma from registers
 	cvt.u64.u32 %rd76, %r3;
 	setp.le.u64 %p26, %rd10, %rd76;
 "#,

@@ -15,7 +15,8 @@ use cuda_multimem_collectives::kernels::{
 use cuda_multimem_collectives::DType;
 
 use super::{
-    barrier, epilogue, epilogue_to, parity_slots, strided, Addr, Flavor, BLOCK_RANGE, REGS,
+    barrier, epilogue, epilogue_to, parity_slots, strided, strided_by, Addr, Flavor, BLOCK_RANGE,
+    REGS,
 };
 
 const HEADER: &str = "//
@@ -75,14 +76,33 @@ fn copy(f: &Flavor, vector: bool, src: &str, dst: &str, cg: bool) -> String {
 fn units(
     f: &Flavor,
     label: &str,
+    vr: (&str, &str),
+    sr: (&str, &str),
+    body: impl Fn(bool) -> String,
+) -> String {
+    units_by(f, label, vr, sr, body, ("%r1", "%r3"))
+}
+
+/// [`units`] over a subset of the block's threads (`strided_by`).
+fn units_by(
+    f: &Flavor,
+    label: &str,
     (vlo, vhi): (&str, &str),
     (slo, shi): (&str, &str),
     body: impl Fn(bool) -> String,
+    who: (&str, &str),
 ) -> String {
     let mut s = format!("\t@!%p9 bra $L_{label}_sc;\n");
-    s += &strided(&format!("{label}_v"), vlo, vhi, 4, &body(true));
+    s += &strided_by(&format!("{label}_v"), vlo, vhi, 4, &body(true), who);
     s += &format!("\tbra.uni $L_{label}_end;\n$L_{label}_sc:\n");
-    s += &strided(&format!("{label}_s"), slo, shi, f.es_log2(), &body(false));
+    s += &strided_by(
+        &format!("{label}_s"),
+        slo,
+        shi,
+        f.es_log2(),
+        &body(false),
+        who,
+    );
     s += &format!("$L_{label}_end:\n");
     s
 }
@@ -141,6 +161,10 @@ fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
     s
 }
 
+/// The threads of a staged round's phase: this thread's index among them (r47) and their
+/// count (r48), set per step by the roles code of [`kernel`].
+const PHASE_THREADS: (&str, &str) = ("%r47", "%r48");
+
 fn kernel(c: Collective, f: &Flavor) -> String {
     let name = c.entry(f.dtype, f.op);
     let (es, vl) = (f.es_log2(), f.v_log2());
@@ -162,6 +186,11 @@ fn kernel(c: Collective, f: &Flavor) -> String {
         ""
     } else {
         "\t// direct: the output is symmetric (its table in p_out_tab)\n\tsetp.ne.u64 %p6, %rd5, 0;\n\t@%p6 bra $L_direct;\n"
+    };
+    let bc_role = if c == Collective::Broadcast {
+        "\t// a broadcast's non-root pushes nothing: all its threads copy\n\t@!%p8 mov.u32 %r49, 0;\n"
+    } else {
+        ""
     };
     let mut s = format!(
         r#"
@@ -242,9 +271,28 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	// posted writes of round i drain over the link while it reduces or copies round i - 1.
 	mov.u32 %r37, 0;
 $L_round:
-	// p21: i = R (no phase A, no barrier: the last step)
+	// p21: i = R (no phase A, no barrier: the last step); p22: i = 0 (no phase B)
 	setp.ge.u32 %p21, %r37, %r20;
-	@%p21 bra $L_skip_a;
+	setp.eq.u32 %p22, %r37, 0;
+	// roles: r49 = does phase A, r38 = does phase B, as thread r47 of r48. With both phases
+	// in this step the first half of the warps pushes round i while the second half reduces
+	// or copies round i - 1 (so the link and the local work overlap); else all threads do
+	// the one phase. A block has a power of two of at least 64 threads: halves are whole warps.
+	selp.u32 %r49, 0, 1, %p21;
+	selp.u32 %r38, 0, 1, %p22;
+{bc_role}	mov.u32 %r47, %r1;
+	mov.u32 %r48, %r3;
+	and.b32 %r35, %r49, %r38;
+	setp.eq.u32 %p15, %r35, 0;
+	@%p15 bra $L_roles;
+	shr.u32 %r48, %r3, 1;
+	setp.lt.u32 %p15, %r1, %r48;
+	selp.u32 %r49, 1, 0, %p15;
+	selp.u32 %r38, 0, 1, %p15;
+	@!%p15 sub.u32 %r47, %r1, %r48;
+$L_roles:
+	setp.eq.u32 %p15, %r49, 0;
+	@%p15 bra $L_skip_a;
 "#
     );
     // phase A: push into every other rank's slot [q][rank]
@@ -271,20 +319,30 @@ $L_pk_loop:
 	add.u64 %rd59, %rd59, %rd57;
 {src_k}"#
     );
-    s += &units(f, "pa", ("%rd65", "%rd66"), ("%rd67", "%rd68"), |v| {
-        copy(f, v, "%rd60", "%rd59", false)
-    });
+    s += &units_by(
+        f,
+        "pa",
+        ("%rd65", "%rd66"),
+        ("%rd67", "%rd68"),
+        |v| copy(f, v, "%rd60", "%rd59", false),
+        PHASE_THREADS,
+    );
     s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
     // phase B of round i - 1, from my own memory into my output (none at i = 0)
-    s += "$L_skip_a:\n\tsetp.eq.u32 %p22, %r37, 0;\n\t@%p22 bra $L_skip_b;\n\tsub.u32 %r39, %r37, 1;\n";
+    s += "$L_skip_a:\n\tsetp.eq.u32 %p15, %r38, 0;\n\t@%p15 bra $L_skip_b;\n\tsub.u32 %r39, %r37, 1;\n";
     s += &round_regs("%r39", RoundRegs::B, vl);
     match c {
         Collective::ReduceScatter => {
             s += "\t// phase B: reduce my chunk (rd62) and my slots in rank order into my output\n";
             let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd58, %rd27;\n\tselp.b64 %rd26, %rd62, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
-            s += &units(f, "pb", ("%rd55", "%rd56"), ("%rd63", "%rd64"), |v| {
-                let (l, first, rest, store) = if v {
-                    (
+            s += &units_by(
+                f,
+                "pb",
+                ("%rd55", "%rd56"),
+                ("%rd63", "%rd64"),
+                |v| {
+                    let (l, first, rest, store) = if v {
+                        (
                         "pbv",
                         format!(
                             "\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{}",
@@ -299,34 +357,48 @@ $L_pk_loop:
                             f.vec_out()
                         ),
                     )
-                } else {
-                    (
-                        "pbs",
-                        f.sc_load("%rd26", true, ".cg"),
-                        f.sc_load("%rd26", false, ".cg"),
-                        format!("\tadd.u64 %rd24, %rd3, %rd21;\n{}", f.sc_store("%rd24")),
-                    )
-                };
-                format!(
+                    } else {
+                        (
+                            "pbs",
+                            f.sc_load("%rd26", true, ".cg"),
+                            f.sc_load("%rd26", false, ".cg"),
+                            format!("\tadd.u64 %rd24, %rd3, %rd21;\n{}", f.sc_store("%rd24")),
+                        )
+                    };
+                    format!(
                     "\tmov.u32 %r34, 0;\n{addr_k}{first}\tmov.u32 %r34, 1;\n$L_{l}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{l}_kend;\n{addr_k}{rest}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{l}_k;\n$L_{l}_kend:\n{store}"
                 )
-            });
+                },
+                PHASE_THREADS,
+            );
         }
         Collective::AllGather => {
             s += "\t// phase B: chunk k of my output from my input (k = rank, unless in place) or my slot k\n";
-            s += &units(f, "pb", ("%rd55", "%rd56"), ("%rd63", "%rd64"), |v| {
-                let l = if v { "pbv" } else { "pbs" };
-                let one = copy(f, v, "%rd28", "%rd29", true);
-                format!(
+            s += &units_by(
+                f,
+                "pb",
+                ("%rd55", "%rd56"),
+                ("%rd63", "%rd64"),
+                |v| {
+                    let l = if v { "pbv" } else { "pbs" };
+                    let one = copy(f, v, "%rd28", "%rd29", true);
+                    format!(
                     "\tmov.u32 %r34, 0;\n$L_{l}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{l}_kend;\n\tsetp.eq.u32 %p19, %r34, %r5;\n\tand.pred %p18, %p19, %p7;\n\t@%p18 bra $L_{l}_knext;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd28, %rd27, %rd39;\n\tadd.u64 %rd28, %rd58, %rd28;\n\tselp.b64 %rd28, %rd2, %rd28, %p19;\n\tmul.lo.u64 %rd29, %rd27, %rd19;\n\tadd.u64 %rd29, %rd29, %rd3;\n{one}$L_{l}_knext:\n\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{l}_k;\n$L_{l}_kend:\n"
                 )
-            });
+                },
+                PHASE_THREADS,
+            );
         }
         Collective::Broadcast => {
             s += "\t// phase B: my output from my input (the root, unless in place) or my slot [q][root]\n\tand.pred %p18, %p8, %p7;\n\t@%p18 bra $L_pbc_done;\n\tcvt.u64.u32 %rd27, %r23;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd28, %rd58, %rd27;\n\tselp.b64 %rd28, %rd2, %rd28, %p8;\n";
-            s += &units(f, "pb", ("%rd55", "%rd56"), ("%rd63", "%rd64"), |v| {
-                copy(f, v, "%rd28", "%rd3", true)
-            });
+            s += &units_by(
+                f,
+                "pb",
+                ("%rd55", "%rd56"),
+                ("%rd63", "%rd64"),
+                |v| copy(f, v, "%rd28", "%rd3", true),
+                PHASE_THREADS,
+            );
             s += "$L_pbc_done:\n";
         }
     }

@@ -367,10 +367,23 @@ $L_exit:
 /// A strided loop over units [`lo`, `hi`) (u64 registers) of this thread: unit index in %rd20,
 /// byte offset in %rd21 (`shift` = log2 of the unit's bytes). `body` runs once per unit.
 fn strided(label: &str, lo: &str, hi: &str, shift: u32, body: &str) -> String {
+    strided_by(label, lo, hi, shift, body, ("%r1", "%r3"))
+}
+
+/// [`strided`] over a subset of the block's threads: this thread's index `tid` among `ntid`
+/// (u32 registers).
+fn strided_by(
+    label: &str,
+    lo: &str,
+    hi: &str,
+    shift: u32,
+    body: &str,
+    (tid, ntid): (&str, &str),
+) -> String {
     format!(
-        r#"	cvt.u64.u32 %rd22, %r1;
+        r#"	cvt.u64.u32 %rd22, {tid};
 	add.u64 %rd20, {lo}, %rd22;
-	cvt.u64.u32 %rd23, %r3;
+	cvt.u64.u32 %rd23, {ntid};
 $L_{label}_loop:
 	setp.ge.u64 %p15, %rd20, {hi};
 	@%p15 bra $L_{label}_end;

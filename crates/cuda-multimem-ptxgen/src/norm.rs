@@ -55,6 +55,7 @@ fn prologue(name: &str, f: &Flavor, pad: bool) -> String {
         r#"
 .visible .entry {name}(
 {params})
+.maxntid 1024, 1, 1
 {{
 {REGS}	ld.param.u64 %rd2, [p_x];
 	ld.param.u64 %rd3, [p_res];
@@ -233,13 +234,21 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
     };
     // r (into r59..r62) and γ (r35..r38) of this unit are loaded before the sum, so their
     // latency hides behind the peers' data
-    let mut v = res.to_string();
-    v += "\tld.global.v4.b32 {%r59, %r60, %r61, %r62}, [%rd24];\n";
+    // (the two-shot, which pushes, keeps registers for its stores: it loads r after the sum)
+    let mut v = String::new();
+    if push.is_none() {
+        v += res;
+        v += "\tld.global.v4.b32 {%r59, %r60, %r61, %r62}, [%rd24];\n";
+    }
     v +=
         "\tadd.u64 %rd25, %rd4, %rd21;\n\tld.global.nc.v4.b32 {%r35, %r36, %r37, %r38}, [%rd25];\n";
     v += &load(true);
     v += res;
-    v += "\tmov.b32 %r30, %r59;\n\tmov.b32 %r31, %r60;\n\tmov.b32 %r32, %r61;\n\tmov.b32 %r33, %r62;\n";
+    v += if push.is_none() {
+        "\tmov.b32 %r30, %r59;\n\tmov.b32 %r31, %r60;\n\tmov.b32 %r32, %r61;\n\tmov.b32 %r33, %r62;\n"
+    } else {
+        "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n"
+    };
     v += &f.vec_in(false);
     v += &f.vec_out();
     v += "\tst.global.v4.b32 [%rd24], {%r30, %r31, %r32, %r33};\n";

@@ -14,7 +14,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
-use cuda_multimem::{DeviceBuffer, Event, Stream};
+use cuda_multimem::{DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
     random_input, reference, Algorithm, Choice, CommConfig, Communicator, Element, Path, ReduceOp,
 };
@@ -23,7 +23,7 @@ use serde_json::json;
 
 mod common;
 
-use common::{median, result_line, Res, SpinBarrier};
+use common::{pipelined_by_graph, result_line, single_by_graph, sync, RankCall, Res};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Operands {
@@ -236,10 +236,7 @@ impl<T: Element + Default> Bench<'_, T> {
     }
 
     fn sync(&self) -> Res<()> {
-        for s in self.streams {
-            s.synchronize()?;
-        }
-        Ok(())
+        sync(self.streams)
     }
 
     /// Random inputs, one call per rank, the results against the reference.
@@ -283,129 +280,58 @@ impl<T: Element + Default> Bench<'_, T> {
 
     /// Time per call of a graph of `iters` calls per rank, replayed `runs` times (median).
     fn pipelined(&mut self, count: usize, iters: usize, runs: usize) -> Res<f64> {
-        let n = self.comm.size();
-        let mut execs = Vec::new();
-        for r in 0..n {
-            let s = self.streams[r].as_stream_ref();
-            s.begin_capture(cuda_multimem::CaptureMode::Relaxed)?;
-            let mut failed = None;
-            for _ in 0..iters {
-                if let Err(e) = self.call(r, count) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            let g = s.end_capture()?;
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            execs.push(g.instantiate()?);
-        }
-        let launch = |execs: &[cuda_multimem::GraphExec]| -> Res<()> {
-            // the last rank first, so rank 0 (which is timed) does not start long before
-            for r in (0..n).rev() {
-                execs[r].launch(self.streams[r].as_stream_ref())?;
-            }
-            Ok(())
-        };
-        launch(&execs)?;
-        self.sync()?;
-        let d0 = self.streams[0].device();
-        let (start, stop) = (Event::new(d0, true)?, Event::new(d0, true)?);
-        let mut times = Vec::new();
-        for _ in 0..runs {
-            start.record(&self.streams[0])?;
-            launch(&execs)?;
-            stop.record(&self.streams[0])?;
-            self.sync()?;
-            times.push(stop.elapsed_since(&start)?.as_secs_f64() / iters as f64);
-        }
+        let streams = self.streams;
+        let t = pipelined_by_graph(
+            streams,
+            (iters, runs),
+            cuda_multimem::CaptureMode::Relaxed,
+            &mut |r| self.call(r, count).map(drop),
+        )?;
         self.comm.check()?;
-        Ok(median(times))
+        Ok(t)
     }
 
-    /// One call between host barriers, a thread per rank (kept for all runs): each rank's call
-    /// is captured once into a graph of that one call; every run, after a spinning barrier,
-    /// each rank records an event, launches the graph and records another; the slowest rank's
-    /// time (median over runs). The host's own submission cost is outside the events but the
-    /// graph launch is inside (NCCL's reference puts its events inside the graph instead).
+    /// One call between host barriers, by the graph method of [`common::single_by_graph`]:
+    /// each rank's call captured once into a graph, launched after a spinning barrier between
+    /// two events; the slowest rank's time, median over runs. The host's own submission cost is
+    /// outside the events but the graph launch is inside (NCCL's reference puts its events
+    /// inside the graph instead).
     fn single(&mut self, count: usize, runs: usize) -> Res<f64> {
-        let n = self.comm.size();
         let (op, comm, streams) = (self.op, self.comm, self.streams);
-        let barrier = SpinBarrier::new(n);
-        /// One rank's thread: capture `call` once, then time `runs + 1` launches (the first
-        /// warms up).
-        fn rank_thread(
-            s: &Stream,
-            barrier: &SpinBarrier,
-            runs: usize,
-            call: &mut dyn FnMut() -> Res<Choice>,
-        ) -> Res<Vec<f64>> {
-            let r = s.as_stream_ref();
-            r.begin_capture(cuda_multimem::CaptureMode::ThreadLocal)?;
-            let called = call();
-            let g = r.end_capture()?;
-            called?;
-            let exec = g.instantiate()?;
-            let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
-            let mut t = Vec::new();
-            for run in 0..=runs {
-                barrier.wait(run);
-                a.record(s)?;
-                exec.launch(r)?;
-                z.record(s)?;
-                s.synchronize()?;
-                if run > 0 {
-                    t.push(z.elapsed_since(&a)?.as_secs_f64());
-                }
-            }
-            Ok(t)
-        }
-        let per_rank: Vec<Res<Vec<f64>>> = std::thread::scope(|sc| {
-            let barrier = &barrier;
-            let hs: Vec<_> = match &mut self.bufs {
-                Bufs::Symmetric(b) => b
-                    .parts_mut()
-                    .into_iter()
-                    .map(|mut p| {
-                        sc.spawn(move || {
-                            let r = p.rank();
-                            let h = comm.rank(r)?;
-                            rank_thread(&streams[r], barrier, runs, &mut || {
-                                Ok(h.all_reduce_in_place(p.slice_mut(..count)?, op, &streams[r])?)
-                            })
-                        })
-                    })
-                    .collect(),
-                Bufs::Local(v) => v
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(r, b)| {
-                        sc.spawn(move || {
-                            let h = comm.rank(r)?;
-                            let p = b.device_ptr();
-                            rank_thread(&streams[r], barrier, runs, &mut || {
-                                // SAFETY: this rank's own buffer, exclusively borrowed by this
-                                // thread until its stream is synchronised.
-                                let dst = unsafe {
-                                    cuda_multimem_collectives::Dst::<T>::from_raw(p, count)
-                                };
-                                Ok(h.all_reduce_in_place(dst, op, &streams[r])?)
-                            })
-                        })
-                    })
-                    .collect(),
-            };
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
-                .collect()
-        });
-        let per_rank = per_rank.into_iter().collect::<Res<Vec<_>>>()?;
+        let calls: Vec<RankCall<'_>> = match &mut self.bufs {
+            Bufs::Symmetric(b) => b
+                .parts_mut()
+                .into_iter()
+                .map(|mut p| -> RankCall<'_> {
+                    let r = p.rank();
+                    let call = move |s: &Stream| -> Res<()> {
+                        comm.rank(r)?
+                            .all_reduce_in_place(p.slice_mut(..count)?, op, s)?;
+                        Ok(())
+                    };
+                    (r, Box::new(call))
+                })
+                .collect(),
+            Bufs::Local(v) => v
+                .iter_mut()
+                .enumerate()
+                .map(|(r, b)| -> RankCall<'_> {
+                    let p = b.device_ptr();
+                    let call = move |s: &Stream| -> Res<()> {
+                        // SAFETY: this rank's own buffer (`self.bufs`, exclusively borrowed for
+                        // the measurement), alive until its stream is synchronised.
+                        let dst =
+                            unsafe { cuda_multimem_collectives::Dst::<T>::from_raw(p, count) };
+                        comm.rank(r)?.all_reduce_in_place(dst, op, s)?;
+                        Ok(())
+                    };
+                    (r, Box::new(call))
+                })
+                .collect(),
+        };
+        let t = single_by_graph(streams, runs, calls)?;
         comm.check()?;
-        let times = (0..runs)
-            .map(|i| per_rank.iter().map(|t| t[i]).fold(0f64, f64::max))
-            .collect();
-        Ok(median(times))
+        Ok(t)
     }
 }
 

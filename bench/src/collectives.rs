@@ -3,8 +3,9 @@
 //! devices, on symmetric buffers and on the caller's own memory (`DeviceBuffer`), out of
 //! place. Every size is first checked against the host reference on random data, then timed
 //! as bench-allreduce does: **pipelined** (a CUDA graph of many calls per rank, replayed; rank
-//! 0's time per call, median of `--runs`) and **single** (one call between host barriers, a
-//! thread per rank, the slowest rank's time, median).
+//! 0's time per call, median of `--runs`) and **single** (a thread per rank, each rank's one
+//! call captured once into a graph and launched between two events after a spinning host
+//! barrier; the slowest rank's time, median of `--runs`).
 //!
 //! `bytes` is the whole gathered / scattered buffer, as nccl-tests: reduce-scatter's input of N
 //! chunks, all-gather's output of N chunks, broadcast's message. busbw = algbw × (N−1)/N for
@@ -15,7 +16,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
-use cuda_multimem::{DeviceBuffer, Event, Stream};
+use cuda_multimem::{DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
     all_gather_reference, broadcast_reference, random_input, reduce_scatter_reference, Choice,
     CommConfig, Communicator, Dst, Element, MulticastPolicy, ReduceOp, Src, SymmetricBuffer,
@@ -25,7 +26,7 @@ use serde_json::json;
 
 mod common;
 
-use common::{median, result_line, Res, SpinBarrier};
+use common::{pipelined_by_graph, result_line, single_by_graph, sync, RankCall, Res};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Operands {
@@ -262,10 +263,7 @@ impl<T: Element + Default + Copy> Bench<'_, T> {
     }
 
     fn sync(&self) -> Res<()> {
-        for s in self.streams {
-            s.synchronize()?;
-        }
-        Ok(())
+        sync(self.streams)
     }
 
     fn check(&mut self, chunk: usize, seed: &mut u64) -> Res<bool> {
@@ -307,125 +305,54 @@ impl<T: Element + Default + Copy> Bench<'_, T> {
     }
 
     fn pipelined(&mut self, chunk: usize, iters: usize, runs: usize) -> Res<f64> {
-        let n = self.comm.size();
-        let mut execs = Vec::new();
-        for r in 0..n {
-            let s = self.streams[r].as_stream_ref();
-            s.begin_capture(cuda_multimem::CaptureMode::Relaxed)?;
-            let mut failed = None;
-            for _ in 0..iters {
-                if let Err(e) = self.call(r, chunk) {
-                    failed = Some(e);
-                    break;
-                }
-            }
-            let g = s.end_capture()?;
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            execs.push(g.instantiate()?);
-        }
-        let launch = |execs: &[cuda_multimem::GraphExec]| -> Res<()> {
-            for r in (0..n).rev() {
-                execs[r].launch(self.streams[r].as_stream_ref())?;
-            }
-            Ok(())
-        };
-        launch(&execs)?;
-        self.sync()?;
-        let d0 = self.streams[0].device();
-        let (start, stop) = (Event::new(d0, true)?, Event::new(d0, true)?);
-        let mut times = Vec::new();
-        for _ in 0..runs {
-            start.record(&self.streams[0])?;
-            launch(&execs)?;
-            stop.record(&self.streams[0])?;
-            self.sync()?;
-            times.push(stop.elapsed_since(&start)?.as_secs_f64() / iters as f64);
-        }
+        let streams = self.streams;
+        let t = pipelined_by_graph(
+            streams,
+            (iters, runs),
+            cuda_multimem::CaptureMode::Relaxed,
+            &mut |r| self.call(r, chunk).map(drop),
+        )?;
         self.comm.check()?;
-        Ok(median(times))
+        Ok(t)
     }
 
+    /// One call between host barriers, by bench-allreduce's graph method
+    /// ([`common::single_by_graph`]).
     fn single(&mut self, chunk: usize, runs: usize) -> Res<f64> {
         let n = self.comm.size();
         let (il, ol) = lengths(self.coll, n, chunk);
         let (comm, streams, what) = (self.comm, self.streams, self.what());
-        let mut times = Vec::new();
-        for run in 0..=runs {
-            let barrier = SpinBarrier::new(n);
-            let timed = |r: usize, f: &dyn Fn(&Stream) -> Res<Choice>| -> Res<f64> {
-                let s = &streams[r];
-                let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
-                barrier.wait(0);
-                a.record(s)?;
-                f(s)?;
-                z.record(s)?;
-                s.synchronize()?;
-                Ok(z.elapsed_since(&a)?.as_secs_f64())
-            };
-            let per_rank: Vec<Res<f64>> = match &mut self.bufs {
-                Bufs::Symmetric(i, o) => {
-                    let i = &*i;
-                    let parts = o.parts_mut();
-                    std::thread::scope(|sc| {
-                        let hs: Vec<_> = parts
-                            .into_iter()
-                            .map(|mut p| {
-                                let timed = &timed;
-                                sc.spawn(move || -> Res<f64> {
-                                    let r = p.rank();
-                                    let src = i.slice(..il)?;
-                                    let dst = p.slice_mut(..ol)?;
-                                    let cell = std::cell::RefCell::new(Some((src, dst)));
-                                    timed(r, &|s| {
-                                        let (src, dst) =
-                                            cell.borrow_mut().take().ok_or("called twice")?;
-                                        call(comm, r, what, src.into(), dst.into(), s)
-                                    })
-                                })
-                            })
-                            .collect();
-                        hs.into_iter()
-                            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
-                            .collect()
+        let calls: Vec<RankCall<'_>> = match &mut self.bufs {
+            Bufs::Symmetric(i, o) => {
+                let i = &*i;
+                o.parts_mut()
+                    .into_iter()
+                    .map(|mut p| -> RankCall<'_> {
+                        let r = p.rank();
+                        let call = move |s: &Stream| -> Res<()> {
+                            let (src, dst) = (i.slice(..il)?, p.slice_mut(..ol)?);
+                            call(comm, r, what, src.into(), dst.into(), s)?;
+                            Ok(())
+                        };
+                        (r, Box::new(call))
                     })
-                }
-                Bufs::Local(v) => std::thread::scope(|sc| {
-                    let hs: Vec<_> = v
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(r, (i, o))| {
-                            let timed = &timed;
-                            sc.spawn(move || -> Res<f64> {
-                                let (ip, op) = (i.device_ptr(), o.device_ptr());
-                                timed(r, &|s| {
-                                    // SAFETY: this rank's own buffers (`il`, `ol` elements fit:
-                                    // allocated for the largest size), exclusively borrowed by
-                                    // this thread until its stream is synchronised.
-                                    let (src, dst) = unsafe {
-                                        (Src::<T>::from_raw(ip, il), Dst::<T>::from_raw(op, ol))
-                                    };
-                                    call(comm, r, what, src, dst, s)
-                                })
-                            })
-                        })
-                        .collect();
-                    hs.into_iter()
-                        .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
-                        .collect()
-                }),
-            };
-            let mut worst = 0f64;
-            for t in per_rank {
-                worst = worst.max(t?);
+                    .collect()
             }
-            if run > 0 {
-                times.push(worst);
-            }
-        }
+            Bufs::Local(v) => v
+                .iter_mut()
+                .enumerate()
+                .map(|(r, (i, o))| -> RankCall<'_> {
+                    let call = move |s: &Stream| -> Res<()> {
+                        call(comm, r, what, i.slice_src(il), o.slice_dst(ol), s)?;
+                        Ok(())
+                    };
+                    (r, Box::new(call))
+                })
+                .collect(),
+        };
+        let t = single_by_graph(streams, runs, calls)?;
         comm.check()?;
-        Ok(median(times))
+        Ok(t)
     }
 }
 

@@ -1,7 +1,9 @@
-//! What the collective benchmarks share: the error type, a spinning barrier for single-call
-//! timings, the median, and the `RESULT {json}` writer.
+//! What the collective benchmarks share: the error type, a spinning barrier and the graph
+//! method for single-call timings, the median, and the `RESULT {json}` writer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use cuda_multimem::{CaptureMode, Event, Stream};
 
 /// The benchmarks' error type (Send: ranks run on threads).
 pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -33,6 +35,178 @@ impl SpinBarrier {
             }
             std::hint::spin_loop();
         }
+    }
+}
+
+/// Wait for every stream's work.
+pub fn sync(streams: &[Stream]) -> Res<()> {
+    for s in streams {
+        s.synchronize()?;
+    }
+    Ok(())
+}
+
+/// The pipelined time per call, the same for every collective benchmark: rank r's `iters`
+/// calls (`call(r)` queues one on `streams[r]`) captured into one CUDA graph per rank (in
+/// `mode`), launched once to warm up, then replayed `runs` times, the last rank's graph first
+/// so that rank 0 (which is timed) does not start long before the others; time per call from
+/// rank 0's events around each replay, median of the replays. The caller checks the
+/// communicator afterwards.
+pub fn pipelined_by_graph(
+    streams: &[Stream],
+    (iters, runs): (usize, usize),
+    mode: CaptureMode,
+    call: &mut dyn FnMut(usize) -> Res<()>,
+) -> Res<f64> {
+    let s0 = streams.first().ok_or("pipelined_by_graph: no ranks")?;
+    let mut execs = Vec::new();
+    for (r, s) in streams.iter().enumerate() {
+        let s = s.as_stream_ref();
+        s.begin_capture(mode)?;
+        let called = (0..iters).try_for_each(|_| call(r));
+        let g = s.end_capture()?;
+        called?;
+        execs.push(g.instantiate()?);
+    }
+    let launch = || -> Res<()> {
+        for (e, s) in execs.iter().zip(streams).rev() {
+            e.launch(s.as_stream_ref())?;
+        }
+        Ok(())
+    };
+    launch()?;
+    sync(streams)?;
+    let (start, stop) = (
+        Event::new(s0.device(), true)?,
+        Event::new(s0.device(), true)?,
+    );
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        start.record(s0)?;
+        launch()?;
+        stop.record(s0)?;
+        sync(streams)?;
+        times.push(stop.elapsed_since(&start)?.as_secs_f64() / iters as f64);
+    }
+    Ok(median(times))
+}
+
+/// One rank's part of a single-call measurement: its rank, and what it queues on its stream
+/// for one call (captured once into a graph, so it runs once, on the rank's own thread).
+pub type RankCall<'a> = (usize, RankFn<'a>);
+
+/// What a rank queues on its stream for one call (see [`RankCall`]).
+pub type RankFn<'a> = Box<dyn FnOnce(&Stream) -> Res<()> + Send + 'a>;
+
+/// A single call's time by the graph method, the same for every collective benchmark: a
+/// thread per rank; each captures its call once into a CUDA graph (thread-local capture) on
+/// `streams[rank]`, then `runs + 1` times (the first warms up, untimed) waits at a spinning
+/// barrier, records an event, launches the graph and records another event. The host's
+/// submission cost of the call is outside the events; the graph launch is inside. Returns the
+/// median over the runs of the slowest rank's time, in seconds. Every rank of `streams` must
+/// have exactly one entry in `calls` (the caller checks the communicator afterwards).
+pub fn single_by_graph(streams: &[Stream], runs: usize, calls: Vec<RankCall<'_>>) -> Res<f64> {
+    let n = streams.len();
+    let mut seen = vec![false; n];
+    for (r, _) in &calls {
+        match seen.get_mut(*r) {
+            Some(s) if !*s => *s = true,
+            _ => return Err(format!("single_by_graph: rank {r} is out of range or twice").into()),
+        }
+    }
+    if calls.len() != n {
+        return Err(format!("single_by_graph: {} calls for {n} ranks", calls.len()).into());
+    }
+    let (barrier, abort) = (SpinBarrier::new(n), AtomicBool::new(false));
+    let per_rank: Vec<Result<Vec<f64>, String>> = std::thread::scope(|sc| {
+        let sync = (&barrier, &abort);
+        let hs: Vec<_> = calls
+            .into_iter()
+            .map(|(r, call)| {
+                let s = &streams[r];
+                (r, sc.spawn(move || timed_launches(s, sync, runs, call)))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|(r, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err("panicked".into()))
+                    .map_err(|e| format!("rank {r}: {e}"))
+            })
+            .collect()
+    });
+    // the first rank's own failure, not one that stopped because of it
+    if let Some(e) = per_rank
+        .iter()
+        .filter_map(|t| t.as_ref().err())
+        .find(|e| !e.ends_with(STOPPED))
+        .or_else(|| per_rank.iter().find_map(|t| t.as_ref().err()))
+    {
+        return Err(e.clone().into());
+    }
+    let per_rank: Vec<Vec<f64>> = per_rank.into_iter().flatten().collect();
+    let times = (0..runs)
+        .map(|i| per_rank.iter().map(|t| t[i]).fold(0f64, f64::max))
+        .collect();
+    Ok(median(times))
+}
+
+/// What a rank reports when it stopped because another failed.
+const STOPPED: &str = "another rank failed; this one stopped";
+
+/// One rank's thread of [`single_by_graph`]: capture `call`, then time `runs + 1` launches.
+/// A rank that fails raises `abort` and still passes every barrier round, so that the other
+/// ranks stop launching (their graphs would wait for it) instead of spinning until the
+/// barrier's deadline.
+fn timed_launches(
+    s: &Stream,
+    (barrier, abort): (&SpinBarrier, &AtomicBool),
+    runs: usize,
+    call: RankFn<'_>,
+) -> Res<Vec<f64>> {
+    let prepared = (|| -> Res<_> {
+        let r = s.as_stream_ref();
+        r.begin_capture(CaptureMode::ThreadLocal)?;
+        let called = call(s);
+        let g = r.end_capture()?;
+        called?;
+        let exec = g.instantiate()?;
+        let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
+        Ok((exec, a, z))
+    })();
+    let mut failed = prepared.as_ref().err().map(|e| e.to_string());
+    if failed.is_some() {
+        abort.store(true, Ordering::Release);
+    }
+    let mut t = Vec::with_capacity(runs);
+    for run in 0..=runs {
+        barrier.wait(run);
+        let Ok((exec, a, z)) = &prepared else {
+            continue;
+        };
+        if failed.is_some() || abort.load(Ordering::Acquire) {
+            continue;
+        }
+        let once = || -> Res<f64> {
+            a.record(s)?;
+            exec.launch(s.as_stream_ref())?;
+            z.record(s)?;
+            s.synchronize()?;
+            Ok(z.elapsed_since(a)?.as_secs_f64())
+        };
+        match once() {
+            Ok(secs) if run > 0 => t.push(secs),
+            Ok(_) => {}
+            Err(e) => {
+                failed = Some(e.to_string());
+                abort.store(true, Ordering::Release);
+            }
+        }
+    }
+    match (failed, t.len() == runs) {
+        (Some(e), _) => Err(e.into()),
+        (None, true) => Ok(t),
+        (None, false) => Err(STOPPED.into()),
     }
 }
 

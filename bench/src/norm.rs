@@ -6,8 +6,10 @@
 //!   (`RankHandle::add_rms_norm`) — what an engine runs without the fusion.
 //!
 //! Each timed two ways, as bench-allreduce does: **pipelined** (a graph of many calls per rank,
-//! replayed; time per call from rank 0's events, median of `--runs`) and **single** (one call
-//! between host spin barriers, a thread per rank, the slowest rank; median). The fused call is
+//! replayed; time per call from rank 0's events, median of `--runs`) and **single** (a thread
+//! per rank, each rank's one call — the unfused pair: its two calls — captured once into a
+//! graph and launched between two events after a spinning host barrier; the slowest rank's
+//! time, median of `--runs`). The fused call is
 //! first checked against the host reference. One `RESULT {json}` line per measurement, in
 //! bench-allreduce's schema with `bench` = "allreduce_rmsnorm", `bytes` = tokens·hidden·2 and a
 //! `tokens` field. On the simulated driver the times mean nothing.
@@ -15,7 +17,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
-use cuda_multimem::{CaptureMode, DeviceBuffer, Event, Stream};
+use cuda_multimem::{CaptureMode, DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
     add_rms_norm_reference, random_input, rms_norm_within_tolerance, Algorithm, CommConfig,
     Communicator, Dst, MulticastPolicy, ReduceOp, Src,
@@ -25,7 +27,7 @@ use serde_json::json;
 
 mod common;
 
-use common::{median, result_line, Res, SpinBarrier};
+use common::{pipelined_by_graph, result_line, single_by_graph, sync, RankCall, Res};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Form {
@@ -102,13 +104,6 @@ fn call(
     } else {
         hr.all_reduce_in_place(xm, ReduceOp::Sum, s)?;
         hr.add_rms_norm(x, res, g, out, h, EPS, s)?;
-    }
-    Ok(())
-}
-
-fn sync(streams: &[Stream]) -> Res<()> {
-    for s in streams {
-        s.synchronize()?;
     }
     Ok(())
 }
@@ -204,69 +199,26 @@ fn run(args: &Args) -> Res<bool> {
         let runs = if sim { 1 } else { args.runs };
         for imp in ["fused", "unfused"] {
             // pipelined: a graph of `iters` calls per rank
-            let mut execs = Vec::new();
-            for (r, s) in streams.iter().enumerate() {
-                let sr = s.as_stream_ref();
-                sr.begin_capture(CaptureMode::Global)?;
-                for _ in 0..iters {
-                    call(&comm, r, &bufs[r], imp, t, h, s)?;
-                }
-                execs.push(sr.end_capture()?.instantiate()?);
-            }
-            let launch = || -> Res<()> {
-                for r in (0..n).rev() {
-                    execs[r].launch(streams[r].as_stream_ref())?;
-                }
-                Ok(())
-            };
-            launch()?;
-            sync(&streams)?;
-            let d0 = streams[0].device();
-            let (a, z) = (Event::new(d0, true)?, Event::new(d0, true)?);
-            let mut times = Vec::new();
-            for _ in 0..runs {
-                a.record(&streams[0])?;
-                launch()?;
-                z.record(&streams[0])?;
-                sync(&streams)?;
-                times.push(z.elapsed_since(&a)?.as_secs_f64() / iters as f64);
-            }
+            let pipe =
+                pipelined_by_graph(&streams, (iters, runs), CaptureMode::Global, &mut |r| {
+                    call(&comm, r, &bufs[r], imp, t, h, &streams[r])
+                })?;
             comm.check()?;
-            let pipe = median(times);
-            // single: one call between host barriers, the slowest rank
-            let mut times = Vec::new();
-            for run in 0..=runs {
-                let barrier = SpinBarrier::new(n);
-                let per_rank: Vec<Res<f64>> = std::thread::scope(|sc| {
-                    let hs: Vec<_> = (0..n)
-                        .map(|r| {
-                            let (barrier, comm, b, s) = (&barrier, &comm, &bufs[r], &streams[r]);
-                            sc.spawn(move || -> Res<f64> {
-                                let (e0, e1) =
-                                    (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
-                                barrier.wait(0);
-                                e0.record(s)?;
-                                call(comm, r, b, imp, t, h, s)?;
-                                e1.record(s)?;
-                                s.synchronize()?;
-                                Ok(e1.elapsed_since(&e0)?.as_secs_f64())
-                            })
-                        })
-                        .collect();
-                    hs.into_iter()
-                        .map(|x| x.join().unwrap_or_else(|_| Err("a rank panicked".into())))
-                        .collect()
-                });
-                let mut worst = 0f64;
-                for x in per_rank {
-                    worst = worst.max(x?);
-                }
-                if run > 0 {
-                    times.push(worst);
-                }
-            }
+            // single: one call between host barriers, by bench-allreduce's graph method (the
+            // unfused pair is one graph of its two calls)
+            let calls: Vec<RankCall<'_>> = bufs
+                .iter()
+                .enumerate()
+                .map(|(r, b)| -> RankCall<'_> {
+                    let comm = &comm;
+                    (
+                        r,
+                        Box::new(move |s: &Stream| call(comm, r, b, imp, t, h, s)),
+                    )
+                })
+                .collect();
+            let single = single_by_graph(&streams, runs, calls)?;
             comm.check()?;
-            let single = median(times);
             let form = if imp == "fused" {
                 choice.to_string()
             } else {

@@ -83,6 +83,79 @@ fn cargo() -> Command {
     c
 }
 
+/// The runs of the hierarchical example under `mpirun` (README, "Across nodes"), on the
+/// simulated driver with the host test double across domains: (processes, `--domain-size`).
+const HIER_MPI_RUNS: [(usize, usize); 2] = [
+    // the case: two domains of one GPU on one machine
+    (2, 1),
+    // two domains of two GPUs: the domain's reduce-scatter and all-gather across processes
+    (4, 2),
+];
+
+/// What the example prints last when every rank's results matched.
+const HIER_MPI_OK: &str = "all results match the host reference on all";
+
+/// Build `examples/hier_allreduce.rs` with the `mpi` feature and run it under `mpirun` on the
+/// simulated driver (`HIER_MPI_RUNS`); each run counts as one test, passed only if mpirun
+/// exits 0 and the example says every rank matched the host reference.
+fn hier_example_under_mpirun(tally: &mut Tally, failed_runs: &mut Vec<String>) -> Result<()> {
+    println!("== example hier_allreduce under mpirun (feature mpi) on the simulated driver");
+    let (built, _) = run_capture(cargo().args([
+        "build",
+        "--quiet",
+        "-p",
+        "cuda-multimem-examples",
+        "--features",
+        "mpi",
+        "--example",
+        "hier_allreduce",
+    ]))?;
+    if !built {
+        tally.failed += 1;
+        failed_runs.push("build of the hier_allreduce example with feature mpi".into());
+        return Ok(());
+    }
+    let exe = target_dir()?.join("debug/examples/hier_allreduce");
+    for (n, d) in HIER_MPI_RUNS {
+        let line = format!("mpirun -n {n} --oversubscribe hier_allreduce --domain-size {d}");
+        println!("-- {line}");
+        let (ok, out) = run_capture(
+            Command::new("mpirun")
+                .args(["-n", &n.to_string(), "--oversubscribe"])
+                .arg(&exe)
+                .args(["--domain-size", &d.to_string()])
+                .env("CUDA_MULTIMEM_DRIVER", "sim")
+                // Open MPI refuses to run as root (containers, CI) without these.
+                .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+        )?;
+        if ok && out.contains(&format!("{HIER_MPI_OK} {n} ranks")) {
+            tally.passed += 1;
+        } else {
+            tally.failed += 1;
+            failed_runs.push(line);
+        }
+    }
+    Ok(())
+}
+
+/// Cargo's target directory for this workspace (`cargo metadata`: it follows
+/// `CARGO_TARGET_DIR` and cargo's configuration).
+fn target_dir() -> Result<std::path::PathBuf> {
+    let out = cargo()
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        return Err("cargo metadata failed".into());
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    v["target_directory"]
+        .as_str()
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| "cargo metadata gave no target_directory".into())
+}
+
 /// Entry point of `cargo xtask test`.
 pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
     println!("== build (workspace, all targets)");
@@ -140,8 +213,10 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
         if !ok {
             failed_runs.push("MPI bootstrap test".to_string());
         }
+        hier_example_under_mpirun(&mut tally, &mut failed_runs)?;
     } else {
         tally.skipped.push("[mpi] MPI bootstrap: `mpirun` is not on this machine (install openmpi-bin and libopenmpi-dev)".into());
+        tally.skipped.push("[mpi] example hier_allreduce under mpirun: `mpirun` is not on this machine (install openmpi-bin and libopenmpi-dev)".into());
     }
 
     for v in versions {

@@ -486,10 +486,16 @@ impl Bootstrap for MpiBootstrap {
                 .checked_add(*l)
                 .ok_or_else(|| Error::invalid("peer", "the exchange exceeds 2 GiB"))?;
         }
-        let mut buf = vec![0u8; at as usize];
+        // An empty Rust slice points at address 1, which Open MPI reads as MPI_IN_PLACE
+        // ((void *) 1) and refuses (MPI_ERR_ARG, seen on the H200 machine): send and receive
+        // through buffers that always have a real address.
+        let mut buf = Vec::with_capacity(at as usize + 1);
+        buf.resize(at as usize, 0u8);
+        let mut send = Vec::with_capacity(data.len() + 1);
+        send.extend_from_slice(data);
         {
             let mut part = PartitionMut::new(&mut buf[..], &lens[..], &displs[..]);
-            c.all_gather_varcount_into(data, &mut part);
+            c.all_gather_varcount_into(&send[..], &mut part);
         }
         Ok(lens
             .iter()

@@ -1,15 +1,20 @@
 //! The multimem path on the simulator (real GPUs here must never create multicast objects):
 //! what a rank whose barrier failed may and may not do to its peers, and what the path promises
-//! about the order of a sum.
+//! about the order of a sum; and the multimem reduce-scatter, all-gather and broadcast.
+
+// Ranks index their streams and buffers: `for r in 0..n` reads as the protocol does.
+#![allow(clippy::needless_range_loop)]
 
 use std::time::Duration;
 
-use cuda_multimem::{Error, Stream};
+use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
 use cuda_multimem_collectives::{
-    reference, Algorithm, CommConfig, Communicator, MulticastPolicy, Path, ReduceOp,
+    all_gather_reference, bf16, broadcast_reference, f16, random_input, reduce_scatter_reference,
+    reference, Algorithm, Choice, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy,
+    Path, ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::sim;
+use cuda_multimem_tests::{sim, skip, Env};
 
 /// A team of 3 with the multimem path forced where rank 2 never calls. Rank 0 queues two calls
 /// and runs them to the end (timed out) before rank 1, slower, queues its two. The arrival words
@@ -143,13 +148,6 @@ fn multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank() 
 }
 
 // ---- reduce-scatter, all-gather and broadcast on the multimem path (simulator only) ----
-
-use cuda_multimem::{CaptureMode, DeviceBuffer};
-use cuda_multimem_collectives::{
-    all_gather_reference, bf16, broadcast_reference, f16, random_input, reduce_scatter_reference,
-    Choice, DType, Dst, Element, Src, SymmetricBuffer,
-};
-use cuda_multimem_tests::{skip, Env};
 
 /// A simulated machine of `n` devices for one multimem test, or a printed skip where the suite
 /// runs on a real driver: these tests build multicast teams, which the GPUs this project uses
@@ -617,7 +615,7 @@ fn back_to_back_multimem_collectives_interleaved_with_allreduce_on_teams_of_2_to
             };
             let count = 1 + (rng.next_u64() % 3000) as usize;
             let mem = [Mem::Sym, Mem::SymOdd, Mem::Own][(rng.next_u64() % 3) as usize];
-            let in_place = rng.next_u64() % 2 == 0;
+            let in_place = rng.next_u64().is_multiple_of(2);
             macro_rules! q {
                 ($t:ty) => {{
                     let p = mm_queue::<$t>(&comm, &s, kind, count, mem, in_place, &mut seed);

@@ -4,7 +4,10 @@
 //! Every member's memory holds a header (signal words, counters, call headers) and an input and
 //! an output region. A call copies its input into the member's input region, runs the kernel,
 //! and copies the output region to its output, on the caller's stream, in chunks of the region
-//! size: any operand works, at the cost of two local copies (docs/design/allreduce.md).
+//! size: any operand works, at the cost of two local copies (docs/design/allreduce.md). The
+//! allreduce (`Mm::run`) and reduce-scatter, all-gather and broadcast (`Mm::run_gather`:
+//! the regions hold N slots of a window of each rank's chunk; docs/design/collectives.md,
+//! "Multimem forms").
 //!
 //! Only where NVLink multicast is allowed: never on machines that set `NCCL_NVLS_ENABLE=0` or
 //! `CUDA_MULTIMEM_DISABLE_MULTICAST=1` (building the team refuses there, before any driver

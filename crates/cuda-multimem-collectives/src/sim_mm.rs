@@ -216,10 +216,8 @@ impl<'a> MmCtx<'a> {
         Ok(())
     }
 
-    /// A scalar tail through the unicast addresses: `elems` elements at offset `off` of every
-    /// member's copy (`src_off` from each member's base), reduced in rank order, stored to every
-    /// address of `dsts`.
-    #[allow(clippy::too_many_arguments)]
+    /// A scalar tail through the unicast addresses: `elems` elements at `src_off` from every
+    /// member's base, reduced in rank order, stored to every address of `dsts`.
     fn unicast_reduce(
         &self,
         d: DType,

@@ -15,7 +15,7 @@
 //! | 3088 | `u64` capacity (bytes of the input region = bytes of the output region) |
 //! | 3584 | `u64[8]` every member's unicast address (for scalar tails and call headers) |
 //! | 4096 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender (as the peer-to-peer pad) |
-//! | 65536 | input region, then output region |
+//! | 65536 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
 
 use super::MAX_BLOCKS;
 use crate::{DType, ReduceOp as Op};

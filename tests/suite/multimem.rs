@@ -149,16 +149,28 @@ fn multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank() 
 
 // ---- reduce-scatter, all-gather and broadcast on the multimem path (simulator only) ----
 
-/// A simulated machine of `n` devices for one multimem test, or a printed skip where the suite
-/// runs on a real driver: these tests build multicast teams, which the GPUs this project uses
-/// must never create (`cargo xtask test` runs them on the simulator at every driver version).
-fn mm_sim(test: &str, n: usize) -> Option<Env> {
+/// Whether the suite runs on a real driver, in which case `test` prints its skip line: these
+/// tests build multicast teams, which the GPUs this project uses must never create (`cargo
+/// xtask test` runs them on the simulator at every driver version).
+fn skipped_on_real_driver(test: &str) -> bool {
     let sel = std::env::var(cuda_multimem::DRIVER_ENV).unwrap_or_default();
-    if !sel.is_empty() && !sel.starts_with("sim") {
+    let real = !sel.is_empty() && !sel.starts_with("sim");
+    if real {
         skip(
             test,
-            format!("{}={sel} selects a real driver; multimem tests build multicast teams and run on the simulator only", cuda_multimem::DRIVER_ENV),
+            format!(
+                "{}={sel} selects a real driver; multimem tests build multicast teams and run on the simulator only",
+                cuda_multimem::DRIVER_ENV
+            ),
         );
+    }
+    real
+}
+
+/// A simulated machine of `n` devices for one multimem test, or a printed skip where the suite
+/// runs on a real driver ([`skipped_on_real_driver`]).
+fn mm_sim(test: &str, n: usize) -> Option<Env> {
+    if skipped_on_real_driver(test) {
         return None;
     }
     Some(sim(SimConfig::new(n, 13000)))
@@ -469,8 +481,9 @@ fn mm_once<T: Elem>(
 /// Every collective (every reduce-scatter operator, broadcast from the first and the last
 /// rank), every type, every operand kind, in place and not, at counts with and without a
 /// scalar tail, on a simulated team of `n` with random delays.
-fn mm_sweep(test: &str, n: usize, counts: &[usize], seed: u64) {
-    let Some(e) = mm_sim(test, n) else { return };
+/// The caller checked [`skipped_on_real_driver`].
+fn mm_sweep(n: usize, counts: &[usize], seed: u64) {
+    let e = sim(SimConfig::new(n, 13000));
     e.sim
         .as_ref()
         .unwrap()
@@ -502,19 +515,20 @@ fn mm_sweep(test: &str, n: usize, counts: &[usize], seed: u64) {
 
 #[test]
 fn multimem_collectives_equal_the_host_reference_for_every_dtype_op_and_operand_kind() {
-    mm_sweep(
-        "multimem_collectives_equal_the_host_reference_for_every_dtype_op_and_operand_kind",
-        4,
-        &[3, 1001, 4096],
-        31,
-    );
+    let test = "multimem_collectives_equal_the_host_reference_for_every_dtype_op_and_operand_kind";
+    if skipped_on_real_driver(test) {
+        return;
+    }
+    mm_sweep(4, &[3, 1001, 4096], 31);
 }
 
 #[test]
 fn multimem_collectives_equal_the_host_reference_on_teams_of_2_and_8() {
-    let test = "multimem_collectives_equal_the_host_reference_on_teams_of_2_and_8";
-    mm_sweep(test, 2, &[13, 2000], 32);
-    mm_sweep(test, 8, &[7, 520], 33);
+    if skipped_on_real_driver("multimem_collectives_equal_the_host_reference_on_teams_of_2_and_8") {
+        return;
+    }
+    mm_sweep(2, &[13, 2000], 32);
+    mm_sweep(8, &[7, 520], 33);
 }
 
 /// Windows of one rank's chunk that a multimem gather moves per launch: the regions hold N

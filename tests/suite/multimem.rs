@@ -1,15 +1,20 @@
 //! The multimem path on the simulator (real GPUs here must never create multicast objects):
 //! what a rank whose barrier failed may and may not do to its peers, and what the path promises
-//! about the order of a sum.
+//! about the order of a sum; and the multimem reduce-scatter, all-gather and broadcast.
+
+// Ranks index their streams and buffers: `for r in 0..n` reads as the protocol does.
+#![allow(clippy::needless_range_loop)]
 
 use std::time::Duration;
 
-use cuda_multimem::{Error, Stream};
+use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
 use cuda_multimem_collectives::{
-    reference, Algorithm, CommConfig, Communicator, MulticastPolicy, Path, ReduceOp,
+    all_gather_reference, bf16, broadcast_reference, f16, random_input, reduce_scatter_reference,
+    reference, Algorithm, Choice, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy,
+    Path, ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::sim;
+use cuda_multimem_tests::{sim, skip, Env};
 
 /// A team of 3 with the multimem path forced where rank 2 never calls. Rank 0 queues two calls
 /// and runs them to the end (timed out) before rank 1, slower, queues its two. The arrival words
@@ -139,5 +144,1000 @@ fn multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank() 
                 "two-shot: every rank gets the same bits"
             );
         }
+    }
+}
+
+// ---- reduce-scatter, all-gather and broadcast on the multimem path (simulator only) ----
+
+/// Whether the suite runs on a real driver, in which case `test` prints its skip line: these
+/// tests build multicast teams, which the GPUs this project uses must never create (`cargo
+/// xtask test` runs them on the simulator at every driver version).
+fn skipped_on_real_driver(test: &str) -> bool {
+    let sel = std::env::var(cuda_multimem::DRIVER_ENV).unwrap_or_default();
+    let real = !sel.is_empty() && !sel.starts_with("sim");
+    if real {
+        skip(
+            test,
+            format!(
+                "{}={sel} selects a real driver; multimem tests build multicast teams and run on the simulator only",
+                cuda_multimem::DRIVER_ENV
+            ),
+        );
+    }
+    real
+}
+
+/// A simulated machine of `n` devices for one multimem test, or a printed skip where the suite
+/// runs on a real driver ([`skipped_on_real_driver`]).
+fn mm_sim(test: &str, n: usize) -> Option<Env> {
+    if skipped_on_real_driver(test) {
+        return None;
+    }
+    Some(sim(SimConfig::new(n, 13000)))
+}
+
+/// A multimem communicator over every device of `e` (policy `Always`) with `config`.
+fn mm_comm(e: &Env, config: CommConfig) -> Communicator {
+    let comm = Communicator::builder(&e.driver.devices())
+        .multicast(MulticastPolicy::Always)
+        .config(config)
+        .build()
+        .unwrap();
+    assert!(
+        comm.multimem_active(),
+        "{:?}",
+        comm.multimem_unavailable_reason()
+    );
+    comm
+}
+
+fn mm_streams(comm: &Communicator) -> Vec<Stream> {
+    (0..comm.size())
+        .map(|r| Stream::new(comm.device(r).unwrap()).unwrap())
+        .collect()
+}
+
+fn mm_sync(s: &[Stream]) {
+    for st in s {
+        st.synchronize().unwrap();
+    }
+}
+
+/// What a case calls.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Rs(ReduceOp),
+    Ag,
+    Bc(usize),
+    /// Allreduce, to interleave with the others.
+    Ar(ReduceOp),
+}
+
+/// Where its operands live.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mem {
+    /// Whole symmetric buffers.
+    Sym,
+    /// Views of symmetric buffers from element 1 (not 16-byte aligned).
+    SymOdd,
+    /// The caller's own memory (`DeviceBuffer`).
+    Own,
+}
+
+trait Elem: Element + Default + Copy + Send + Sync + 'static {}
+impl<T: Element + Default + Copy + Send + Sync + 'static> Elem for T {}
+
+/// The path a case must take: reduce-scatter where `multimem.ld_reduce` has the type and
+/// operator (f32 only adds), the others always.
+fn want_path(kind: Kind, dtype: DType) -> Path {
+    match kind {
+        Kind::Rs(op) | Kind::Ar(op) if !cuda_multimem_collectives::multimem_supports(dtype, op) => {
+            Path::PeerToPeer
+        }
+        _ => Path::Multimem,
+    }
+}
+
+/// A queued case: its buffers (alive until checked), what every rank must hold, and per
+/// element the tolerance of a sum reduced in the switch's order (0: the bits must match).
+struct Pending<T: Elem> {
+    what: String,
+    choices: Vec<Choice>,
+    want: Vec<Vec<T>>,
+    tol: Vec<Vec<f32>>,
+    sym: Vec<SymmetricBuffer<T>>,
+    own_in: Vec<DeviceBuffer<T>>,
+    own_out: Vec<DeviceBuffer<T>>,
+    at: usize,
+}
+
+impl<T: Elem> Pending<T> {
+    fn check(&self) {
+        for (r, want) in self.want.iter().enumerate() {
+            let got = match self.own_out.get(r) {
+                Some(b) => b.to_vec().unwrap(),
+                None => {
+                    let v = self.sym.last().unwrap().to_vec(r).unwrap();
+                    v[self.at..self.at + want.len()].to_vec()
+                }
+            };
+            let bad = (0..want.len()).find(|&i| {
+                let (g, w) = (got[i].to_f32(), want[i].to_f32());
+                match self.tol[r][i] {
+                    0.0 => g.to_bits() != w.to_bits(),
+                    t => (g - w).abs() > t,
+                }
+            });
+            if let Some(i) = bad {
+                panic!(
+                    "{} ({}): rank {r}, element {i} of {}: got {:?}, want {:?} (tolerance {})",
+                    self.what,
+                    self.choices[r],
+                    want.len(),
+                    got[i],
+                    want[i],
+                    self.tol[r][i]
+                );
+            }
+        }
+    }
+}
+
+fn mm_call<T: Elem>(
+    comm: &Communicator,
+    r: usize,
+    kind: Kind,
+    input: Option<Src<'_, T>>,
+    output: Dst<'_, T>,
+    s: &Stream,
+) -> cuda_multimem::Result<Choice> {
+    let h = comm.rank(r)?;
+    match (kind, input) {
+        (Kind::Rs(op), Some(i)) => h.reduce_scatter(i, output, op, s),
+        (Kind::Rs(op), None) => h.reduce_scatter_in_place(output, op, s),
+        (Kind::Ag, Some(i)) => h.all_gather(i, output, s),
+        (Kind::Ag, None) => h.all_gather_in_place(output, s),
+        (Kind::Bc(root), Some(i)) => h.broadcast(i, output, root, s),
+        (Kind::Bc(root), None) => h.broadcast_in_place(output, root, s),
+        (Kind::Ar(op), Some(i)) => h.all_reduce(i, output, op, s),
+        (Kind::Ar(op), None) => h.all_reduce_in_place(output, op, s),
+    }
+}
+
+/// Queue `kind` of `count` elements per chunk on every rank (random inputs), operands in `mem`;
+/// every rank's call must report `want_path`.
+fn mm_queue<T: Elem>(
+    comm: &Communicator,
+    s: &[Stream],
+    kind: Kind,
+    count: usize,
+    mem: Mem,
+    in_place: bool,
+    seed: &mut u64,
+) -> Pending<T> {
+    let n = comm.size();
+    let (il, ol) = match kind {
+        Kind::Rs(_) => (n * count, count),
+        Kind::Ag => (count, n * count),
+        Kind::Bc(_) | Kind::Ar(_) => (count, count),
+    };
+    let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(il, seed)).collect();
+    let filler: Vec<Vec<T>> = (0..n).map(|_| random_input(ol, seed)).collect();
+    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let mut want: Vec<Vec<T>> = match kind {
+        Kind::Rs(op) => reduce_scatter_reference(op, &refs),
+        Kind::Ag => vec![all_gather_reference(&refs); n],
+        Kind::Bc(root) => vec![broadcast_reference(&refs, root); n],
+        Kind::Ar(op) => vec![reference(op, &refs); n],
+    };
+    // sums: within the rounding of n additions of the inputs' magnitudes (the allreduce
+    // multimem tests' tolerance), everything else bit for bit
+    let eps = match T::DTYPE {
+        DType::F32 => f32::EPSILON,
+        DType::F16 => 1.0 / 1024.0,
+        DType::Bf16 => 1.0 / 128.0,
+    };
+    let mut tol: Vec<Vec<f32>> = (0..n)
+        .map(|r| {
+            (0..count)
+                .map(|i| {
+                    // where rank r's element i comes from in every input
+                    let at = match kind {
+                        Kind::Rs(_) => r * count + i,
+                        _ => i,
+                    };
+                    match kind {
+                        Kind::Rs(ReduceOp::Sum) | Kind::Ar(ReduceOp::Sum) => {
+                            let mag: f32 = inputs.iter().map(|x| x[at].to_f32().abs()).sum();
+                            eps * mag.max(1.0) * n as f32
+                        }
+                        _ => 0.0,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let initial = |r: usize| -> Vec<T> {
+        match kind {
+            Kind::Ag => {
+                let mut b = filler[r].clone();
+                b[r * count..(r + 1) * count].copy_from_slice(&inputs[r]);
+                b
+            }
+            _ => inputs[r].clone(),
+        }
+    };
+    if in_place {
+        if let Kind::Rs(_) = kind {
+            // the result lands in chunk r; the other chunks keep the input
+            for r in 0..n {
+                let mut b = inputs[r].clone();
+                b[r * count..(r + 1) * count].copy_from_slice(&want[r]);
+                want[r] = b;
+                let mut t = vec![0.0; n * count];
+                t[r * count..(r + 1) * count].copy_from_slice(&tol[r]);
+                tol[r] = t;
+            }
+        }
+    }
+    if let Kind::Ag | Kind::Bc(_) = kind {
+        tol = want.iter().map(|w| vec![0.0; w.len()]).collect();
+    }
+    let what = format!(
+        "{kind:?} of {count} x {:?} on {n} ranks, {mem:?}{}",
+        T::DTYPE,
+        if in_place { ", in place" } else { "" }
+    );
+    let at = usize::from(mem == Mem::SymOdd);
+    let mut p = Pending {
+        what,
+        choices: Vec::new(),
+        want,
+        tol,
+        sym: Vec::new(),
+        own_in: Vec::new(),
+        own_out: Vec::new(),
+        at,
+    };
+    match (mem, in_place) {
+        (Mem::Sym | Mem::SymOdd, true) => {
+            let len = il.max(ol);
+            let mut buf = comm.alloc::<T>(len + at).unwrap();
+            for r in 0..n {
+                buf.write(r, at, &initial(r)).unwrap();
+            }
+            for (r, st) in s.iter().enumerate() {
+                let v = buf.slice_mut(at..at + len).unwrap();
+                p.choices
+                    .push(mm_call(comm, r, kind, None, v.into(), st).unwrap());
+            }
+            p.sym.push(buf);
+        }
+        (Mem::Sym | Mem::SymOdd, false) => {
+            let ib = comm.alloc::<T>(il + at).unwrap();
+            let mut ob = comm.alloc::<T>(ol + at).unwrap();
+            for (r, x) in inputs.iter().enumerate() {
+                ib.write(r, at, x).unwrap();
+            }
+            for (r, st) in s.iter().enumerate() {
+                let i = ib.slice(at..at + il).unwrap();
+                let o = ob.slice_mut(at..at + ol).unwrap();
+                p.choices
+                    .push(mm_call(comm, r, kind, Some(i.into()), o.into(), st).unwrap());
+            }
+            p.sym.push(ib);
+            p.sym.push(ob);
+        }
+        (Mem::Own, true) => {
+            for (r, st) in s.iter().enumerate() {
+                let mut b = DeviceBuffer::from_host(comm.device(r).unwrap(), &initial(r)).unwrap();
+                p.choices
+                    .push(mm_call(comm, r, kind, None, (&mut b).into(), st).unwrap());
+                p.own_out.push(b);
+            }
+        }
+        (Mem::Own, false) => {
+            for (r, st) in s.iter().enumerate() {
+                let d = comm.device(r).unwrap();
+                let i = DeviceBuffer::from_host(d, &inputs[r]).unwrap();
+                let mut o = DeviceBuffer::<T>::zeroed(d, ol).unwrap();
+                p.choices
+                    .push(mm_call(comm, r, kind, Some((&i).into()), (&mut o).into(), st).unwrap());
+                p.own_in.push(i);
+                p.own_out.push(o);
+            }
+        }
+    }
+    p
+}
+
+impl<T: Elem> Pending<T> {
+    /// Every rank's call ran `path`.
+    fn assert_path(&self, path: Path) {
+        for (r, c) in self.choices.iter().enumerate() {
+            assert_eq!(c.path, path, "{}: rank {r} ran {c}", self.what);
+        }
+    }
+}
+
+/// Queue, wait, check; returns rank 0's choice.
+fn mm_once<T: Elem>(
+    comm: &Communicator,
+    s: &[Stream],
+    kind: Kind,
+    count: usize,
+    mem: Mem,
+    in_place: bool,
+    seed: &mut u64,
+) -> Choice {
+    let p = mm_queue::<T>(comm, s, kind, count, mem, in_place, seed);
+    p.assert_path(want_path(kind, T::DTYPE));
+    mm_sync(s);
+    comm.check().unwrap_or_else(|e| panic!("{}: {e}", p.what));
+    p.check();
+    p.choices[0]
+}
+
+/// Every collective (every reduce-scatter operator, broadcast from the first and the last
+/// rank), every type, every operand kind, in place and not, at counts with and without a
+/// scalar tail, on a simulated team of `n` with random delays.
+/// The caller checked [`skipped_on_real_driver`].
+fn mm_sweep(n: usize, counts: &[usize], seed: u64) {
+    let e = sim(SimConfig::new(n, 13000));
+    e.sim
+        .as_ref()
+        .unwrap()
+        .set_kernel_delays(Duration::from_micros(100), seed);
+    let comm = mm_comm(
+        &e,
+        CommConfig {
+            max_blocks: 3,
+            threads: 64,
+            ..Default::default()
+        },
+    );
+    let s = mm_streams(&comm);
+    let mut seed = seed;
+    let mut kinds: Vec<Kind> = ReduceOp::ALL.iter().map(|&op| Kind::Rs(op)).collect();
+    kinds.extend([Kind::Ag, Kind::Bc(0), Kind::Bc(n - 1)]);
+    for &kind in &kinds {
+        for &count in counts {
+            for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+                for in_place in [false, true] {
+                    mm_once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed);
+                    mm_once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed);
+                    mm_once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn multimem_collectives_equal_the_host_reference_for_every_dtype_op_and_operand_kind() {
+    let test = "multimem_collectives_equal_the_host_reference_for_every_dtype_op_and_operand_kind";
+    if skipped_on_real_driver(test) {
+        return;
+    }
+    mm_sweep(4, &[3, 1001, 4096], 31);
+}
+
+#[test]
+fn multimem_collectives_equal_the_host_reference_on_teams_of_2_and_8() {
+    if skipped_on_real_driver("multimem_collectives_equal_the_host_reference_on_teams_of_2_and_8") {
+        return;
+    }
+    mm_sweep(2, &[13, 2000], 32);
+    mm_sweep(8, &[7, 520], 33);
+}
+
+/// Windows of one rank's chunk that a multimem gather moves per launch: the regions hold N
+/// slots of it (reduce-scatter, all-gather) or one (broadcast), 16-byte multiples.
+fn windows(kind: Kind, n: usize, region: usize, chunk_bytes: usize) -> u32 {
+    let slots = if let Kind::Bc(_) = kind { 1 } else { n };
+    chunk_bytes.div_ceil((region / slots) & !15) as u32
+}
+
+/// Messages larger than the regions go through them in windows (several launches, the copies
+/// in and out of every window on the caller's stream), for every operand kind, in place too.
+/// Regions are at least 2 MiB (`CommConfig::multimem_capacity`): on a team of 2 a window of
+/// reduce-scatter or all-gather is 1 MiB of one rank's chunk, of broadcast 2 MiB.
+#[test]
+fn multimem_collectives_larger_than_the_regions_run_in_windows() {
+    let test = "multimem_collectives_larger_than_the_regions_run_in_windows";
+    let n = 2;
+    let Some(e) = mm_sim(test, n) else { return };
+    let region = 2 << 20;
+    let comm = mm_comm(
+        &e,
+        CommConfig {
+            multimem_capacity: region,
+            ..Default::default()
+        },
+    );
+    let s = mm_streams(&comm);
+    let mut seed = 41;
+    // counts per chunk a little above one window, with a scalar tail in the last one
+    let (w_f32, w_bf16) = (300_001usize, 600_001usize);
+    let cases = [
+        (Kind::Rs(ReduceOp::Sum), false),
+        (Kind::Rs(ReduceOp::Max), true),
+        (Kind::Ag, false),
+        (Kind::Ag, true),
+        (Kind::Bc(1), false),
+        (Kind::Bc(0), true),
+    ];
+    let mems = [
+        (Mem::Sym, false),
+        (Mem::Sym, true),
+        (Mem::SymOdd, false),
+        (Mem::Own, false),
+        (Mem::Own, true),
+    ];
+    for (kind, half) in cases {
+        let scale = if let Kind::Bc(_) = kind { 2 } else { 1 };
+        for (mem, in_place) in mems {
+            let (c, bytes) = if half {
+                let count = scale * w_bf16;
+                let c = mm_once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed);
+                (c, count * 2)
+            } else {
+                let count = scale * w_f32;
+                let c = mm_once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed);
+                (c, count * 4)
+            };
+            let want = windows(kind, n, region, bytes);
+            assert_eq!(want, 2, "{kind:?}: the case must need two windows");
+            assert_eq!(c.staged_chunks, want, "{kind:?} of {bytes} bytes: {c}");
+        }
+    }
+}
+
+/// Calls of every collective queued back to back (no synchronisation between them), random
+/// kinds, types, sizes and roots, the multimem gathers interleaved with multimem allreduces
+/// and peer-to-peer calls (f32 min and max have no multimem form), random per-device delays,
+/// on teams of 2, 3, 5 and 8.
+#[test]
+fn back_to_back_multimem_collectives_interleaved_with_allreduce_on_teams_of_2_to_8() {
+    let test = "back_to_back_multimem_collectives_interleaved_with_allreduce_on_teams_of_2_to_8";
+    for (n, seed) in [(2usize, 51u64), (3, 52), (5, 53), (8, 54)] {
+        let Some(e) = mm_sim(test, n) else { return };
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_micros(300), seed);
+        let comm = mm_comm(
+            &e,
+            CommConfig {
+                max_blocks: 3,
+                threads: 64,
+                ..Default::default()
+            },
+        );
+        let s = mm_streams(&comm);
+        let mut rng = cuda_multimem_tests::Rng::new(seed);
+        let mut seed = seed;
+        let mut pending: Vec<Box<dyn Fn()>> = Vec::new();
+        let mut paths = Vec::new();
+        for _ in 0..12 {
+            let op = ReduceOp::ALL[(rng.next_u64() % 3) as usize];
+            let kind = match rng.next_u64() % 4 {
+                0 => Kind::Rs(op),
+                1 => Kind::Ag,
+                2 => Kind::Bc((rng.next_u64() % n as u64) as usize),
+                _ => Kind::Ar(op),
+            };
+            let count = 1 + (rng.next_u64() % 3000) as usize;
+            let mem = [Mem::Sym, Mem::SymOdd, Mem::Own][(rng.next_u64() % 3) as usize];
+            let in_place = rng.next_u64().is_multiple_of(2);
+            macro_rules! q {
+                ($t:ty) => {{
+                    let p = mm_queue::<$t>(&comm, &s, kind, count, mem, in_place, &mut seed);
+                    p.assert_path(want_path(kind, <$t as Element>::DTYPE));
+                    paths.push(p.choices[0].path);
+                    pending.push(Box::new(move || p.check()));
+                }};
+            }
+            match rng.next_u64() % 3 {
+                0 => q!(f32),
+                1 => q!(f16),
+                _ => q!(bf16),
+            }
+        }
+        mm_sync(&s);
+        comm.check().unwrap();
+        for p in &pending {
+            p();
+        }
+        assert!(
+            paths.contains(&Path::Multimem),
+            "team of {n}: no call took the multimem path"
+        );
+    }
+}
+
+/// A captured sequence of multimem collectives (two windows each through the 2 MiB regions, in
+/// place, the caller's own memory, a sum) replays correctly with new inputs each time: nothing is reset
+/// from the host.
+#[test]
+fn captured_multimem_collectives_replay_with_new_inputs() {
+    let test = "captured_multimem_collectives_replay_with_new_inputs";
+    let n = 4;
+    let Some(e) = mm_sim(test, n) else { return };
+    let comm = mm_comm(
+        &e,
+        CommConfig {
+            multimem_capacity: 2 << 20,
+            ..Default::default()
+        },
+    );
+    let s = mm_streams(&comm);
+    // windows of 512 KiB (reduce-scatter, all-gather) and 2 MiB (broadcast): two each
+    let (rs_count, ag_count, bc_count, sum_count) =
+        (300_000usize, 150_000usize, 600_000usize, 700usize);
+    let rs_in = comm.alloc::<f16>(n * rs_count).unwrap();
+    let mut rs_out = comm.alloc::<f16>(rs_count).unwrap();
+    let mut ag = comm.alloc::<f32>(n * ag_count).unwrap();
+    let mut sum = comm.alloc::<f32>(n * sum_count).unwrap();
+    let mut bc_in: Vec<DeviceBuffer<f32>> = (0..n)
+        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), bc_count).unwrap())
+        .collect();
+    let mut bc_out: Vec<DeviceBuffer<f32>> = (0..n)
+        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), bc_count).unwrap())
+        .collect();
+    let mut execs = Vec::new();
+    for (r, st) in s.iter().enumerate() {
+        let h = comm.rank(r).unwrap();
+        let sr = st.as_stream_ref();
+        sr.begin_capture(CaptureMode::Relaxed).unwrap();
+        let cs = [
+            h.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Max, st)
+                .unwrap(),
+            h.all_gather_in_place(&mut ag, st).unwrap(),
+            h.broadcast(&bc_in[r], &mut bc_out[r], 3, st).unwrap(),
+            h.reduce_scatter_in_place(&mut sum, ReduceOp::Sum, st)
+                .unwrap(),
+        ];
+        for c in &cs {
+            assert_eq!(c.path, Path::Multimem, "{c}");
+        }
+        assert_eq!(
+            cs.map(|c| c.staged_chunks),
+            [2, 2, 2, 1],
+            "windows per call"
+        );
+        execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+    }
+    let mut seed = 61;
+    for replay in 0..3 {
+        let rs: Vec<Vec<f16>> = (0..n)
+            .map(|_| random_input(n * rs_count, &mut seed))
+            .collect();
+        let ags: Vec<Vec<f32>> = (0..n).map(|_| random_input(ag_count, &mut seed)).collect();
+        let bcs: Vec<Vec<f32>> = (0..n).map(|_| random_input(bc_count, &mut seed)).collect();
+        let sums: Vec<Vec<f32>> = (0..n)
+            .map(|_| random_input(n * sum_count, &mut seed))
+            .collect();
+        for r in 0..n {
+            rs_in.write(r, 0, &rs[r]).unwrap();
+            ag.write(r, r * ag_count, &ags[r]).unwrap();
+            bc_in[r].copy_from_host(0, &bcs[r]).unwrap();
+            sum.write(r, 0, &sums[r]).unwrap();
+        }
+        for (x, st) in execs.iter().zip(&s) {
+            x.launch(st).unwrap();
+        }
+        mm_sync(&s);
+        comm.check().unwrap();
+        let refs = |v: &[Vec<f32>]| -> Vec<Vec<f32>> { v.to_vec() };
+        let rsr: Vec<&[f16]> = rs.iter().map(|v| v.as_slice()).collect();
+        let agr = refs(&ags);
+        let agr: Vec<&[f32]> = agr.iter().map(|v| v.as_slice()).collect();
+        let sumr: Vec<&[f32]> = sums.iter().map(|v| v.as_slice()).collect();
+        let sum_want = reduce_scatter_reference(ReduceOp::Sum, &sumr);
+        for (r, want) in reduce_scatter_reference(ReduceOp::Max, &rsr)
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
+            assert_eq!(
+                ag.to_vec(r).unwrap(),
+                all_gather_reference(&agr),
+                "replay {replay} rank {r}"
+            );
+            assert_eq!(
+                bc_out[r].to_vec().unwrap(),
+                bcs[3],
+                "replay {replay} rank {r}"
+            );
+            let got = sum.to_vec(r).unwrap();
+            for i in 0..n * sum_count {
+                let (g, w) = if i / sum_count == r {
+                    (got[i], sum_want[r][i - r * sum_count])
+                } else {
+                    // the other chunks keep this rank's input
+                    (got[i], sums[r][i])
+                };
+                let mag: f32 = sums.iter().map(|x| x[i].abs()).sum();
+                let tol = if i / sum_count == r {
+                    f32::EPSILON * mag.max(1.0) * n as f32
+                } else {
+                    0.0
+                };
+                assert!(
+                    (g - w).abs() <= tol,
+                    "replay {replay} rank {r} element {i}: got {g} want {w}"
+                );
+            }
+        }
+    }
+}
+
+/// One call of a disagreement case.
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    Rs(ReduceOp, usize),
+    Ag(usize),
+    Bc(usize, usize),
+    /// An allreduce of this many elements.
+    Ar(usize),
+}
+
+/// Ranks of a multimem team that disagree (the same one-block grid, so the barriers alone
+/// would pass and the kernels would mix different calls) are reported as a disagreement, not
+/// as results: another collective, root, operator or size, or an allreduce of the same bytes.
+#[test]
+fn multimem_collectives_whose_ranks_disagree_are_reported() {
+    let test = "multimem_collectives_whose_ranks_disagree_are_reported";
+    let n = 3;
+    let cases = [
+        (Call::Ag(1000), Call::Bc(1000, 0)),
+        (Call::Bc(1000, 0), Call::Bc(1000, 1)),
+        (Call::Rs(ReduceOp::Sum, 1000), Call::Rs(ReduceOp::Max, 1000)),
+        (Call::Rs(ReduceOp::Sum, 1000), Call::Rs(ReduceOp::Sum, 1008)),
+        (Call::Ag(1000), Call::Ar(3000)),
+        (Call::Rs(ReduceOp::Min, 1000), Call::Ag(1000)),
+    ];
+    for (mine, theirs) in cases {
+        let Some(e) = mm_sim(test, n) else { return };
+        let comm = mm_comm(
+            &e,
+            CommConfig {
+                max_blocks: 1,
+                timeout: Duration::from_secs(2),
+                ..Default::default()
+            },
+        );
+        let s = mm_streams(&comm);
+        let input = comm.alloc::<bf16>(n * 1008).unwrap();
+        let mut output = comm.alloc::<bf16>(n * 1008).unwrap();
+        for (r, st) in s.iter().enumerate() {
+            let h = comm.rank(r).unwrap();
+            let call = if r == 0 { mine } else { theirs };
+            let c = match call {
+                Call::Rs(op, c) => h.reduce_scatter(
+                    input.slice(..n * c).unwrap(),
+                    output.slice_mut(..c).unwrap(),
+                    op,
+                    st,
+                ),
+                Call::Ag(c) => h.all_gather(
+                    input.slice(..c).unwrap(),
+                    output.slice_mut(..n * c).unwrap(),
+                    st,
+                ),
+                Call::Bc(c, root) => h.broadcast(
+                    input.slice(..c).unwrap(),
+                    output.slice_mut(..c).unwrap(),
+                    root,
+                    st,
+                ),
+                Call::Ar(c) => h.all_reduce(
+                    input.slice(..c).unwrap(),
+                    output.slice_mut(..c).unwrap(),
+                    ReduceOp::Sum,
+                    st,
+                ),
+            }
+            .unwrap();
+            assert_eq!(c.path, Path::Multimem, "{call:?}: {c}");
+            assert_eq!(c.blocks, 1);
+        }
+        mm_sync(&s);
+        let err = comm.check().unwrap_err();
+        assert!(
+            matches!(err, Error::RanksDisagree { .. }),
+            "{mine:?} against {theirs:?}: {err}"
+        );
+        let again = comm
+            .rank(0)
+            .unwrap()
+            .all_gather(
+                input.slice(..8).unwrap(),
+                output.slice_mut(..8 * n).unwrap(),
+                &s[0],
+            )
+            .unwrap_err();
+        assert!(matches!(again, Error::Unusable { .. }), "{again}");
+    }
+}
+
+/// A rank that never calls: every calling rank's multimem reduce-scatter, all-gather or
+/// broadcast times out (bounded), `check()` says so naming the multimem path, and the team
+/// refuses further calls. The callers queue two calls each and drift apart, so a rank that gave
+/// up would reach its next barrier while the other still waits (and must not complete it).
+#[test]
+fn a_missing_peer_of_a_multimem_collective_is_reported_as_a_timeout() {
+    let test = "a_missing_peer_of_a_multimem_collective_is_reported_as_a_timeout";
+    let n = 3;
+    for kind in [Kind::Rs(ReduceOp::Sum), Kind::Ag, Kind::Bc(2), Kind::Bc(0)] {
+        let Some(e) = mm_sim(test, n) else { return };
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_millis(100), 71);
+        let comm = mm_comm(
+            &e,
+            CommConfig {
+                max_blocks: 2,
+                threads: 64,
+                timeout: Duration::from_millis(300),
+                ..Default::default()
+            },
+        );
+        let s = mm_streams(&comm);
+        let count = 2048;
+        let input = comm.alloc::<bf16>(n * count).unwrap();
+        let mut output = comm.alloc::<bf16>(n * count).unwrap();
+        // rank 2 never calls
+        for _ in 0..2 {
+            for r in 0..2 {
+                let h = comm.rank(r).unwrap();
+                let c = match kind {
+                    Kind::Rs(op) => {
+                        h.reduce_scatter(&input, output.slice_mut(..count).unwrap(), op, &s[r])
+                    }
+                    Kind::Ag => h.all_gather(input.slice(..count).unwrap(), &mut output, &s[r]),
+                    Kind::Bc(root) => h.broadcast(
+                        input.slice(..count).unwrap(),
+                        output.slice_mut(..count).unwrap(),
+                        root,
+                        &s[r],
+                    ),
+                    Kind::Ar(op) => h.all_reduce_in_place(&mut output, op, &s[r]),
+                }
+                .unwrap();
+                assert_eq!(c.path, Path::Multimem, "{kind:?}: {c}");
+            }
+        }
+        let t = std::time::Instant::now();
+        mm_sync(&s[..2]);
+        assert!(t.elapsed() < Duration::from_secs(20), "{kind:?}");
+        for r in 0..2 {
+            match comm.rank(r).unwrap().check() {
+                Err(Error::Timeout { what, after }) => {
+                    assert!(what.contains("multimem"), "{kind:?}: {what}");
+                    assert_eq!(after, Duration::from_millis(300));
+                }
+                Err(Error::Unusable { .. }) if r == 1 => {}
+                other => panic!("{kind:?}: rank {r}: expected a timeout, got {other:?}"),
+            }
+        }
+        let err = comm
+            .rank(0)
+            .unwrap()
+            .all_gather(input.slice(..count).unwrap(), &mut output, &s[0])
+            .unwrap_err();
+        assert!(matches!(err, Error::Unusable { .. }), "{kind:?}: {err}");
+    }
+}
+
+/// The choice: with the default policy (WhenItPaysOff) a team of 8 takes the multimem path for
+/// whole buffers of at least `multimem_min_bytes` (and reduce-scatter only where
+/// `multimem.ld_reduce` has the type and operator), peer-to-peer below; a team of 3 and the
+/// `Never` policy never do. The returned `Choice` says which ran, and the results are right.
+#[test]
+fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
+    let test = "the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so";
+    let min = 64 << 10;
+    let config = CommConfig {
+        multimem_min_bytes: min,
+        max_blocks: 2,
+        ..Default::default()
+    };
+    let mut seed = 81;
+    let at_min = min / 16;
+    // one simulator at a time (per thread): the team of 8 first, in its own scope
+    {
+        let Some(e) = mm_sim(test, 8) else { return };
+        let comm = Communicator::builder(&e.driver.devices())
+            .config(config.clone())
+            .build()
+            .unwrap();
+        assert_eq!(comm.multicast_policy(), MulticastPolicy::WhenItPaysOff);
+        assert!(
+            comm.multimem_active(),
+            "{:?}",
+            comm.multimem_unavailable_reason()
+        );
+        let s = mm_streams(&comm);
+        // bf16 on 8 ranks: the whole buffer is 8 x 2 x count bytes (broadcast: 2 x count)
+        let cases = [
+            (Kind::Rs(ReduceOp::Sum), at_min, Path::Multimem),
+            (Kind::Rs(ReduceOp::Max), at_min, Path::Multimem),
+            (Kind::Rs(ReduceOp::Sum), at_min - 1, Path::PeerToPeer),
+            (Kind::Ag, at_min, Path::Multimem),
+            (Kind::Ag, at_min - 1, Path::PeerToPeer),
+            (Kind::Bc(5), 8 * at_min, Path::Multimem),
+            (Kind::Bc(5), 8 * at_min - 1, Path::PeerToPeer),
+        ];
+        for (kind, count, path) in cases {
+            let p = mm_queue::<bf16>(&comm, &s, kind, count, Mem::Own, false, &mut seed);
+            p.assert_path(path);
+            mm_sync(&s);
+            comm.check().unwrap();
+            p.check();
+        }
+        // f32 reduces only with add through the switch: min and max go peer-to-peer
+        let p = mm_queue::<f32>(
+            &comm,
+            &s,
+            Kind::Rs(ReduceOp::Min),
+            at_min,
+            Mem::Sym,
+            false,
+            &mut seed,
+        );
+        p.assert_path(Path::PeerToPeer);
+        let q = mm_queue::<f32>(
+            &comm,
+            &s,
+            Kind::Rs(ReduceOp::Sum),
+            at_min,
+            Mem::Sym,
+            false,
+            &mut seed,
+        );
+        q.assert_path(Path::Multimem);
+        mm_sync(&s);
+        comm.check().unwrap();
+        p.check();
+        q.check();
+        // Never, and a team of 3 by default (multicast does not pay off there): peer-to-peer
+        let never = Communicator::builder(&e.driver.devices())
+            .config(config.clone())
+            .multicast(MulticastPolicy::Never)
+            .build()
+            .unwrap();
+        assert!(!never.multimem_active());
+        let s8 = mm_streams(&never);
+        let p = mm_queue::<bf16>(
+            &never,
+            &s8,
+            Kind::Ag,
+            4 * at_min,
+            Mem::Sym,
+            false,
+            &mut seed,
+        );
+        p.assert_path(Path::PeerToPeer);
+        mm_sync(&s8);
+        never.check().unwrap();
+        p.check();
+    }
+    let Some(e3) = mm_sim(test, 3) else { return };
+    let three = Communicator::builder(&e3.driver.devices())
+        .config(config)
+        .build()
+        .unwrap();
+    assert!(!three.multimem_active());
+    let s3 = mm_streams(&three);
+    let p = mm_queue::<bf16>(
+        &three,
+        &s3,
+        Kind::Rs(ReduceOp::Sum),
+        4 * at_min,
+        Mem::Sym,
+        true,
+        &mut seed,
+    );
+    p.assert_path(Path::PeerToPeer);
+    mm_sync(&s3);
+    three.check().unwrap();
+    p.check();
+}
+
+/// On a multimem team, bad arguments are refused before any launch, naming the argument (the
+/// peer-to-peer path's checks): afterwards the ranks still agree and a correct call runs.
+#[test]
+fn bad_arguments_to_multimem_collectives_are_refused_before_any_launch() {
+    let test = "bad_arguments_to_multimem_collectives_are_refused_before_any_launch";
+    let n = 4;
+    let Some(e) = mm_sim(test, n) else { return };
+    let comm = mm_comm(&e, CommConfig::default());
+    let s = mm_streams(&comm);
+    let mut a = comm.alloc::<f32>(n * 100).unwrap();
+    let mut b = comm.alloc::<f32>(n * 100).unwrap();
+    let h = comm.rank(1).unwrap();
+    let arg = |e: Error| match e {
+        Error::InvalidArgument { arg, .. } => arg,
+        e => panic!("expected an invalid argument, got {e}"),
+    };
+    // lengths not in the collective's ratio
+    assert_eq!(
+        arg(h
+            .reduce_scatter(
+                a.slice(..n * 100 - 1).unwrap(),
+                b.slice_mut(..100).unwrap(),
+                ReduceOp::Sum,
+                &s[1]
+            )
+            .unwrap_err()),
+        "input"
+    );
+    assert_eq!(
+        arg(h
+            .all_gather(
+                a.slice(..100).unwrap(),
+                b.slice_mut(..n * 100 - 4).unwrap(),
+                &s[1]
+            )
+            .unwrap_err()),
+        "output"
+    );
+    assert_eq!(
+        arg(h
+            .broadcast(
+                a.slice(..100).unwrap(),
+                b.slice_mut(..99).unwrap(),
+                0,
+                &s[1]
+            )
+            .unwrap_err()),
+        "output"
+    );
+    // a root outside the team
+    assert_eq!(
+        arg(h.broadcast_in_place(&mut a, n, &s[1]).unwrap_err()),
+        "root"
+    );
+    // not a whole number of chunks in place
+    assert_eq!(
+        arg(h
+            .all_gather_in_place(a.slice_mut(..n * 100 - 1).unwrap(), &s[1])
+            .unwrap_err()),
+        "buf"
+    );
+    // overlap other than the in-place one (raw pointers into one buffer of rank 1's device)
+    let own = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), n * 100 + 1).unwrap();
+    let p = own.device_ptr();
+    // SAFETY: both ranges lie inside `own` (n x 100 + 1 f32), alive during the call; the call
+    // is refused before any launch.
+    let (src, dst) = unsafe {
+        (
+            Src::<f32>::from_raw(p, 100),
+            Dst::<f32>::from_raw(p + 4, n * 100),
+        )
+    };
+    assert_eq!(arg(h.all_gather(src, dst, &s[1]).unwrap_err()), "output");
+    // the ranks made no call: a correct one now runs on every rank and agrees
+    let mut seed = 91;
+    let x: Vec<Vec<f32>> = (0..n).map(|_| random_input(100, &mut seed)).collect();
+    for r in 0..n {
+        a.write(r, 0, &x[r]).unwrap();
+    }
+    for (r, st) in s.iter().enumerate() {
+        let c = comm
+            .rank(r)
+            .unwrap()
+            .all_gather(a.slice(..100).unwrap(), &mut b, st)
+            .unwrap();
+        assert_eq!(c.path, Path::Multimem);
+    }
+    mm_sync(&s);
+    comm.check().unwrap();
+    let xr: Vec<&[f32]> = x.iter().map(|v| v.as_slice()).collect();
+    for r in 0..n {
+        assert_eq!(b.to_vec(r).unwrap(), all_gather_reference(&xr), "rank {r}");
     }
 }

@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::bootstrap::Bootstrap;
 use crate::config::CommConfig;
+use crate::kernels::gather::Collective;
 use crate::kernels::{ERR_MISMATCH, MAX_RANKS};
 use crate::memory::{Sym, SymBuf, SymmetricBuffer};
 use crate::mm::{multimem_pays_off, multimem_supports, Mm};
@@ -493,16 +494,41 @@ impl Inner {
         Ok(found)
     }
 
-    fn mm_for(&self, dtype: DType, op: ReduceOp, bytes: usize) -> Option<&Mm> {
-        let mm = self.mm.as_ref()?;
-        let wanted = match self.policy {
+    /// Whether the multicast policy takes the multimem path for a message of `bytes`: `Always`,
+    /// or `WhenItPaysOff` for teams where it pays off and messages of at least
+    /// `multimem_min_bytes` (the executor exists only where multicast is on).
+    fn mm_wanted(&self, bytes: usize) -> bool {
+        match self.policy {
             MulticastPolicy::Never => false,
             MulticastPolicy::Always => true,
-            MulticastPolicy::WhenItPaysOff => bytes >= self.config.multimem_min_bytes,
-        };
+            MulticastPolicy::WhenItPaysOff => {
+                multimem_pays_off(self.ranks.n) && bytes >= self.config.multimem_min_bytes
+            }
+        }
+    }
+
+    fn mm_for(&self, dtype: DType, op: ReduceOp, bytes: usize) -> Option<&Mm> {
+        let mm = self.mm.as_ref()?;
+        let wanted = self.mm_wanted(bytes);
         (wanted && self.config.algorithm.is_none() || self.policy == MulticastPolicy::Always)
             .then_some(mm)
             .filter(|_| multimem_supports(dtype, op))
+    }
+
+    /// The multimem executor for a reduce-scatter, all-gather or broadcast whose whole buffer
+    /// (reduce-scatter's input, all-gather's output, broadcast's message) is `bytes`, when the
+    /// policy wants it (the allreduce's rule; `config.algorithm` is an allreduce setting and
+    /// plays no part) and the kernel exists (reduce-scatter: where `multimem.ld_reduce` has the
+    /// type and operator). The same answer on every rank making the same call.
+    pub(crate) fn mm_for_gather(
+        &self,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        bytes: usize,
+    ) -> Option<&Mm> {
+        let mm = self.mm.as_ref()?;
+        (self.mm_wanted(bytes) && (!coll.reduces() || multimem_supports(dtype, op))).then_some(mm)
     }
 }
 

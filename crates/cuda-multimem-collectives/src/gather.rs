@@ -1,7 +1,8 @@
 //! Reduce-scatter, all-gather and broadcast on a [`RankHandle`]: operand checks, the choice
-//! between the low-latency, staged and direct kernels, the launch shape and the call header.
-//! Peer-to-peer on every team (there are no multimem versions yet). Protocol and
-//! memory-ordering argument: `docs/design/collectives.md`.
+//! between the multimem executor (where the communicator has a multicast team and the policy
+//! wants it: `crate::mm`) and the peer-to-peer low-latency, staged and direct kernels, the
+//! launch shape and the call header. Protocol and memory-ordering argument:
+//! `docs/design/collectives.md`.
 
 use std::collections::HashMap;
 
@@ -71,6 +72,13 @@ impl<'a> RankHandle<'a> {
     /// as [`crate::reduce_scatter_reference`]). Operands: symmetric buffers and views or the
     /// caller's own memory, either way with no copies outside the kernel. Queued on `stream`, a
     /// stream of this rank's device; returns what ran.
+    ///
+    /// On the multimem path ([`crate::Path::Multimem`]: a multicast team, the policy's
+    /// size rule, and a `multimem.ld_reduce` form of the type and operator — f32 only adds),
+    /// the switch reduces in an order of its own: sums may differ from the reference in the
+    /// last bits (min and max are exact), and the operands are copied through the team's
+    /// regions ([`crate::Choice::staged_chunks`] windows). The same holds for all-gather and
+    /// broadcast, which move bits on either path.
     pub fn reduce_scatter<'s, 'd, 'x, T: Element>(
         &self,
         input: impl Into<Src<'s, T>>,
@@ -354,6 +362,18 @@ impl<'a> RankHandle<'a> {
         let count = (chunk / es) as u64;
         // The whole buffer: reduce-scatter's input, all-gather's output, broadcast's message.
         let total = call.output.bytes.max(call.input.bytes);
+        // multimem: where the communicator has a multicast team and the policy wants it for
+        // this size (the allreduce's rule), through the team's regions, any operand kind
+        if let Some(mm) = inner.mm_for_gather(call.coll, call.dtype, call.op, total) {
+            self.check_stream(&stream)?;
+            if chunk == 0 {
+                return Ok(mm.gather_shape(c, call.coll, 0));
+            }
+            inner.ranks.next_call(l);
+            return mm.run_gather(
+                c, l.rank, call.coll, call.dtype, call.op, call.root, ip, op_, chunk, stream,
+            );
+        }
         // low-latency: the whole buffer up to `ll_max_bytes` (each rank then sends at most
         // (N - 1) x 2 x that / N, under the low-latency allreduce's traffic at its limit), and
         // a chunk that fits a low-latency slot as 8-byte (flag, word) pairs. Size only: the

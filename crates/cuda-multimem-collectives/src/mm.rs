@@ -4,7 +4,10 @@
 //! Every member's memory holds a header (signal words, counters, call headers) and an input and
 //! an output region. A call copies its input into the member's input region, runs the kernel,
 //! and copies the output region to its output, on the caller's stream, in chunks of the region
-//! size: any operand works, at the cost of two local copies (docs/design/allreduce.md).
+//! size: any operand works, at the cost of two local copies (docs/design/allreduce.md). The
+//! allreduce (`Mm::run`) and reduce-scatter, all-gather and broadcast (`Mm::run_gather`:
+//! the regions hold N slots of a window of each rank's chunk; docs/design/collectives.md,
+//! "Multimem forms").
 //!
 //! Only where NVLink multicast is allowed: never on machines that set `NCCL_NVLS_ENABLE=0` or
 //! `CUDA_MULTIMEM_DISABLE_MULTICAST=1` (building the team refuses there, before any driver
@@ -17,6 +20,7 @@ use cuda_multimem::team::{Backend, Team};
 use cuda_multimem::{Device, Error, Function, LaunchConfig, Module, Result, StreamRef};
 
 use crate::config::CommConfig;
+use crate::kernels::gather::Collective;
 use crate::kernels::multimem::{self as mmk, MmKernel};
 use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::types::{Algorithm, Choice, DType, Path, ReduceOp};
@@ -62,7 +66,7 @@ impl Mm {
             for k in MmKernel::ALL {
                 for dt in DType::ALL {
                     for op in ReduceOp::ALL {
-                        if mmk::supported(dt, op) {
+                        if k.has(dt, op) {
                             kernels.insert((k, dt, op), m.function(&k.entry(dt, op))?);
                         }
                     }
@@ -188,7 +192,7 @@ impl Mm {
                 count,
                 dtype.code(),
                 op.code(),
-                k as u64,
+                k.code(),
                 choice.blocks as u64,
             ]);
             // SAFETY: a function of this device's module whose entry takes these five .u64
@@ -207,6 +211,179 @@ impl Mm {
         }
         let mut choice = first.unwrap_or_else(|| self.shape(config, bytes));
         choice.staged_chunks = chunks as u32;
+        Ok(choice)
+    }
+
+    /// The launch shape of a reduce-scatter, all-gather or broadcast kernel for one chunk of
+    /// `bytes` per rank: every rank moves (or reduces) all of its chunk, so the shape of the
+    /// one-shot allreduce over the same bytes.
+    pub(crate) fn gather_shape(
+        &self,
+        config: &CommConfig,
+        coll: Collective,
+        bytes: usize,
+    ) -> Choice {
+        let c = config;
+        let max_blocks = if c.max_blocks == 0 {
+            (2 * self.multiprocessors).min(MAX_BLOCKS as u32)
+        } else {
+            c.max_blocks
+        } as u64;
+        let units = bytes.div_ceil(16) as u64;
+        let blocks = units.div_ceil(c.threads as u64).clamp(1, max_blocks);
+        let threads = units
+            .div_ceil(blocks)
+            .next_multiple_of(32)
+            .clamp(64, c.threads as u64);
+        Choice {
+            path: Path::Multimem,
+            // reduce-scatter: each rank reduces its chunk through the multicast address into its
+            // own output (the one-shot allreduce's structure); all-gather and broadcast: every
+            // sender stores into every rank's output between two barriers (the direct kernel's)
+            algorithm: match coll {
+                Collective::ReduceScatter => Algorithm::OneShot,
+                _ => Algorithm::PushDirect,
+            },
+            blocks: blocks as u32,
+            threads: threads as u32,
+            staged_chunks: 0,
+        }
+    }
+
+    /// Bytes of one rank's chunk that one launch moves: the regions hold N slots of it
+    /// (reduce-scatter's input, all-gather's output; broadcast: one), 16-byte multiples.
+    fn gather_window(&self, coll: Collective) -> usize {
+        let slots = match coll {
+            Collective::Broadcast => 1,
+            _ => self.members.len(),
+        };
+        (self.region / slots) & !15
+    }
+
+    /// Queue rank `rank`'s share of a reduce-scatter, all-gather or broadcast on `stream`:
+    /// `chunk` bytes per rank (reduce-scatter: the output; all-gather: the input; broadcast:
+    /// the message), `input` and `output` device addresses of this rank's device checked by the
+    /// caller (lengths in the collective's ratio, the in-place overlap only). In windows of
+    /// [`Mm::gather_window`] bytes: copy the input's pieces into the input region's slots, run
+    /// the kernel, copy the output region's slots out, all on the caller's stream.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_gather(
+        &self,
+        config: &CommConfig,
+        rank: usize,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        input: u64,
+        output: u64,
+        chunk: usize,
+        stream: StreamRef<'_>,
+    ) -> Result<Choice> {
+        let n = self.members.len();
+        let m = self
+            .members
+            .get(rank)
+            .ok_or_else(|| Error::invalid("rank", format!("{rank}; the multicast team has {n}")))?;
+        let k = match coll {
+            Collective::ReduceScatter => MmKernel::ReduceScatter,
+            Collective::AllGather => MmKernel::AllGather,
+            Collective::Broadcast => MmKernel::Broadcast,
+        };
+        let kop = if k.reduces() { op } else { ReduceOp::Sum };
+        let f = m.kernels.get(&(k, dtype, kop)).ok_or_else(|| {
+            Error::invalid(
+                "op",
+                format!("{dtype} {op} has no multimem.ld_reduce form (f32 reduces only with add)"),
+            )
+        })?;
+        let base = self.team.member_ptr(rank)?;
+        let mc = self
+            .team
+            .multicast_address()
+            .ok_or_else(|| Error::invalid("team", "the team has no multicast address"))?;
+        let in_region = base + mmk::MM_DATA as u64;
+        let out_region = in_region + self.region as u64;
+        let window = self.gather_window(coll);
+        if window < dtype.size() {
+            return Err(Error::invalid(
+                "config.multimem_capacity",
+                format!(
+                    "{} bytes per region cannot hold {n} slots of one {dtype} element each",
+                    self.region
+                ),
+            ));
+        }
+        let (chunk64, rank64) = (chunk as u64, rank as u64);
+        // in place, the output piece this rank would copy out already holds its data
+        let in_place = match coll {
+            Collective::AllGather => input == output + rank64 * chunk64,
+            Collective::Broadcast => input == output && rank == root,
+            Collective::ReduceScatter => false,
+        };
+        let copy = |dst: u64, src: u64, len: usize| {
+            // SAFETY: callers pass `len` bytes inside the caller's operands (checked by the
+            // caller: lengths in the collective's ratio) and inside this member's regions
+            // (a window's slots: n × slot_bytes(len) <= region), all of this stream's device.
+            unsafe { stream.copy_dtod_async(dst, src, len) }
+        };
+        let windows = chunk.div_ceil(window).max(1);
+        let mut first = None;
+        for w in 0..windows {
+            let at = w * window;
+            let len = window.min(chunk - at);
+            let (at64, len64) = (at as u64, len as u64);
+            let slot = mmk::slot_bytes(len64);
+            // copy in: reduce-scatter every chunk's window into its slot; all-gather my
+            // window; broadcast the root's window
+            match coll {
+                Collective::ReduceScatter => {
+                    for j in 0..n as u64 {
+                        copy(in_region + j * slot, input + j * chunk64 + at64, len)?;
+                    }
+                }
+                Collective::AllGather => copy(in_region, input + at64, len)?,
+                Collective::Broadcast if rank == root => copy(in_region, input + at64, len)?,
+                Collective::Broadcast => {}
+            }
+            let choice = self.gather_shape(config, coll, len);
+            let count = (len / dtype.size()) as u64;
+            let sig = call_header(&[
+                count,
+                dtype.code(),
+                if k.reduces() { op.code() } else { 0xff },
+                k.code(),
+                root as u64,
+                choice.blocks as u64,
+            ]);
+            // SAFETY: a function of this device's module whose entry takes these six .u64
+            // parameters (unicast base, multicast base, count, timeout, header, root); the
+            // window's slots fit the regions (checked above); a live stream of the device
+            // (checked by the caller).
+            unsafe {
+                f.launch_u64(
+                    &LaunchConfig::linear(choice.blocks, choice.threads),
+                    stream,
+                    &[base, mc, count, config.timeout_ns(), sig, root as u64],
+                )
+            }?;
+            // copy out: reduce-scatter my result; all-gather every slot into its chunk's
+            // window; broadcast the message's window
+            match coll {
+                Collective::AllGather => {
+                    for j in 0..n as u64 {
+                        if !(in_place && j == rank64) {
+                            copy(output + j * chunk64 + at64, out_region + j * slot, len)?;
+                        }
+                    }
+                }
+                _ if in_place => {}
+                _ => copy(output + at64, out_region, len)?,
+            }
+            first.get_or_insert(choice);
+        }
+        let mut choice = first.unwrap_or_else(|| self.gather_shape(config, coll, chunk));
+        choice.staged_chunks = windows as u32;
         Ok(choice)
     }
 

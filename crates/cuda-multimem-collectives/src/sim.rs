@@ -35,7 +35,6 @@ fn encode(d: DType, v: f32) -> u32 {
 /// and idempotent: later calls do nothing. Call it before launching the collectives on a
 /// simulated driver; on a real driver it is never consulted.
 pub fn install() {
-    use crate::kernels::multimem::{supported, MmKernel};
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         for k in Kernel::ALL {
@@ -46,15 +45,7 @@ pub fn install() {
             }
         }
         gather::register();
-        for k in MmKernel::ALL {
-            for d in DType::ALL {
-                for o in Op::ALL {
-                    if supported(d, o) {
-                        register_kernel(&k.entry(d, o), move |a| run_mm(k, d, o, a));
-                    }
-                }
-            }
-        }
+        mm::register();
         norm::register();
     });
 }
@@ -63,6 +54,11 @@ pub fn install() {
 /// module's barrier, loads and stores).
 #[path = "sim_gather.rs"]
 mod gather;
+
+/// The multimem equivalents: allreduce, reduce-scatter, all-gather, broadcast (a child module:
+/// they share this module's loads and stores, and the gather module's byte copy).
+#[path = "sim_mm.rs"]
+mod mm;
 
 fn u32_at(addr: usize) -> &'static AtomicU32 {
     // SAFETY: callers pass 4-byte aligned addresses inside a pad checked with `LaunchArgs::check`;
@@ -549,207 +545,4 @@ fn run_ll(
         }
     }
     Ok(())
-}
-
-/// The multimem kernels' equivalent: `ld_reduce` reads every bound member's copy and reduces
-/// them in an order that is neither rank nor device order ([`switch_order`]; the scalar tails
-/// go through unicast loads in rank order, as in the PTX), `multimem.st` writes every copy, the barrier adds 1 to every member's arrival word with `Release` and spins
-/// `Acquire` on its own.
-fn run_mm(
-    k: crate::kernels::multimem::MmKernel,
-    d: DType,
-    op: Op,
-    a: &LaunchArgs,
-) -> Result<(), KernelError> {
-    use crate::kernels::multimem::*;
-    let (uc, mc, count) = (a.u64(0)? as usize, a.u64(1)? as usize, a.u64(2)?);
-    let timeout = Duration::from_nanos(a.u64(3)?);
-    let sig = a.u64(4)?;
-    a.check(uc, MM_DATA, true)?;
-    let rank = u32_at(uc + MM_OFF_RANK).load(Ordering::Relaxed) as usize;
-    let n = u32_at(uc + MM_OFF_NRANKS).load(Ordering::Relaxed) as usize;
-    let cap = u64_at(uc + MM_OFF_CAP).load(Ordering::Relaxed) as usize;
-    if n == 0 || n > MAX_RANKS || rank >= n {
-        return Err(KernelError::Failed(format!(
-            "bad header: rank {rank} of {n}"
-        )));
-    }
-    let peers: Vec<usize> = (0..n)
-        .map(|t| u64_at(uc + MM_OFF_PEERS + 8 * t).load(Ordering::Relaxed) as usize)
-        .collect();
-    let out_off = MM_DATA + cap;
-    let targets = |addr: usize, len: usize| -> Result<Vec<usize>, KernelError> {
-        a.multicast_targets(addr, len)?
-            .ok_or(KernelError::IllegalAddress { addr, len })
-    };
-    for &p in &peers {
-        a.check(p, MM_DATA, true)?;
-    }
-    let err = u32_at(uc + MM_OFF_ERR);
-    // `parity`: store the call header into every member's slot [parity][b][rank] first, and
-    // compare every member's slot in my memory with mine after arriving (as the PTX)
-    let barrier = |b: usize, val: u32, parity: Option<u32>| -> Result<(), KernelError> {
-        a.jitter();
-        // arrive only while my error word is clear (as the PTX): after a failed barrier my
-        // arrivals would complete a slower member's barrier without the member that never came
-        if err.load(Ordering::Relaxed) != 0 {
-            return Ok(());
-        }
-        let hdr = |p: u32, s: usize| MM_OFF_HDR + 8 * ((p as usize * MAX_BLOCKS + b) * 8 + s);
-        if let Some(p) = parity {
-            for &m in &peers {
-                u64_at(m + hdr(p, rank)).store(sig, Ordering::Relaxed);
-            }
-        }
-        let arrived = || {
-            if let Some(p) = parity {
-                if (0..n).any(|s| u64_at(uc + hdr(p, s)).load(Ordering::Relaxed) != sig) {
-                    let _ =
-                        err.compare_exchange(0, ERR_MISMATCH, Ordering::Relaxed, Ordering::Relaxed);
-                }
-            }
-        };
-        for t in targets(mc + MM_OFF_SIG + 4 * b, 4)? {
-            u32_at(t).fetch_add(1, Ordering::Release);
-        }
-        let mine = u32_at(uc + MM_OFF_SIG + 4 * b);
-        let want = val.wrapping_mul(n as u32);
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            if mine.load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0 {
-                arrived();
-                return Ok(());
-            }
-            if err.load(Ordering::Relaxed) != 0 {
-                return Ok(());
-            }
-            if start.elapsed() >= timeout {
-                let _ = err.compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
-                return Ok(());
-            }
-            spins += 1;
-            if spins < 64 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
-            }
-        }
-    };
-    let g = a.grid.0 as u64;
-    let es = d.size() as u64;
-    let v = 16 / es;
-    let units = count / v;
-    let per = units.div_ceil(g).next_multiple_of(8);
-    let tail_start = units * v;
-    for b in 0..g {
-        let c = u32_at(uc + MM_OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
-        let bs = (b * per).min(units);
-        let be = (bs + per).min(units);
-        barrier(b as usize, c.wrapping_add(1), Some((c >> 1) & 1))?;
-        let last_block = b == g - 1;
-        let (lo, hi, tail) = match k {
-            MmKernel::OneShot => (bs, be, last_block),
-            MmKernel::TwoShot => {
-                let pp = (be - bs).div_ceil(n as u64).next_multiple_of(8);
-                let ps = (bs + rank as u64 * pp).min(be);
-                (ps, (ps + pp).min(be), last_block && rank == n - 1)
-            }
-        };
-        if hi > lo {
-            let (e0, e1) = (lo * v, hi * v);
-            let len = ((e1 - e0) * es) as usize;
-            let off = (e0 * es) as usize;
-            let srcs = targets(mc + MM_DATA + off, len)?;
-            let dsts = match k {
-                MmKernel::OneShot => {
-                    a.check(uc + out_off + off, len, true)?;
-                    vec![uc + out_off + off]
-                }
-                MmKernel::TwoShot => targets(mc + out_off + off, len)?,
-            };
-            // the switch reduces the members' copies in an order of its own: never rank (or
-            // device) order here, a different one per call, 16-byte unit and reducing rank, so
-            // code that assumes rank-order sums on this path fails on the simulator
-            let mut order: Vec<usize> = (0..srcs.len()).collect();
-            for i in 0..(e1 - e0) {
-                if i % v == 0 {
-                    switch_order(&mut order, c, lo + i / v, rank);
-                }
-                let mut acc = ld(d, srcs[order[0]], i);
-                for &s in &order[1..] {
-                    acc = op.apply(acc, ld(d, srcs[s], i));
-                }
-                for t in &dsts {
-                    st(d, *t, i, acc);
-                }
-            }
-        }
-        if tail && count > tail_start {
-            let len = ((count - tail_start) * es) as usize;
-            let off = (tail_start * es) as usize;
-            for p in &peers {
-                a.check(p + MM_DATA + off, len, false)?;
-            }
-            let outs: Vec<usize> = match k {
-                MmKernel::OneShot => vec![uc + out_off + off],
-                MmKernel::TwoShot => peers.iter().map(|p| p + out_off + off).collect(),
-            };
-            for o in &outs {
-                a.check(*o, len, true)?;
-            }
-            for i in 0..(count - tail_start) {
-                let mut acc = ld(d, peers[0] + MM_DATA + off, i);
-                for p in &peers[1..] {
-                    acc = op.apply(acc, ld(d, p + MM_DATA + off, i));
-                }
-                for o in &outs {
-                    st(d, *o, i, acc);
-                }
-            }
-        }
-        barrier(b as usize, c.wrapping_add(2), None)?;
-        // counters in step, and the absent blocks' arrival words too (additive: this rank's
-        // two arrivals on every member; none once my error word is set, as at the barriers)
-        let failed = err.load(Ordering::Relaxed) != 0;
-        let mut j = b as usize;
-        while j < MAX_BLOCKS {
-            u32_at(uc + MM_OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
-            if j != b as usize && !failed {
-                for t in targets(mc + MM_OFF_SIG + 4 * j, 4)? {
-                    u32_at(t).fetch_add(2, Ordering::Relaxed);
-                }
-            }
-            j += g as usize;
-        }
-    }
-    Ok(())
-}
-
-/// The order in which the simulated switch reduces the members' copies of one 16-byte unit
-/// (`multimem.ld_reduce`): a rotation or a reversal of the members, never the identity (for two
-/// or more members), drawn deterministically from the block's call counter `c`, the unit and the
-/// reducing rank. Real NVSwitch hardware promises no order at all.
-fn switch_order(order: &mut [usize], c: u32, unit: u64, rank: usize) {
-    let n = order.len();
-    let mut z = (c as u64) ^ unit.rotate_left(21) ^ ((rank as u64) << 56);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    if n < 2 {
-        return;
-    }
-    if z & 1 == 0 {
-        // forward from member k != 0
-        let k = 1 + (z >> 1) as usize % (n - 1);
-        for (i, o) in order.iter_mut().enumerate() {
-            *o = (k + i) % n;
-        }
-    } else {
-        // backward from any member
-        let k = (z >> 1) as usize % n;
-        for (i, o) in order.iter_mut().enumerate() {
-            *o = (k + n - i) % n;
-        }
-    }
 }

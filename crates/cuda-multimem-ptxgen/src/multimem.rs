@@ -166,17 +166,98 @@ fn tail(f: &Flavor, all: bool) -> String {
     super::strided("tail", "%rd16", "%rd4", es, &body)
 }
 
-fn kernel(k: MmKernel, f: &Flavor) -> String {
-    let name = k.entry(f.dtype, f.op);
-    let vl = f.v_log2();
+/// The gather kernels' extra registers: %rd50 the root (broadcast), %rd51 the slot stride (the
+/// chunk's bytes rounded up to 16: [`slot_bytes`]), %rd52 this rank's slot (reduce-scatter's
+/// input, all-gather's output: rank × stride; broadcast: 0).
+fn slot_of(k: MmKernel, f: &Flavor) -> String {
     let mut s = format!(
+        r#"	ld.param.u64 %rd50, [p_root];
+	// slot stride: the chunk's bytes rounded up to 16 (every slot 16-byte aligned)
+	shl.b64 %rd51, %rd4, {es};
+	add.u64 %rd51, %rd51, 15;
+	and.b64 %rd51, %rd51, -16;
+"#,
+        es = f.es_log2()
+    );
+    s += if k == MmKernel::Broadcast {
+        "\tmov.u64 %rd52, 0;\n"
+    } else {
+        "\tcvt.u64.u32 %rd52, %r5;\n\tmul.lo.u64 %rd52, %rd52, %rd51;\n"
+    };
+    s
+}
+
+/// Reduce-scatter's scalar tail over unicast views: elements [%rd16, count) of slot %rd52 of
+/// every member's input region, reduced in rank order, stored to this member's output region.
+fn rs_tail(f: &Flavor) -> String {
+    let es = f.es_log2();
+    let member = |first: bool| {
+        let base = if first {
+            format!("\tld.global.u64 %rd26, [%rd1+{MM_OFF_PEERS}];\n")
+        } else {
+            format!("\tmul.wide.u32 %rd27, %r34, 8;\n\tadd.u64 %rd27, %rd1, %rd27;\n\tld.global.u64 %rd26, [%rd27+{MM_OFF_PEERS}];\n")
+        };
+        format!("{base}\tadd.u64 %rd26, %rd26, %rd21;\n\tadd.u64 %rd26, %rd26, %rd52;\n\tadd.u64 %rd26, %rd26, {MM_DATA};\n")
+    };
+    let mut body = member(true);
+    body += &f.sc_load("%rd26", true, ".cg");
+    body += "\tmov.u32 %r34, 1;\n$L_rk:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_rkend;\n";
+    body += &member(false);
+    body += &f.sc_load("%rd26", false, ".cg");
+    body += "\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_rk;\n$L_rkend:\n";
+    body += "\tadd.u64 %rd26, %rd1, %rd21;\n\tadd.u64 %rd26, %rd26, %rd9;\n";
+    body += &f.sc_store("%rd26");
+    super::strided("tail", "%rd16", "%rd4", es, &body)
+}
+
+/// All-gather's and broadcast's scalar tail: elements [%rd16, count) of my input region, bit
+/// for bit, into slot %rd52 of every member's output region through the unicast addresses.
+fn store_tail(f: &Flavor) -> String {
+    let es = f.es_log2();
+    let (ld, st) = if f.half() {
+        ("ld.global.b16 %h1", "st.global.b16 [%rd26], %h1;")
+    } else {
+        ("ld.global.b32 %r30", "st.global.b32 [%rd26], %r30;")
+    };
+    let body = format!(
+        r#"	add.u64 %rd24, %rd1, %rd21;
+	add.u64 %rd24, %rd24, {MM_DATA};
+	{ld}, [%rd24];
+	mov.u32 %r34, 0;
+$L_sk:
+	setp.ge.u32 %p16, %r34, %r6;
+	@%p16 bra $L_skend;
+	mul.wide.u32 %rd27, %r34, 8;
+	add.u64 %rd27, %rd1, %rd27;
+	ld.global.u64 %rd26, [%rd27+{MM_OFF_PEERS}];
+	add.u64 %rd26, %rd26, %rd21;
+	add.u64 %rd26, %rd26, %rd52;
+	add.u64 %rd26, %rd26, %rd9;
+	{st}
+	add.u32 %r34, %r34, 1;
+	bra.uni $L_sk;
+$L_skend:
+"#
+    );
+    super::strided("tail", "%rd16", "%rd4", es, &body)
+}
+
+/// The entry's parameters and prologue, up to `%r12` = c + 1 (the first barrier's value):
+/// registers %rd1 unicast base, %rd2 multicast base, %rd4 count, %rd7 call header, %rd8
+/// deadline, %rd9 offset of the output region, %r5 rank, %r6 team size, %r7 counter c, %r8
+/// header parity, %rd10 vector units, [%rd11, %rd12) the block's units, %rd16 the first element
+/// of the scalar tail, %p17 the last block. `extra`: more parameter declarations (each after
+/// ",\n").
+fn prologue(name: &str, f: &Flavor, extra: &str) -> String {
+    let vl = f.v_log2();
+    format!(
         r#"
 .visible .entry {name}(
 	.param .u64 p_uc,
 	.param .u64 p_mc,
 	.param .u64 p_count,
 	.param .u64 p_timeout,
-	.param .u64 p_sig
+	.param .u64 p_sig{extra}
 )
 {{
 {regs}
@@ -214,7 +295,20 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
         ctr = MM_OFF_CTR,
         regs = super::REGS,
         block_range = super::BLOCK_RANGE,
-    );
+    )
+}
+
+fn kernel(k: MmKernel, f: &Flavor) -> String {
+    let gathers = !matches!(k, MmKernel::OneShot | MmKernel::TwoShot);
+    let extra = if gathers {
+        ",\n\t.param .u64 p_root"
+    } else {
+        ""
+    };
+    let mut s = prologue(&k.entry(f.dtype, f.op), f, extra);
+    if gathers {
+        s += &slot_of(k, f);
+    }
     s += &barrier("b1", "%r12", true);
     match k {
         MmKernel::OneShot => {
@@ -253,6 +347,34 @@ fn kernel(k: MmKernel, f: &Flavor) -> String {
             s += &super::strided("red", "%rd37", "%rd38", 4, &body);
             s += "\t@!%p17 bra $L_tail_done;\n";
             s += &tail(f, true);
+        }
+        MmKernel::ReduceScatter => {
+            // every unit of the block: ld_reduce slot `rank` of the input region (chunk `rank`
+            // of every member's input) through the multicast address, store into my own output
+            let mut body = format!(
+                "\tadd.u64 %rd24, %rd2, %rd21;\n\tadd.u64 %rd24, %rd24, %rd52;\n\tadd.u64 %rd24, %rd24, {MM_DATA};\n"
+            );
+            body += &ld_reduce(f, "%rd24");
+            body += "\tadd.u64 %rd25, %rd1, %rd21;\n\tadd.u64 %rd25, %rd25, %rd9;\n\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n";
+            s += &super::strided("red", "%rd11", "%rd12", 4, &body);
+            s += "\t@!%p17 bra $L_tail_done;\n";
+            s += &rs_tail(f);
+        }
+        MmKernel::AllGather | MmKernel::Broadcast => {
+            if k == MmKernel::Broadcast {
+                // only the root stores; the others meet it at the two barriers
+                s += "\tcvt.u64.u32 %rd53, %r5;\n\tsetp.ne.u64 %p18, %rd53, %rd50;\n\t@%p18 bra $L_tail_done;\n";
+            }
+            // every unit of the block: my input region, stored through the multicast address
+            // into my slot of every member's output region
+            let mut body = format!(
+                "\tadd.u64 %rd24, %rd1, %rd21;\n\tadd.u64 %rd24, %rd24, {MM_DATA};\n\tld.global.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd24];\n"
+            );
+            body += "\tadd.u64 %rd25, %rd2, %rd21;\n\tadd.u64 %rd25, %rd25, %rd52;\n\tadd.u64 %rd25, %rd25, %rd9;\n";
+            body += &mm_store(f, "%rd25");
+            s += &super::strided("st", "%rd11", "%rd12", 4, &body);
+            s += "\t@!%p17 bra $L_tail_done;\n";
+            s += &store_tail(f);
         }
     }
     s += "$L_tail_done:\n\tadd.u32 %r14, %r7, 2;\n";
@@ -307,7 +429,7 @@ pub fn generate() -> String {
     for k in MmKernel::ALL {
         for dtype in DType::ALL {
             for op in Op::ALL {
-                if supported(dtype, op) {
+                if k.has(dtype, op) {
                     s += &kernel(k, &Flavor { dtype, op });
                 }
             }

@@ -15,7 +15,7 @@
 //! | 3088 | `u64` capacity (bytes of the input region = bytes of the output region) |
 //! | 3584 | `u64[8]` every member's unicast address (for scalar tails and call headers) |
 //! | 4096 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender (as the peer-to-peer pad) |
-//! | 65536 | input region, then output region |
+//! | 65536 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
 
 use super::MAX_BLOCKS;
 use crate::{DType, ReduceOp as Op};
@@ -39,27 +39,80 @@ pub const MM_OFF_HDR: usize = 4096;
 /// Start of the input region.
 pub const MM_DATA: usize = 65536;
 
-/// The two multimem algorithms.
+/// The multimem kernels: the allreduce's two algorithms, and reduce-scatter, all-gather and
+/// broadcast (`docs/design/collectives.md`, "Multimem forms").
+///
+/// # Parameters
+/// The allreduce kernels take five `.u64`: this member's unicast base, the multicast base, the
+/// element count, the barrier deadline (ns) and the call header. The other three take a sixth,
+/// the broadcast's root (0 for the others); their count is the elements of one rank's chunk
+/// (reduce-scatter: the output; all-gather: the input; broadcast: the message), and the regions
+/// hold N slots of [`slot_bytes`] each (reduce-scatter's input, all-gather's output; broadcast
+/// uses slot 0 only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MmKernel {
     /// Every rank `ld_reduce`s the whole message into its own output.
     OneShot,
     /// Every rank `ld_reduce`s its part and `multimem.st`s it to every output.
     TwoShot,
+    /// Rank r `ld_reduce`s slot r of the input region (chunk r of every member's input) into
+    /// its own output region.
+    ReduceScatter,
+    /// Rank r `multimem.st`s its input region into slot r of every member's output region.
+    AllGather,
+    /// The root `multimem.st`s its input region into every member's output region.
+    Broadcast,
 }
 
 impl MmKernel {
-    /// Both.
-    pub const ALL: [MmKernel; 2] = [MmKernel::OneShot, MmKernel::TwoShot];
+    /// Every multimem kernel family.
+    pub const ALL: [MmKernel; 5] = [
+        MmKernel::OneShot,
+        MmKernel::TwoShot,
+        MmKernel::ReduceScatter,
+        MmKernel::AllGather,
+        MmKernel::Broadcast,
+    ];
 
-    /// Entry name of one variant.
+    /// Entry name of one variant (`op` is ignored where nothing is reduced).
     pub fn entry(self, dtype: DType, op: Op) -> String {
-        let a = match self {
-            MmKernel::OneShot => "oneshot",
-            MmKernel::TwoShot => "twoshot",
-        };
-        format!("cmm_mm_{a}_{}_{}", dtype.name(), op.name())
+        let (d, o) = (dtype.name(), op.name());
+        match self {
+            MmKernel::OneShot => format!("cmm_mm_oneshot_{d}_{o}"),
+            MmKernel::TwoShot => format!("cmm_mm_twoshot_{d}_{o}"),
+            MmKernel::ReduceScatter => format!("cmm_mm_rs_{d}_{o}"),
+            MmKernel::AllGather => format!("cmm_mm_ag_{d}"),
+            MmKernel::Broadcast => format!("cmm_mm_bc_{d}"),
+        }
     }
+
+    /// Whether the family reduces (has one entry per supported operator).
+    pub fn reduces(self) -> bool {
+        !matches!(self, MmKernel::AllGather | MmKernel::Broadcast)
+    }
+
+    /// Whether the family has an entry for this type and operator: the reducing ones where
+    /// `multimem.ld_reduce` has the pair ([`supported`]), the others under [`Op::Sum`] only (a
+    /// placeholder: nothing is reduced).
+    pub fn has(self, dtype: DType, op: Op) -> bool {
+        if self.reduces() {
+            supported(dtype, op)
+        } else {
+            op == Op::Sum
+        }
+    }
+
+    /// Its code in the call header (distinct per family, so ranks that run different
+    /// multimem collectives disagree at the first barrier).
+    pub fn code(self) -> u64 {
+        self as u64
+    }
+}
+
+/// Bytes between two slots of a region for a chunk of `chunk_bytes` (rounded up to 16, so
+/// every slot starts 16-byte aligned for the vector `multimem` accesses).
+pub fn slot_bytes(chunk_bytes: u64) -> u64 {
+    chunk_bytes.next_multiple_of(16)
 }
 
 /// Whether `multimem.ld_reduce` has this type and operator (f32 has only `add`).

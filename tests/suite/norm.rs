@@ -7,9 +7,11 @@
 use std::time::Duration;
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::kernels::norm::{SPLIT, SPLIT_MIN_ROW_BYTES};
 use cuda_multimem_collectives::{
     add_rms_norm_reference, bf16, f16, random_input, reference, rms_norm_within_tolerance,
-    Algorithm, CommConfig, Communicator, Element, MulticastPolicy, ReduceOp, SymmetricBuffer,
+    Algorithm, CommConfig, Communicator, DType, Element, MulticastPolicy, ReduceOp,
+    SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{env, sim};
@@ -237,24 +239,47 @@ fn low_latency_one_shot_runs_element_units_on_rows_not_16_byte_aligned() {
     each_dtype(3, Some(Algorithm::OneShotLl), &[5], &[4098], false);
 }
 
-/// The low-latency form's results are the barrier one-shot's bits: the same threads, units and
-/// sum-of-squares order.
+/// The low-latency form's results are the barrier one-shot's bits where its rows are one block
+/// each (rows under `SPLIT_MIN_ROW_BYTES`): the same threads, units and sum-of-squares order.
+/// Longer rows run the split form, whose sum of squares adds the slices' partials: its
+/// residual_out is still the same bits, its out within the reference's tolerance (`run`
+/// checks) — and it is the form the choice reports, `tokens × SPLIT` blocks.
 #[test]
 fn low_latency_and_barrier_one_shot_give_the_same_bits() {
-    for (t, h) in [(1, 8192), (3, 4100), (16, 8192), (2, 4098)] {
+    for (t, h) in [
+        (1, 2040),
+        (3, 1026),
+        (16, 2000),
+        (2, 1022),
+        (1, 8192),
+        (3, 4100),
+    ] {
+        let split = 2 * h >= SPLIT_MIN_ROW_BYTES;
         let (_e, ll, sl) = team(2, forced(Some(Algorithm::OneShotLl)));
+        let c = ll.add_rms_norm_choice(DType::Bf16, t, h).unwrap();
+        let blocks = if split { t * SPLIT } else { t };
+        assert_eq!(c.blocks as usize, blocks, "{t} x {h}: blocks of {c:?}");
         let case = Case::<bf16>::new(2, t, h, (t * h) as u64);
         let a = run(&ll, &sl, &case, true, "low-latency");
         drop((ll, sl, _e));
         let (_e, os, so) = team(2, forced(Some(Algorithm::OneShot)));
         let b = run(&os, &so, &case, true, "barrier one-shot");
-        assert_eq!(a, b, "{t} x {h}: the two one-shots differ");
-        let f = Case::<f32>::new(2, t, h, (t + h) as u64);
+        if split {
+            assert_eq!(a.0, b.0, "{t} x {h}: residual_out differs");
+        } else {
+            assert_eq!(a, b, "{t} x {h}: the two one-shots differ");
+        }
+        let hf = h / 2; // f32 rows of the same bytes: the same form
+        let f = Case::<f32>::new(2, t, hf, (t + hf) as u64);
         let a = run(&os, &so, &f, false, "barrier one-shot f32");
         drop((os, so, _e));
         let (_e, ll, sl) = team(2, forced(Some(Algorithm::OneShotLl)));
         let b = run(&ll, &sl, &f, false, "low-latency f32");
-        assert_eq!(a, b, "{t} x {h} f32: the two one-shots differ");
+        if split {
+            assert_eq!(a.0, b.0, "{t} x {hf} f32: residual_out differs");
+        } else {
+            assert_eq!(a, b, "{t} x {hf} f32: the two one-shots differ");
+        }
     }
 }
 

@@ -52,7 +52,7 @@ fn form_name(k: NormKernel) -> Algorithm {
     match k {
         NormKernel::OneShot => Algorithm::OneShot,
         NormKernel::TwoShot => Algorithm::TwoShotPush,
-        NormKernel::OneShotLl => Algorithm::OneShotLl,
+        NormKernel::OneShotLl | NormKernel::OneShotLlSplit => Algorithm::OneShotLl,
     }
 }
 
@@ -87,8 +87,9 @@ impl Communicator {
                 Error::invalid("hidden", format!("{hidden}; expected 1 to {MAX_HIDDEN}"))
             })?;
         let bytes = tokens.saturating_mul(row_bytes);
-        let k = self.norm_form(bytes, self.norm_ll_fits(bytes, row_bytes, 0));
         let mp = self.inner.ranks.locals[0].norm.multiprocessors;
+        let k = self.norm_form(bytes, self.norm_ll_fits(bytes, row_bytes, 0));
+        let k = self.norm_split(k, tokens, row_bytes, mp);
         let (rows, _) = self.norm_launch_rows(k, tokens, row_bytes)?;
         Ok(self.norm_shape(k, rows, row_bytes, dtype.size(), mp))
     }
@@ -131,6 +132,26 @@ impl Communicator {
         }
     }
 
+    /// The low-latency one-shot with rows cut over clusters of `SPLIT` blocks, where it runs
+    /// and rows are at least `SPLIT_MIN_ROW_BYTES` long and `tokens × SPLIT` blocks fit the
+    /// grid (the same on every rank: sizes and configuration only); else `k`.
+    fn norm_split(&self, k: NormKernel, tokens: usize, row_bytes: usize, mp: u32) -> NormKernel {
+        let c = &self.inner.config;
+        let max_blocks = if c.max_blocks != 0 {
+            c.max_blocks
+        } else {
+            (2 * mp).min(MAX_BLOCKS as u32)
+        } as usize;
+        let fits = tokens
+            .checked_mul(nk::SPLIT)
+            .is_some_and(|b| b <= max_blocks);
+        if k == NormKernel::OneShotLl && row_bytes >= nk::SPLIT_MIN_ROW_BYTES && fits {
+            NormKernel::OneShotLlSplit
+        } else {
+            k
+        }
+    }
+
     /// Rows per launch of form `k` (the staging holds one launch) and the first launch's rows.
     fn norm_launch_rows(
         &self,
@@ -151,8 +172,9 @@ impl Communicator {
         let cap = match k {
             NormKernel::OneShot => half / row_bytes,
             NormKernel::TwoShot => n * (half / (2 * row_bytes)),
-            // one launch: the call fits a low-latency slot (norm_ll_fits)
-            NormKernel::OneShotLl => tokens.max(1),
+            // one launch: the call fits a low-latency slot (norm_ll_fits), and for the split
+            // form its rows × SPLIT blocks fit the grid (norm_split)
+            NormKernel::OneShotLl | NormKernel::OneShotLlSplit => tokens.max(1),
         };
         Ok((tokens.min(cap), cap))
     }
@@ -172,8 +194,23 @@ impl Communicator {
         } else {
             (2 * mp).min(MAX_BLOCKS as u32)
         } as usize;
+        if k == NormKernel::OneShotLlSplit {
+            let units = if row_bytes % 16 == 0 {
+                row_bytes / 16
+            } else {
+                row_bytes / es
+            };
+            let slice = nk::split_units(units as u64) as usize;
+            return Choice {
+                path: Path::PeerToPeer,
+                algorithm: form_name(k),
+                blocks: (rows * nk::SPLIT) as u32,
+                threads: slice.next_multiple_of(32).clamp(64, 1024) as u32,
+                staged_chunks: 0,
+            };
+        }
         let per_block = match k {
-            NormKernel::OneShot | NormKernel::OneShotLl => rows,
+            NormKernel::OneShot | NormKernel::OneShotLl | NormKernel::OneShotLlSplit => rows,
             NormKernel::TwoShot => nk::part_rows(rows as u64, n as u64) as usize,
         };
         Choice {
@@ -226,11 +263,14 @@ impl<'a> RankHandle<'a> {
         let rb = shape.row_bytes;
         let bytes = shape.tokens * rb;
         let addrs = ptrs.iter().fold(0, |a, p| a | p);
+        let nkk = &self.local.norm;
         let k = self
             .comm
             .norm_form(bytes, self.comm.norm_ll_fits(bytes, rb, addrs));
+        let k = self
+            .comm
+            .norm_split(k, shape.tokens, rb, nkk.multiprocessors);
         let (first_rows, cap) = self.comm.norm_launch_rows(k, shape.tokens, rb)?;
-        let nkk = &self.local.norm;
         let first = self
             .comm
             .norm_shape(k, first_rows, rb, es, nkk.multiprocessors);

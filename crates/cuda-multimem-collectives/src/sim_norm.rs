@@ -11,7 +11,7 @@ use std::time::Duration;
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
 use super::{ld, st, u32_at, u64_at, Ctx};
-use crate::kernels::norm::{ll_row_bytes, part_rows, unfused_entry, NormKernel};
+use crate::kernels::norm::{ll_row_bytes, part_rows, unfused_entry, NormKernel, SPLIT};
 use crate::kernels::*;
 use crate::DType;
 
@@ -48,6 +48,9 @@ struct Row {
     threads: usize,
     per_unit: usize,
     eps: f32,
+    /// Units per slice of the split form (each slice a block of the row's cluster, whose
+    /// partial sums of squares add in slice order); the whole row otherwise.
+    slice_units: usize,
 }
 
 /// Where the reduced value of a row's elements comes from.
@@ -74,13 +77,22 @@ impl Row {
     fn new(a: &LaunchArgs, d: DType, ptrs: [usize; 4], hidden: usize, eps: f32) -> Row {
         let rb = hidden * d.size();
         let vector = (ptrs.iter().fold(rb, |acc, p| acc | p)) % 16 == 0;
+        let per_unit = if vector { 16 / d.size() } else { 1 };
         Row {
             d,
             hidden,
             threads: a.block.0 as usize,
-            per_unit: if vector { 16 / d.size() } else { 1 },
+            per_unit,
             eps,
+            slice_units: hidden.div_ceil(per_unit),
         }
+    }
+
+    /// The split form's rows: SPLIT slices of `split_units(units)` units.
+    fn split(mut self) -> Row {
+        let units = self.hidden.div_ceil(self.per_unit);
+        self.slice_units = crate::kernels::norm::split_units(units as u64) as usize;
+        self
     }
 
     /// One row: pass 1 (sum, + r, round, store residual_out, squares per thread), the block's
@@ -108,7 +120,8 @@ impl Row {
         for &p in push {
             a.check(p, 2 * rb, true)?;
         }
-        let mut ss = vec![0f32; self.threads];
+        let slices = (self.hidden.div_ceil(self.per_unit)).div_ceil(self.slice_units.max(1));
+        let mut ss = vec![vec![0f32; self.threads]; slices.max(1)];
         for e in 0..h {
             let s = match sum {
                 Sum::Slots(s) => s[1..]
@@ -124,10 +137,15 @@ impl Row {
             for &p in push {
                 st(d, p, e as u64, v);
             }
-            let t = (e / self.per_unit) % self.threads;
-            ss[t] += v * v;
+            let u = e / self.per_unit;
+            let (sl, t) = (u / self.slice_units, (u % self.slice_units) % self.threads);
+            ss[sl][t] += v * v;
         }
-        let rstd = crate::rms_scale(block_sum(&ss), h, self.eps);
+        // each slice's block tree, then the slices in order (the cluster's sum)
+        let total = ss[1..]
+            .iter()
+            .fold(block_sum(&ss[0]), |acc, s| acc + block_sum(s));
+        let rstd = crate::rms_scale(total, h, self.eps);
         for e in 0..h {
             let v = ld(d, res, e as u64);
             let o = v * rstd * ld(d, w, e as u64);
@@ -192,7 +210,22 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     if g > MAX_BLOCKS {
         return Err(KernelError::Failed(format!("grid of {g} blocks")));
     }
-    let row = Row::new(a, d, [x, res, w, out], hidden, eps);
+    let mut row = Row::new(a, d, [x, res, w, out], hidden, eps);
+    // the split form: a row per cluster of SPLIT blocks (the grid must be whole clusters, as
+    // `.reqnctapercluster` makes the hardware refuse other grids); each cluster's rows are run
+    // by its first block here, the others only advance their counters
+    let split = k == NormKernel::OneShotLlSplit;
+    let (g_rows, row_blocks) = if split {
+        if g % SPLIT != 0 {
+            return Err(KernelError::Failed(format!(
+                "a grid of {g} blocks is not whole clusters of {SPLIT}"
+            )));
+        }
+        row = row.split();
+        (g / SPLIT, SPLIT)
+    } else {
+        (g, 1)
+    };
     let rb = hidden * d.size();
     let half = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
     let stage = |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
@@ -248,7 +281,9 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                 }
                 cx.barrier(a, b, c.wrapping_add(3), None);
             }
-            NormKernel::OneShotLl => {
+            NormKernel::OneShotLl | NormKernel::OneShotLlSplit if b % row_blocks != 0 => {}
+            NormKernel::OneShotLl | NormKernel::OneShotLlSplit => {
+                let (b, g) = (b / row_blocks, g_rows);
                 // send every word of my rows as (flag, word) into my slot of every rank, then
                 // poll my slots row by row: no barrier
                 let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);

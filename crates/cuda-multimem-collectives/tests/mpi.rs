@@ -28,8 +28,13 @@ fn mpi_rank() {
     use cuda_multimem_collectives::Bootstrap as _;
     let (rank, n) = (boot.rank(), boot.size());
     // an empty contribution (Open MPI reads an empty slice's address, 1, as MPI_IN_PLACE)
-    let empty = boot.all_gather(&[]).expect("an exchange of empty contributions");
-    assert!(empty.len() == n && empty.iter().all(Vec::is_empty), "{empty:?}");
+    let empty = boot
+        .all_gather(&[])
+        .expect("an exchange of empty contributions");
+    assert!(
+        empty.len() == n && empty.iter().all(Vec::is_empty),
+        "{empty:?}"
+    );
     cuda_multimem_collectives::sim::install();
     let driver =
         cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(n, 13000)).unwrap();

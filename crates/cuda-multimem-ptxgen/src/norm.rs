@@ -25,6 +25,8 @@ const HEADER: &str = "//
 // per-warp partial sums of squares of the row a block normalises: two buffers of 32, the
 // rows of a block alternate between them
 .shared .align 4 .f32 cmm_norm_red[64];
+// the split form: this block's partial sum of squares, read by the blocks of its cluster
+.shared .align 4 .f32 cmm_norm_part;
 ";
 
 const REGS: &str = "\t.reg .pred %p<32>;
@@ -39,6 +41,11 @@ const REGS: &str = "\t.reg .pred %p<32>;
 /// per row, p9 vector mode, rd19 = 0, r54 the shared reduction array. With `pad`: rd1 pad, rd7
 /// header, rd8 timeout, r5 rank, r6 ranks, r7 counter c.
 fn prologue(name: &str, f: &Flavor, pad: bool) -> String {
+    prologue_with(name, f, pad, "")
+}
+
+/// [`prologue`] with extra entry directives (`dirs`, after `.maxntid`).
+fn prologue_with(name: &str, f: &Flavor, pad: bool, dirs: &str) -> String {
     let params = if pad {
         "\t.param .u64 p_ctx,\n\t.param .u64 p_x,\n\t.param .u64 p_res,\n\t.param .u64 p_w,\n\t.param .u64 p_out,\n\t.param .u64 p_rows,\n\t.param .u64 p_hidden,\n\t.param .u64 p_sig,\n\t.param .u64 p_timeout,\n\t.param .u64 p_eps\n"
     } else {
@@ -56,7 +63,7 @@ fn prologue(name: &str, f: &Flavor, pad: bool) -> String {
 .visible .entry {name}(
 {params})
 .maxntid 1024, 1, 1
-{{
+{dirs}{{
 {REGS}	ld.param.u64 %rd2, [p_x];
 	ld.param.u64 %rd3, [p_res];
 	ld.param.u64 %rd4, [p_w];
@@ -285,6 +292,54 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
     )
 }
 
+/// The split form's prologue tail: the cluster is the row (first row = cluster id, step =
+/// clusters), this block's rank in it the slice s; the slice's units [s·per, min((s+1)·per,
+/// units)) replace the row's [0, units) (rd19, rd10), per = `split_units(units)`; p26 again
+/// for the slice; p27 (a cluster barrier is pending) starts false.
+const SPLIT_SLICE: &str = "\t// ---- split: row = cluster, slice = this block's rank in it
+\tmov.u32 %r24, %cluster_ctarank;
+\tmov.u32 %r25, %clusterid.x;
+\tcvt.u64.u32 %rd15, %r25;
+\tmov.u32 %r25, %nclusterid.x;
+\tcvt.u64.u32 %rd13, %r25;
+\tadd.u64 %rd28, %rd10, 7;
+\tshr.u64 %rd28, %rd28, 3;
+\tadd.u64 %rd28, %rd28, 7;
+\tand.b64 %rd28, %rd28, -8;
+\tcvt.u64.u32 %rd29, %r24;
+\tmul.lo.u64 %rd19, %rd29, %rd28;
+\tmin.u64 %rd19, %rd19, %rd10;
+\tadd.u64 %rd28, %rd19, %rd28;
+\tmin.u64 %rd10, %rd28, %rd10;
+\tsub.u64 %rd28, %rd10, %rd19;
+\tsetp.le.u64 %p26, %rd28, %rd76;
+\tsetp.ne.u32 %p27, %r1, %r1;
+";
+
+/// The split form: the row's sum of squares from the cluster's partials. Thread 0 stores
+/// this block's (every thread's %f20) to `cmm_norm_part`; a cluster barrier (release,
+/// acquire) makes every block's visible; every thread adds the SPLIT partials in slice order
+/// through distributed shared memory (`mapa`), then arrives (relaxed) at the next cluster
+/// barrier, whose wait comes before the partial is written again (the next row) or the block
+/// exits (p27: an arrival is pending).
+fn cluster_sum(label: &str) -> String {
+    let mut s = format!(
+        "\t// ---- the row's sum: the cluster's {SPLIT} partials in slice order\n\t@!%p27 bra $L_{label}_nowait;\n\tbarrier.cluster.wait.aligned;\n$L_{label}_nowait:\n\tmov.u32 %r25, cmm_norm_part;\n\tsetp.ne.u32 %p23, %r1, 0;\n\t@!%p23 st.shared.f32 [%r25], %f20;\n\tbarrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n"
+    );
+    for k in 0..SPLIT {
+        s += &format!(
+            "\tmapa.shared::cluster.u32 %r26, %r25, {k};\n\tld.shared::cluster.f32 %f21, [%r26];\n"
+        );
+        s += if k == 0 {
+            "\tmov.f32 %f20, %f21;\n"
+        } else {
+            "\tadd.rn.f32 %f20, %f20, %f21;\n"
+        };
+    }
+    s += "\tbarrier.cluster.arrive.relaxed.aligned;\n\tsetp.eq.u32 %p27, %r1, %r1;\n";
+    s
+}
+
 /// The block's sum of squares of the row (every thread's %f20): a butterfly within each warp,
 /// lane 0 of warp w stores it to `cmm_norm_red[32·r63 + w]`, one `bar.sync`, then every warp
 /// loads the partials (lane i partial i, 0 past the last warp) and adds them by the same
@@ -292,7 +347,7 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
 /// the other one, so no second `bar.sync`: a thread writes this buffer again two rows later,
 /// after the next row's `bar.sync`, which every thread reaches only after reading these).
 /// rstd = 1 / sqrt(sum / hidden + eps) into %f42 (correctly rounded steps).
-fn block_rstd(label: &str) -> String {
+fn block_rstd(label: &str, split: bool) -> String {
     let bfly = |s: &mut String| {
         for off in [16, 8, 4, 2, 1] {
             *s += &format!(
@@ -326,6 +381,9 @@ $L_{label}_nolane:
 "#
     );
     bfly(&mut s);
+    if split {
+        s += &cluster_sum(label);
+    }
     s += r#"	xor.b32 %r63, %r63, 1;
 	cvt.rn.f32.u64 %f22, %rd9;
 	div.rn.f32 %f20, %f20, %f22;
@@ -504,8 +562,17 @@ $L_{label}_kend:
 /// The low-latency one-shot (see [`NormKernel::OneShotLl`]): the barrier one-shot's launch
 /// shape, units and arithmetic, with x sent as (flag, word) pairs and polled instead of a
 /// barrier.
-fn one_shot_ll(f: &Flavor) -> String {
-    let mut s = prologue(&NormKernel::OneShotLl.entry(f.dtype), f, true);
+fn one_shot_ll(f: &Flavor, split: bool) -> String {
+    let mut s = if split {
+        prologue_with(
+            &NormKernel::OneShotLlSplit.entry(f.dtype),
+            f,
+            true,
+            &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
+        ) + SPLIT_SLICE
+    } else {
+        prologue(&NormKernel::OneShotLl.entry(f.dtype), f, true)
+    };
     s += &parity_slots(OFF_LL_SLOT, OFF_LL_STAGES);
     s += r#"	// flag = (c + 1) ^ fold(header) in the high word of rd70; a slot row is 2 * row bytes (rd65)
 	add.u32 %r12, %r7, 1;
@@ -555,9 +622,13 @@ fn one_shot_ll(f: &Flavor) -> String {
     s += "\t// ---- poll my slots [parity][k], reduce, add r, normalise: local memory only\n";
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tmul.lo.u64 %rd52, %rd50, %rd65;\n\tadd.u64 %rd52, %rd52, %rd33;\n".to_string();
     body += &pass1("p1", f, Sum::Ll("%rd52", "%rd30"), None);
-    body += &block_rstd("br");
+    body += &block_rstd("br", split);
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
+    if split {
+        // no block leaves while a block of its cluster may still read its partial
+        s += "\t@!%p27 bra $L_cl_done;\n\tbarrier.cluster.wait.aligned;\n$L_cl_done:\n";
+    }
     // Every warp has read the block's counter before thread 0 overwrites it (a block without
     // rows passes no other bar.sync).
     s += "\tbar.sync 0;\n\tadd.u32 %r9, %r7, 2;\n";
@@ -580,7 +651,7 @@ fn one_shot(f: &Flavor) -> String {
     let mut body =
         "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tadd.u64 %rd52, %rd33, %rd51;\n".to_string();
     body += &pass1("p1", f, Sum::Slots("%rd52", "%rd30"), None);
-    body += &block_rstd("br");
+    body += &block_rstd("br", false);
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
     s += "\tadd.u32 %r9, %r7, 2;\n";
@@ -633,7 +704,7 @@ fn two_shot(f: &Flavor) -> String {
         Sum::Slots("%rd52", "%rd30"),
         Some(("%rd34", "%rd61")),
     );
-    body += &block_rstd("br");
+    body += &block_rstd("br", false);
     body += &pass2("p2", f, Some(("%rd34", "%rd62")));
     s += &rows("pb", "%rd54", &body);
     s += "\tadd.u32 %r12, %r7, 2;\n";
@@ -661,7 +732,7 @@ fn unfused(f: &Flavor) -> String {
     let mut s = prologue(&unfused_entry(f.dtype), f, false);
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n".to_string();
     body += &pass1("p1", f, Sum::Reduced, None);
-    body += &block_rstd("br");
+    body += &block_rstd("br", false);
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
     s += "$L_exit:\n\tret;\n}\n";
@@ -675,7 +746,8 @@ pub fn generate() -> String {
         let f = Flavor { dtype, op: Op::Sum };
         s += &one_shot(&f);
         s += &two_shot(&f);
-        s += &one_shot_ll(&f);
+        s += &one_shot_ll(&f, false);
+        s += &one_shot_ll(&f, true);
         s += &unfused(&f);
     }
     s

@@ -43,14 +43,36 @@ pub enum NormKernel {
     /// the same bits). No barrier. Needs 4-byte aligned operands and whole words per row.
     /// Counters + 2.
     OneShotLl,
+    /// [`NormKernel::OneShotLl`] with each row cut into [`SPLIT`] slices, one per block of a
+    /// thread-block cluster of [`SPLIT`] (`.reqnctapercluster`, so the launch's grid is
+    /// `rows × SPLIT`): each block sends, polls, reduces and writes its slice, the blocks of a
+    /// cluster add their partial sums of squares through distributed shared memory in slice
+    /// order, and each normalises its slice. For rows of at least [`SPLIT_MIN_ROW_BYTES`]: one
+    /// block per row moves a whole row through one multiprocessor. Counters + 2.
+    OneShotLlSplit,
+}
+
+/// Blocks (slices) per row of [`NormKernel::OneShotLlSplit`]: its cluster size.
+pub const SPLIT: usize = 8;
+
+/// Rows of at least this many bytes run [`NormKernel::OneShotLlSplit`] where the low-latency
+/// form runs (and `rows × SPLIT` blocks fit the grid).
+pub const SPLIT_MIN_ROW_BYTES: usize = 4096;
+
+/// Units (16-byte vectors, or elements) per slice of a row of `units` in the split form: a
+/// SPLIT-th rounded up to 8 units (slices start on 128-byte lines, and 16-bit elements pair up
+/// in words).
+pub fn split_units(units: u64) -> u64 {
+    units.div_ceil(SPLIT as u64).next_multiple_of(8)
 }
 
 impl NormKernel {
-    /// Both forms.
-    pub const ALL: [NormKernel; 3] = [
+    /// Every form.
+    pub const ALL: [NormKernel; 4] = [
         NormKernel::OneShot,
         NormKernel::TwoShot,
         NormKernel::OneShotLl,
+        NormKernel::OneShotLlSplit,
     ];
 
     fn tag(self) -> &'static str {
@@ -58,6 +80,7 @@ impl NormKernel {
             NormKernel::OneShot => "oneshot",
             NormKernel::TwoShot => "twoshot",
             NormKernel::OneShotLl => "oneshot_ll",
+            NormKernel::OneShotLlSplit => "oneshot_ll_split",
         }
     }
 
@@ -69,7 +92,7 @@ impl NormKernel {
     /// What the counters of every block advance by in one launch.
     pub fn counter_step(self) -> u32 {
         match self {
-            NormKernel::OneShot | NormKernel::OneShotLl => 2,
+            NormKernel::OneShot | NormKernel::OneShotLl | NormKernel::OneShotLlSplit => 2,
             NormKernel::TwoShot => 6,
         }
     }

@@ -6,7 +6,7 @@
 //! polls. Registered by [`super::install`].
 
 use super::*;
-use crate::kernels::gather::{ll_words, Collective};
+use crate::kernels::gather::{ll_words, Collective, ROUND_MAX_BYTES};
 
 /// Register every entry of the three collectives.
 pub(super) fn register() {
@@ -117,7 +117,7 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
             let slot = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
             let stage =
                 |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
-            let share = (slot as u64 / g) & !127;
+            let share = ((slot as u64 / g) & !127).min(ROUND_MAX_BYTES);
             let cap = share / 16;
             if cap == 0 {
                 return Err(KernelError::Failed(format!(

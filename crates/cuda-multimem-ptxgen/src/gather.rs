@@ -245,10 +245,11 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	mul.lo.u64 %rd62, %rd17, %rd19;
 	add.u64 %rd62, %rd62, {own_base};
 {in_place}{to_direct}	// ---- staged: slot bytes rd39; this block's share of a slot: (slot / G) rounded down to
-	// 128 bytes (rd50) at offset b * share (rd52); units per round C = share / 16 (rd51)
+	// 128 bytes and at most ROUND_MAX_BYTES (rd50) at offset b * share (rd52); units per round C = share / 16 (rd51)
 	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
 	div.u64 %rd50, %rd39, %rd13;
 	and.b64 %rd50, %rd50, -128;
+	min.u64 %rd50, %rd50, {ROUND_MAX_BYTES};
 	shr.u64 %rd51, %rd50, 4;
 	mul.lo.u64 %rd52, %rd15, %rd50;
 	// rounds R = max(1, ceil(per / C)) (r20): the same on every block and rank

@@ -22,6 +22,14 @@
 
 use crate::{DType, ReduceOp as Op};
 
+/// The most bytes a block moves to one peer in one round of the staged kernel: its share of a
+/// staging slot is `min((slot / G) rounded down to 128 bytes, ROUND_MAX_BYTES)`. Rounds are
+/// software-pipelined (one round's pushes overlap the previous round's local work), so more,
+/// smaller rounds hide more of the local work: on 2 × H200, 256 MiB reduce-scatters reached
+/// 318 GB/s busbw with 256 KiB per block per round (a 32 MiB slot) and 335 with 64 KiB or
+/// less (docs/perf.md, session 4).
+pub const ROUND_MAX_BYTES: u64 = 64 << 10;
+
 /// The three collectives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Collective {

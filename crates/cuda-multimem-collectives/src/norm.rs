@@ -53,6 +53,7 @@ fn form_name(k: NormKernel) -> Algorithm {
         NormKernel::OneShot => Algorithm::OneShot,
         NormKernel::TwoShot => Algorithm::TwoShotPush,
         NormKernel::OneShotLl | NormKernel::OneShotLlSplit => Algorithm::OneShotLl,
+        NormKernel::OneShotSplit => Algorithm::OneShot,
     }
 }
 
@@ -132,8 +133,8 @@ impl Communicator {
         }
     }
 
-    /// The low-latency one-shot with rows cut over clusters of `SPLIT` blocks, where it runs
-    /// and rows are at least `SPLIT_MIN_ROW_BYTES` long and `tokens × SPLIT` blocks fit the
+    /// The one-shot forms with rows cut over clusters of `SPLIT` blocks, where they run and
+    /// rows are at least `SPLIT_MIN_ROW_BYTES` long and `tokens × SPLIT` blocks fit the
     /// grid (the same on every rank: sizes and configuration only); else `k`.
     fn norm_split(&self, k: NormKernel, tokens: usize, row_bytes: usize, mp: u32) -> NormKernel {
         let c = &self.inner.config;
@@ -145,10 +146,14 @@ impl Communicator {
         let fits = tokens
             .checked_mul(nk::SPLIT)
             .is_some_and(|b| b <= max_blocks);
-        if k == NormKernel::OneShotLl && row_bytes >= nk::SPLIT_MIN_ROW_BYTES && fits {
-            NormKernel::OneShotLlSplit
-        } else {
-            k
+        match k {
+            NormKernel::OneShotLl if row_bytes >= nk::SPLIT_MIN_ROW_BYTES && fits => {
+                NormKernel::OneShotLlSplit
+            }
+            NormKernel::OneShot if row_bytes >= nk::SPLIT_MIN_ROW_BYTES && fits => {
+                NormKernel::OneShotSplit
+            }
+            _ => k,
         }
     }
 
@@ -161,7 +166,8 @@ impl Communicator {
     ) -> Result<(usize, usize)> {
         let half = self.inner.p2p.stage_half;
         let n = self.inner.ranks.n;
-        if k != NormKernel::OneShotLl && 2 * row_bytes > half {
+        if !matches!(k, NormKernel::OneShotLl | NormKernel::OneShotLlSplit) && 2 * row_bytes > half
+        {
             return Err(Error::invalid(
                 "hidden",
                 format!(
@@ -170,7 +176,7 @@ impl Communicator {
             ));
         }
         let cap = match k {
-            NormKernel::OneShot => half / row_bytes,
+            NormKernel::OneShot | NormKernel::OneShotSplit => half / row_bytes,
             NormKernel::TwoShot => n * (half / (2 * row_bytes)),
             // one launch: the call fits a low-latency slot (norm_ll_fits), and for the split
             // form its rows × SPLIT blocks fit the grid (norm_split)
@@ -194,13 +200,15 @@ impl Communicator {
         } else {
             (2 * mp).min(MAX_BLOCKS as u32)
         } as usize;
-        if k == NormKernel::OneShotLlSplit {
-            let units = if row_bytes % 16 == 0 {
-                row_bytes / 16
+        if matches!(k, NormKernel::OneShotLlSplit | NormKernel::OneShotSplit) {
+            // a slice's units: 16-byte vectors, or its elements when rows are not 16-byte
+            // multiples
+            let per16 = nk::split_units(row_bytes.div_ceil(16) as u64) as usize;
+            let slice = if row_bytes % 16 == 0 {
+                per16
             } else {
-                row_bytes / es
+                per16 * 16 / es
             };
-            let slice = nk::split_units(units as u64) as usize;
             return Choice {
                 path: Path::PeerToPeer,
                 algorithm: form_name(k),
@@ -210,7 +218,10 @@ impl Communicator {
             };
         }
         let per_block = match k {
-            NormKernel::OneShot | NormKernel::OneShotLl | NormKernel::OneShotLlSplit => rows,
+            NormKernel::OneShot
+            | NormKernel::OneShotLl
+            | NormKernel::OneShotLlSplit
+            | NormKernel::OneShotSplit => rows,
             NormKernel::TwoShot => nk::part_rows(rows as u64, n as u64) as usize,
         };
         Choice {

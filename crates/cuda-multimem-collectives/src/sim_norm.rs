@@ -48,9 +48,9 @@ struct Row {
     threads: usize,
     per_unit: usize,
     eps: f32,
-    /// Units per slice of the split form (each slice a block of the row's cluster, whose
+    /// Bytes per slice of the split forms (each slice a block of the row's cluster, whose
     /// partial sums of squares add in slice order); the whole row otherwise.
-    slice_units: usize,
+    slice_bytes: usize,
 }
 
 /// Where the reduced value of a row's elements comes from.
@@ -84,14 +84,14 @@ impl Row {
             threads: a.block.0 as usize,
             per_unit,
             eps,
-            slice_units: hidden.div_ceil(per_unit),
+            slice_bytes: (hidden * d.size()).max(1),
         }
     }
 
-    /// The split form's rows: SPLIT slices of `split_units(units)` units.
+    /// The split forms' rows: SPLIT slices of `16 · split_units(ceil(row bytes / 16))` bytes.
     fn split(mut self) -> Row {
-        let units = self.hidden.div_ceil(self.per_unit);
-        self.slice_units = crate::kernels::norm::split_units(units as u64) as usize;
+        let u16s = (self.hidden * self.d.size()).div_ceil(16) as u64;
+        self.slice_bytes = 16 * crate::kernels::norm::split_units(u16s) as usize;
         self
     }
 
@@ -120,7 +120,7 @@ impl Row {
         for &p in push {
             a.check(p, 2 * rb, true)?;
         }
-        let slices = (self.hidden.div_ceil(self.per_unit)).div_ceil(self.slice_units.max(1));
+        let slices = rb.div_ceil(self.slice_bytes);
         let mut ss = vec![vec![0f32; self.threads]; slices.max(1)];
         for e in 0..h {
             let s = match sum {
@@ -137,8 +137,9 @@ impl Row {
             for &p in push {
                 st(d, p, e as u64, v);
             }
-            let u = e / self.per_unit;
-            let (sl, t) = (u / self.slice_units, (u % self.slice_units) % self.threads);
+            let (byte, ub) = (e * d.size(), self.per_unit * d.size());
+            let sl = byte / self.slice_bytes;
+            let t = ((byte - sl * self.slice_bytes) / ub) % self.threads;
             ss[sl][t] += v * v;
         }
         // each slice's block tree, then the slices in order (the cluster's sum)
@@ -214,7 +215,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     // the split form: a row per cluster of SPLIT blocks (the grid must be whole clusters, as
     // `.reqnctapercluster` makes the hardware refuse other grids); each cluster's rows are run
     // by its first block here, the others only advance their counters
-    let split = k == NormKernel::OneShotLlSplit;
+    let split = matches!(k, NormKernel::OneShotLlSplit | NormKernel::OneShotSplit);
     let (g_rows, row_blocks) = if split {
         if g % SPLIT != 0 {
             return Err(KernelError::Failed(format!(
@@ -242,13 +243,20 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
         let slot = |t: usize, q: usize, s: usize| stage(t) + (q * n + s) * half;
         let ll_slot = |t: usize, q: usize, s: usize| ll_stage(t) + (q * n + s) * ll_half;
         match k {
-            NormKernel::OneShot => {
+            NormKernel::OneShotSplit if b % row_blocks != 0 => {
+                // the cluster's other blocks: their barrier (each block meets its peers')
+                cx.barrier(a, b, c.wrapping_add(1), Some(p as u32));
+            }
+            NormKernel::OneShot | NormKernel::OneShotSplit => {
+                // block b's barrier; the cluster's rows run by its first block
+                let bb = b;
+                let (b, g) = (b / row_blocks, g_rows);
                 for j in (b..rows).step_by(g) {
                     for t in 0..n {
                         copy(a, slot(t, p, rank) + j * rb, x + j * rb, rb)?;
                     }
                 }
-                cx.barrier(a, b, c.wrapping_add(1), Some(p as u32));
+                cx.barrier(a, bb, c.wrapping_add(1), Some(p as u32));
                 for j in (b..rows).step_by(g) {
                     let srcs: Vec<usize> = (0..n).map(|s| slot(rank, p, s) + j * rb).collect();
                     row.run(a, Sum::Slots(&srcs), res + j * rb, w, out + j * rb, &[])?;

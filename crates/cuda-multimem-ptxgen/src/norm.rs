@@ -292,29 +292,48 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
     )
 }
 
-/// The split form's prologue tail: the cluster is the row (first row = cluster id, step =
-/// clusters), this block's rank in it the slice s; the slice's units [s·per, min((s+1)·per,
-/// units)) replace the row's [0, units) (rd19, rd10), per = `split_units(units)`; p26 again
-/// for the slice; p27 (a cluster barrier is pending) starts false.
-const SPLIT_SLICE: &str = "\t// ---- split: row = cluster, slice = this block's rank in it
+/// The split forms' prologue tail: the cluster is the row (first row = cluster id, step =
+/// clusters), this block's rank in it the slice s. Slices are cut in bytes, the same on every
+/// rank whatever its unit mode (a barrier form reads what the peers' same block pushed): per =
+/// `split_units(ceil(row bytes / 16))` 16-byte units, slice s = bytes [s·per·16, min((s+1)·per·16,
+/// row bytes)), which replace the row's units [0, units) (rd19, rd10) in this rank's units
+/// (16-byte vectors when p9, else elements); p26 again for the slice; p27 (a cluster barrier
+/// wait is pending) starts false.
+fn split_slice(f: &Flavor) -> String {
+    format!(
+        "\t// ---- split: row = cluster, slice = this block's rank in it (bytes, then my units)
 \tmov.u32 %r24, %cluster_ctarank;
 \tmov.u32 %r25, %clusterid.x;
 \tcvt.u64.u32 %rd15, %r25;
 \tmov.u32 %r25, %nclusterid.x;
 \tcvt.u64.u32 %rd13, %r25;
-\tadd.u64 %rd28, %rd10, 7;
+\tadd.u64 %rd28, %rd16, 15;
+\tshr.u64 %rd28, %rd28, 4;
+\tadd.u64 %rd28, %rd28, 7;
 \tshr.u64 %rd28, %rd28, 3;
 \tadd.u64 %rd28, %rd28, 7;
 \tand.b64 %rd28, %rd28, -8;
+\tshl.b64 %rd28, %rd28, 4;
 \tcvt.u64.u32 %rd29, %r24;
 \tmul.lo.u64 %rd19, %rd29, %rd28;
-\tmin.u64 %rd19, %rd19, %rd10;
+\tmin.u64 %rd19, %rd19, %rd16;
 \tadd.u64 %rd28, %rd19, %rd28;
-\tmin.u64 %rd10, %rd28, %rd10;
+\tmin.u64 %rd28, %rd28, %rd16;
+\tselp.u32 %r26, 4, {es}, %p9;
+\tshr.b64 %rd19, %rd19, %r26;
+\tshr.b64 %rd10, %rd28, %r26;
 \tsub.u64 %rd28, %rd10, %rd19;
 \tsetp.le.u64 %p26, %rd28, %rd76;
 \tsetp.ne.u32 %p27, %r1, %r1;
-";
+",
+        es = f.es_log2()
+    )
+}
+
+/// The split forms' last cluster wait: no block leaves while a block of its cluster may still
+/// read its partial.
+const CLUSTER_EXIT: &str =
+    "\t@!%p27 bra $L_cl_done;\n\tbarrier.cluster.wait.aligned;\n$L_cl_done:\n";
 
 /// The split form: the row's sum of squares from the cluster's partials. Thread 0 stores
 /// this block's (every thread's %f20) to `cmm_norm_part`; a cluster barrier (release,
@@ -569,7 +588,7 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
             f,
             true,
             &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
-        ) + SPLIT_SLICE
+        ) + &split_slice(f)
     } else {
         prologue(&NormKernel::OneShotLl.entry(f.dtype), f, true)
     };
@@ -626,8 +645,7 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
     if split {
-        // no block leaves while a block of its cluster may still read its partial
-        s += "\t@!%p27 bra $L_cl_done;\n\tbarrier.cluster.wait.aligned;\n$L_cl_done:\n";
+        s += CLUSTER_EXIT;
     }
     // Every warp has read the block's counter before thread 0 overwrites it (a block without
     // rows passes no other bar.sync).
@@ -636,8 +654,17 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
     s
 }
 
-fn one_shot(f: &Flavor) -> String {
-    let mut s = prologue(&NormKernel::OneShot.entry(f.dtype), f, true);
+fn one_shot(f: &Flavor, split: bool) -> String {
+    let mut s = if split {
+        prologue_with(
+            &NormKernel::OneShotSplit.entry(f.dtype),
+            f,
+            true,
+            &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
+        ) + &split_slice(f)
+    } else {
+        prologue(&NormKernel::OneShot.entry(f.dtype), f, true)
+    };
     s += &parity_slots(OFF_STAGE_HALF, OFF_STAGES);
     // phase A: my rows of x into slot [parity][rank] of every rank's staging, at row * row bytes
     s += "\t// ---- push: rows j = b, b + G, ... of x into my slot of every rank's staging\n";
@@ -651,9 +678,12 @@ fn one_shot(f: &Flavor) -> String {
     let mut body =
         "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tadd.u64 %rd52, %rd33, %rd51;\n".to_string();
     body += &pass1("p1", f, Sum::Slots("%rd52", "%rd30"), None);
-    body += &block_rstd("br", false);
+    body += &block_rstd("br", split);
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
+    if split {
+        s += CLUSTER_EXIT;
+    }
     s += "\tadd.u32 %r9, %r7, 2;\n";
     s += &epilogue_to("%r9");
     s
@@ -744,7 +774,8 @@ pub fn generate() -> String {
     let mut s = HEADER.to_string();
     for dtype in DType::ALL {
         let f = Flavor { dtype, op: Op::Sum };
-        s += &one_shot(&f);
+        s += &one_shot(&f, false);
+        s += &one_shot(&f, true);
         s += &two_shot(&f);
         s += &one_shot_ll(&f, false);
         s += &one_shot_ll(&f, true);

@@ -50,6 +50,10 @@ pub enum NormKernel {
     /// order, and each normalises its slice. For rows of at least [`SPLIT_MIN_ROW_BYTES`]: one
     /// block per row moves a whole row through one multiprocessor. Counters + 2.
     OneShotLlSplit,
+    /// [`NormKernel::OneShot`] with rows cut over clusters of [`SPLIT`] blocks as
+    /// [`NormKernel::OneShotLlSplit`] cuts them (slices by bytes, the same on every rank, so
+    /// block b of every rank pushes and reads the same bytes around its barrier). Counters + 2.
+    OneShotSplit,
 }
 
 /// Blocks (slices) per row of [`NormKernel::OneShotLlSplit`]: its cluster size.
@@ -59,20 +63,21 @@ pub const SPLIT: usize = 8;
 /// form runs (and `rows × SPLIT` blocks fit the grid).
 pub const SPLIT_MIN_ROW_BYTES: usize = 4096;
 
-/// Units (16-byte vectors, or elements) per slice of a row of `units` in the split form: a
-/// SPLIT-th rounded up to 8 units (slices start on 128-byte lines, and 16-bit elements pair up
-/// in words).
+/// 16-byte units per slice of a row of `units` 16-byte units in the split forms: a SPLIT-th
+/// rounded up to 8 (slices start on 128-byte lines); slice s is the row's bytes
+/// `[s · 16 · split_units(u), (s + 1) · 16 · split_units(u))`, whatever a rank's unit mode.
 pub fn split_units(units: u64) -> u64 {
     units.div_ceil(SPLIT as u64).next_multiple_of(8)
 }
 
 impl NormKernel {
     /// Every form.
-    pub const ALL: [NormKernel; 4] = [
+    pub const ALL: [NormKernel; 5] = [
         NormKernel::OneShot,
         NormKernel::TwoShot,
         NormKernel::OneShotLl,
         NormKernel::OneShotLlSplit,
+        NormKernel::OneShotSplit,
     ];
 
     fn tag(self) -> &'static str {
@@ -81,6 +86,7 @@ impl NormKernel {
             NormKernel::TwoShot => "twoshot",
             NormKernel::OneShotLl => "oneshot_ll",
             NormKernel::OneShotLlSplit => "oneshot_ll_split",
+            NormKernel::OneShotSplit => "oneshot_split",
         }
     }
 
@@ -92,7 +98,10 @@ impl NormKernel {
     /// What the counters of every block advance by in one launch.
     pub fn counter_step(self) -> u32 {
         match self {
-            NormKernel::OneShot | NormKernel::OneShotLl | NormKernel::OneShotLlSplit => 2,
+            NormKernel::OneShot
+            | NormKernel::OneShotLl
+            | NormKernel::OneShotLlSplit
+            | NormKernel::OneShotSplit => 2,
             NormKernel::TwoShot => 6,
         }
     }

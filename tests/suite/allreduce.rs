@@ -2283,6 +2283,87 @@ fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String
     if let Some(m) = first_mismatch(&o.to_vec().map_err(|x| x.to_string())?, &want) {
         return Err(format!("rank {rank}, own memory: {m}"));
     }
+    mp_other_collectives(rank, &comm, &device, &stream)
+}
+
+/// The other collectives across the two processes: reduce-scatter on symmetric buffers (a
+/// low-latency and a staged size), all-gather and broadcast on the caller's own memory, and
+/// the fused allreduce + residual add + RMSNorm (split over clusters of blocks on the GPU),
+/// each against its host reference.
+fn mp_other_collectives(
+    rank: usize,
+    comm: &Communicator,
+    device: &Device,
+    stream: &Stream,
+) -> Result<(), String> {
+    use cuda_multimem_collectives::{
+        add_rms_norm_reference, all_gather_reference, broadcast_reference,
+        reduce_scatter_reference, rms_norm_within_tolerance,
+    };
+    let e = |x: Error| format!("rank {rank}: {x}");
+    let h = comm.rank(rank).map_err(e)?;
+    let data = |seed: u64, r: usize, len: usize| random_input::<bf16>(len, &mut (seed + r as u64));
+    let done = |what: &str| -> Result<(), String> {
+        stream.synchronize().map_err(e)?;
+        comm.check()
+            .map_err(|x| format!("rank {rank}, {what}: {x}"))
+    };
+    for count in [1000usize, 300_001] {
+        let inputs: Vec<Vec<bf16>> = (0..2)
+            .map(|r| data(500 + count as u64, r, 2 * count))
+            .collect();
+        let i: SymmetricBuffer<bf16> = comm.alloc(2 * count).map_err(e)?;
+        let mut o: SymmetricBuffer<bf16> = comm.alloc(count).map_err(e)?;
+        i.write(rank, 0, &inputs[rank]).map_err(e)?;
+        h.reduce_scatter(&i, &mut o, ReduceOp::Sum, stream)
+            .map_err(e)?;
+        done("reduce-scatter")?;
+        let want = &reduce_scatter_reference(ReduceOp::Sum, &refs(&inputs))[rank];
+        if let Some(m) = first_mismatch(&o.to_vec(rank).map_err(e)?, want) {
+            return Err(format!(
+                "rank {rank}, reduce-scatter of {count} per rank: {m}"
+            ));
+        }
+    }
+    let count = 70_001;
+    let inputs: Vec<Vec<bf16>> = (0..2).map(|r| data(900, r, count)).collect();
+    let i = DeviceBuffer::from_host(device, &inputs[rank]).map_err(e)?;
+    let mut o = DeviceBuffer::<bf16>::zeroed(device, 2 * count).map_err(e)?;
+    h.all_gather(&i, &mut o, stream).map_err(e)?;
+    done("all-gather")?;
+    let want = all_gather_reference(&refs(&inputs));
+    if let Some(m) = first_mismatch(&o.to_vec().map_err(e)?, &want) {
+        return Err(format!("rank {rank}, all-gather: {m}"));
+    }
+    let mut o = DeviceBuffer::<bf16>::zeroed(device, count).map_err(e)?;
+    h.broadcast(&i, &mut o, 1, stream).map_err(e)?;
+    done("broadcast")?;
+    let want = broadcast_reference(&refs(&inputs), 1);
+    if let Some(m) = first_mismatch(&o.to_vec().map_err(e)?, &want) {
+        return Err(format!("rank {rank}, broadcast: {m}"));
+    }
+    let (tokens, hidden) = (3, 4096);
+    let xs: Vec<Vec<bf16>> = (0..2).map(|r| data(1300, r, tokens * hidden)).collect();
+    let r0 = data(1400, 0, tokens * hidden);
+    let gamma = data(1500, 0, hidden);
+    let x = DeviceBuffer::from_host(device, &xs[rank]).map_err(e)?;
+    let mut res = DeviceBuffer::from_host(device, &r0).map_err(e)?;
+    let g = DeviceBuffer::from_host(device, &gamma).map_err(e)?;
+    let mut out = DeviceBuffer::<bf16>::zeroed(device, tokens * hidden).map_err(e)?;
+    h.all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, hidden, 1e-6, stream)
+        .map_err(e)?;
+    done("fused norm")?;
+    let (wr, wo) = add_rms_norm_reference(&refs(&xs), &r0, &gamma, hidden, 1e-6);
+    if let Some(m) = first_mismatch(&res.to_vec().map_err(e)?, &wr) {
+        return Err(format!("rank {rank}, fused norm residual_out: {m}"));
+    }
+    let got = out.to_vec().map_err(e)?;
+    if let Some(i) = (0..wo.len()).find(|&i| !rms_norm_within_tolerance(got[i], wo[i])) {
+        return Err(format!(
+            "rank {rank}, fused norm out[{i}] = {:?}, reference {:?}",
+            got[i], wo[i]
+        ));
+    }
     Ok(())
 }
 

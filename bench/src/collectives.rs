@@ -128,7 +128,8 @@ struct Args {
     /// outputs above it).
     #[arg(long)]
     one_shot_max: Option<usize>,
-    /// CommConfig::ll_max_bytes (whole buffers up to it run the low-latency forms; 0: never).
+    /// CommConfig::gather_ll_max_bytes (whole buffers up to it run the low-latency forms; 0:
+    /// never).
     #[arg(long)]
     ll_max: Option<usize>,
 }
@@ -145,7 +146,7 @@ impl Args {
         c.stage_bytes = self.stage_bytes.or(c.stage_bytes);
         c.one_shot_max_bytes = self.one_shot_max.or(c.one_shot_max_bytes);
         if let Some(v) = self.ll_max {
-            c.ll_max_bytes = v;
+            c.gather_ll_max_bytes = v;
         }
         c
     }

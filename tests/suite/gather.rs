@@ -301,7 +301,7 @@ fn sweep(comm: &Communicator, kinds: &[Kind], sizes: &[usize], expect: Algorithm
 /// No low-latency forms: every small call runs the staged kernel.
 fn staged_only() -> CommConfig {
     CommConfig {
-        ll_max_bytes: 0,
+        gather_ll_max_bytes: 0,
         ..Default::default()
     }
 }
@@ -345,7 +345,7 @@ fn direct_stores_and_staged_rounds_equal_the_host_reference() {
         one_shot_max_bytes: Some(4096),
         stage_bytes: Some(4096),
         max_blocks: 4,
-        ll_max_bytes: 0,
+        gather_ll_max_bytes: 0,
         ..Default::default()
     };
     let Some(comm) = team(&e, config) else {
@@ -413,15 +413,15 @@ fn small_messages_run_one_low_latency_launch_with_few_threads() {
 }
 
 /// The low-latency forms take whole buffers (reduce-scatter's input, all-gather's output,
-/// broadcast's message) up to `ll_max_bytes`, whatever the operands' alignment; one element
+/// broadcast's message) up to `gather_ll_max_bytes`, whatever the operands' alignment; one element
 /// more runs the staged kernel (or the direct one, symmetric outputs above the one-shot limit).
 #[test]
-fn the_low_latency_forms_take_whole_buffers_up_to_ll_max_bytes() {
+fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
     let e = env();
     let Some(comm) = team(
         &e,
         CommConfig {
-            ll_max_bytes: 8192,
+            gather_ll_max_bytes: 8192,
             ..Default::default()
         },
     ) else {
@@ -472,6 +472,7 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
                 // low-latency up to 2 KiB (allreduce and the others), direct above 4 KiB,
                 // slots of 4 KiB: multi-round staged calls
                 ll_max_bytes: 2048,
+                gather_ll_max_bytes: 2048,
                 one_shot_max_bytes: Some(4096),
                 stage_bytes: Some(4096),
                 max_blocks: 3,
@@ -605,6 +606,7 @@ fn captured_collectives_replay_with_new_inputs() {
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
             ll_max_bytes: 1024,
+            gather_ll_max_bytes: 1024,
             one_shot_max_bytes: Some(4096),
             stage_bytes: Some(4096),
             max_blocks: 2,
@@ -709,7 +711,7 @@ fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
             timeout: Duration::from_millis(300),
-            ll_max_bytes: if ll { 64 << 10 } else { 0 },
+            gather_ll_max_bytes: if ll { 64 << 10 } else { 0 },
             ..Default::default()
         })
         .multicast(MulticastPolicy::Never)

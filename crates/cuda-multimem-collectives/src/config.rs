@@ -29,16 +29,20 @@ pub struct CommConfig {
     pub threads: u32,
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
     pub max_blocks: u32,
-    /// Messages up to this many bytes use the low-latency one-shot (when not forced), and
-    /// reduce-scatter, all-gather and broadcast whose whole buffer (the scattered input, the
-    /// gathered output, the message) is at most this many bytes their low-latency forms
-    /// ([`Algorithm::PushLl`]); also sizes its staging (2 x N x 2 x the larger of this and
-    /// `norm_ll_max_bytes` per rank). 0 turns it off. At most 16 MiB.
+    /// Allreduces up to this many bytes use the low-latency one-shot (when not forced); also
+    /// sizes the low-latency staging (2 x N slots of 2 x the largest of this,
+    /// `gather_ll_max_bytes` and `norm_ll_max_bytes` per rank). 0 turns it off. At most 16 MiB.
     pub ll_max_bytes: usize,
+    /// Reduce-scatter, all-gather and broadcast whose whole buffer (the scattered input, the
+    /// gathered output, the message) is at most this many bytes use their low-latency forms
+    /// ([`Algorithm::PushLl`]). Default 256 KiB: on 2 x H200 the staged kernel's one round
+    /// cost about 7 µs from 128 KiB, behind NCCL's 6.1 there (docs/perf.md, session 4). 0 turns
+    /// them off. At most 16 MiB.
+    pub gather_ll_max_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
     /// allow it; docs/design/rmsnorm.md); the low-latency slots are sized for the larger of
-    /// this and `ll_max_bytes`. Default 256 KiB: 16 tokens of hidden 8192 in bf16. 0 turns it
+    /// this, `ll_max_bytes` and `gather_ll_max_bytes`. Default 256 KiB: 16 tokens of hidden 8192 in bf16. 0 turns it
     /// off. At most 16 MiB.
     pub norm_ll_max_bytes: usize,
     /// Threads per block of the write-only two-shot ([`Algorithm::TwoShotPush`]), which runs
@@ -72,6 +76,7 @@ impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
             ll_max_bytes: 64 << 10,
+            gather_ll_max_bytes: 256 << 10,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,
@@ -116,12 +121,15 @@ impl CommConfig {
             .next_multiple_of(4096)
     }
 
-    /// Bytes of one low-latency staging slot: two stored bytes per data byte of the larger
-    /// low-latency limit (allreduce, norm).
+    /// Bytes of one low-latency staging slot: two stored bytes per data byte of the largest
+    /// low-latency limit (allreduce, reduce-scatter/all-gather/broadcast, norm).
     pub(crate) fn ll_slot_bytes(&self) -> usize {
-        (2 * self.ll_max_bytes.max(self.norm_ll_max_bytes))
-            .max(4096)
-            .next_multiple_of(4096)
+        (2 * self
+            .ll_max_bytes
+            .max(self.gather_ll_max_bytes)
+            .max(self.norm_ll_max_bytes))
+        .max(4096)
+        .next_multiple_of(4096)
     }
 
     /// Bytes of the scratch: three regions of whole 4 KiB pages (0: none).
@@ -156,6 +164,12 @@ impl CommConfig {
             ));
         }
         at_most("config.ll_max_bytes", self.ll_max_bytes, 16 << 20, "16 MiB")?;
+        at_most(
+            "config.gather_ll_max_bytes",
+            self.gather_ll_max_bytes,
+            16 << 20,
+            "16 MiB",
+        )?;
         at_most(
             "config.norm_ll_max_bytes",
             self.norm_ll_max_bytes,
@@ -243,6 +257,7 @@ impl CommConfig {
             self.multimem_min_bytes as u64,
             self.multimem_capacity as u64,
             self.norm_ll_max_bytes as u64,
+            self.gather_ll_max_bytes as u64,
             self.timeout_ns(),
             multiprocessors as u64,
         ] {
@@ -272,6 +287,13 @@ mod tests {
                     ..Default::default()
                 },
                 "config.ce_max_bytes",
+            ),
+            (
+                CommConfig {
+                    gather_ll_max_bytes: usize::MAX,
+                    ..Default::default()
+                },
+                "config.gather_ll_max_bytes",
             ),
             (
                 CommConfig {
@@ -311,6 +333,7 @@ mod tests {
             scratch_bytes: 16 << 30,
             multimem_capacity: 16 << 30,
             ll_max_bytes: 16 << 20,
+            gather_ll_max_bytes: 16 << 20,
             norm_ll_max_bytes: 16 << 20,
             ..Default::default()
         };

@@ -142,7 +142,7 @@ impl<'a> RankHandle<'a> {
     }
 
     /// All-gather: `input` holds `count` elements, `output` N chunks of `count`; chunk k of
-    /// every rank's output becomes rank k's input. Up to [`crate::CommConfig::ll_max_bytes`] of
+    /// every rank's output becomes rank k's input. Up to [`crate::CommConfig::gather_ll_max_bytes`] of
     /// output, every rank's words travel with the call's flag into its peers' low-latency slots
     /// and each copies them out as they arrive, with no barrier ([`Algorithm::PushLl`]). Above
     /// it, with a symmetric output above the one-shot limit, the ranks store straight into each
@@ -374,11 +374,11 @@ impl<'a> RankHandle<'a> {
                 c, l.rank, call.coll, call.dtype, call.op, call.root, ip, op_, chunk, stream,
             );
         }
-        // low-latency: the whole buffer up to `ll_max_bytes` (each rank then sends at most
-        // (N - 1) x 2 x that / N, under the low-latency allreduce's traffic at its limit), and
+        // low-latency: the whole buffer up to `gather_ll_max_bytes` (each rank then sends at
+        // most (N - 1) x 2 x that / N), and
         // a chunk that fits a low-latency slot as 8-byte (flag, word) pairs. Size only: the
         // kernel serves any alignment, so every rank making the same call makes this choice.
-        let ll = total <= c.ll_max_bytes
+        let ll = total <= c.gather_ll_max_bytes
             && ll_words(chunk as u64).saturating_mul(8) <= c.ll_slot_bytes() as u64;
         // direct: the output is symmetric (every rank's mapped here) and the message is above
         // the one-shot limit, where saving the local copy beats saving a barrier

@@ -35,9 +35,9 @@ pub struct CommConfig {
     pub ll_max_bytes: usize,
     /// Reduce-scatter, all-gather and broadcast whose whole buffer (the scattered input, the
     /// gathered output, the message) is at most this many bytes use their low-latency forms
-    /// ([`Algorithm::PushLl`]). Default 256 KiB: on 2 x H200 the staged kernel's one round
-    /// cost about 7 µs from 128 KiB, behind NCCL's 6.1 there (docs/perf.md, session 4). 0 turns
-    /// them off. At most 16 MiB.
+    /// ([`Algorithm::PushLl`]). Default 1 MiB: on 2 x H200 the low-latency forms took 3.2 to
+    /// 3.8 µs from 64 to 256 KiB where the staged kernel's one round took about 7 µs, behind
+    /// NCCL's 6.1 at 128 KiB (docs/perf.md, session 4). 0 turns them off. At most 16 MiB.
     pub gather_ll_max_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
@@ -76,7 +76,7 @@ impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
             ll_max_bytes: 64 << 10,
-            gather_ll_max_bytes: 256 << 10,
+            gather_ll_max_bytes: 1 << 20,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,

@@ -309,8 +309,8 @@ fn split_slice(f: &Flavor) -> String {
 \tcvt.u64.u32 %rd13, %r25;
 \tadd.u64 %rd28, %rd16, 15;
 \tshr.u64 %rd28, %rd28, 4;
-\tadd.u64 %rd28, %rd28, 7;
-\tshr.u64 %rd28, %rd28, 3;
+\tadd.u64 %rd28, %rd28, {sm1};
+\tshr.u64 %rd28, %rd28, {slog};
 \tadd.u64 %rd28, %rd28, 7;
 \tand.b64 %rd28, %rd28, -8;
 \tshl.b64 %rd28, %rd28, 4;
@@ -326,7 +326,9 @@ fn split_slice(f: &Flavor) -> String {
 \tsetp.le.u64 %p26, %rd28, %rd76;
 \tsetp.ne.u32 %p27, %r1, %r1;
 ",
-        es = f.es_log2()
+        es = f.es_log2(),
+        sm1 = SPLIT - 1,
+        slog = SPLIT.trailing_zeros(),
     )
 }
 

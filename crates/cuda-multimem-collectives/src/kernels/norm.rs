@@ -56,8 +56,10 @@ pub enum NormKernel {
     OneShotSplit,
 }
 
-/// Blocks (slices) per row of [`NormKernel::OneShotLlSplit`]: its cluster size.
+/// Blocks (slices) per row of [`NormKernel::OneShotLlSplit`]: its cluster size (a power of two,
+/// at most 8, the portable cluster size).
 pub const SPLIT: usize = 8;
+const _: () = assert!(SPLIT.is_power_of_two() && SPLIT <= 8);
 
 /// Rows of at least this many bytes run [`NormKernel::OneShotLlSplit`] where the low-latency
 /// form runs (and `rows × SPLIT` blocks fit the grid).

@@ -133,16 +133,20 @@ impl Communicator {
         }
     }
 
+    /// Most blocks of a norm launch: `config.max_blocks`, else two per multiprocessor (at most
+    /// `MAX_BLOCKS`).
+    fn norm_max_blocks(&self, mp: u32) -> usize {
+        match self.inner.config.max_blocks {
+            0 => (2 * mp).min(MAX_BLOCKS as u32) as usize,
+            b => b as usize,
+        }
+    }
+
     /// The one-shot forms with rows cut over clusters of `SPLIT` blocks, where they run and
     /// rows are at least `SPLIT_MIN_ROW_BYTES` long and `tokens × SPLIT` blocks fit the
     /// grid (the same on every rank: sizes and configuration only); else `k`.
     fn norm_split(&self, k: NormKernel, tokens: usize, row_bytes: usize, mp: u32) -> NormKernel {
-        let c = &self.inner.config;
-        let max_blocks = if c.max_blocks != 0 {
-            c.max_blocks
-        } else {
-            (2 * mp).min(MAX_BLOCKS as u32)
-        } as usize;
+        let max_blocks = self.norm_max_blocks(mp);
         let fits = tokens
             .checked_mul(nk::SPLIT)
             .is_some_and(|b| b <= max_blocks);
@@ -194,12 +198,7 @@ impl Communicator {
         mp: u32,
     ) -> Choice {
         let n = self.inner.ranks.n;
-        let c = &self.inner.config;
-        let max_blocks = if c.max_blocks != 0 {
-            c.max_blocks
-        } else {
-            (2 * mp).min(MAX_BLOCKS as u32)
-        } as usize;
+        let max_blocks = self.norm_max_blocks(mp);
         if matches!(k, NormKernel::OneShotLlSplit | NormKernel::OneShotSplit) {
             // a slice's units: 16-byte vectors, or its elements when rows are not 16-byte
             // multiples

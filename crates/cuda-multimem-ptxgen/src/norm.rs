@@ -332,6 +332,21 @@ fn split_slice(f: &Flavor) -> String {
     )
 }
 
+/// The prologue of a one-shot form: `whole`'s entry, or with `split` `cut`'s, declared for
+/// clusters of `SPLIT` blocks and followed by the slice setup ([`split_slice`]).
+fn one_shot_prologue(whole: NormKernel, cut: NormKernel, f: &Flavor, split: bool) -> String {
+    if split {
+        prologue_with(
+            &cut.entry(f.dtype),
+            f,
+            true,
+            &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
+        ) + &split_slice(f)
+    } else {
+        prologue(&whole.entry(f.dtype), f, true)
+    }
+}
+
 /// The split forms' last cluster wait: no block leaves while a block of its cluster may still
 /// read its partial.
 const CLUSTER_EXIT: &str =
@@ -584,16 +599,7 @@ $L_{label}_kend:
 /// shape, units and arithmetic, with x sent as (flag, word) pairs and polled instead of a
 /// barrier.
 fn one_shot_ll(f: &Flavor, split: bool) -> String {
-    let mut s = if split {
-        prologue_with(
-            &NormKernel::OneShotLlSplit.entry(f.dtype),
-            f,
-            true,
-            &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
-        ) + &split_slice(f)
-    } else {
-        prologue(&NormKernel::OneShotLl.entry(f.dtype), f, true)
-    };
+    let mut s = one_shot_prologue(NormKernel::OneShotLl, NormKernel::OneShotLlSplit, f, split);
     s += &parity_slots(OFF_LL_SLOT, OFF_LL_STAGES);
     s += r#"	// flag = (c + 1) ^ fold(header) in the high word of rd70; a slot row is 2 * row bytes (rd65)
 	add.u32 %r12, %r7, 1;
@@ -657,16 +663,7 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
 }
 
 fn one_shot(f: &Flavor, split: bool) -> String {
-    let mut s = if split {
-        prologue_with(
-            &NormKernel::OneShotSplit.entry(f.dtype),
-            f,
-            true,
-            &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
-        ) + &split_slice(f)
-    } else {
-        prologue(&NormKernel::OneShot.entry(f.dtype), f, true)
-    };
+    let mut s = one_shot_prologue(NormKernel::OneShot, NormKernel::OneShotSplit, f, split);
     s += &parity_slots(OFF_STAGE_HALF, OFF_STAGES);
     // phase A: my rows of x into slot [parity][rank] of every rank's staging, at row * row bytes
     s += "\t// ---- push: rows j = b, b + G, ... of x into my slot of every rank's staging\n";

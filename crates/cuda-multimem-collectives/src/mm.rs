@@ -49,7 +49,32 @@ pub(crate) struct Mm {
     multiprocessors: u32,
 }
 
+/// Where a member's memory lies: its unicast base (the header), the team's multicast base,
+/// and its input and output regions after the header.
+struct Addrs {
+    base: u64,
+    mc: u64,
+    in_region: u64,
+    out_region: u64,
+}
+
 impl Mm {
+    /// Member `rank`'s addresses.
+    fn addrs(&self, rank: usize) -> Result<Addrs> {
+        let base = self.team.member_ptr(rank)?;
+        let mc = self
+            .team
+            .multicast_address()
+            .ok_or_else(|| Error::invalid("team", "the team has no multicast address"))?;
+        let in_region = base + mmk::MM_DATA as u64;
+        Ok(Addrs {
+            base,
+            mc,
+            in_region,
+            out_region: in_region + self.region as u64,
+        })
+    }
+
     /// Build the team over `devices` (all driven by this process) with regions of
     /// `config.multimem_region()` bytes. Refused where multicast is disabled or unsupported.
     pub(crate) fn new(devices: &[Device], config: &CommConfig, multiprocessors: u32) -> Result<Mm> {
@@ -157,13 +182,12 @@ impl Mm {
                 format!("{rank}; the multicast team has {}", self.members.len()),
             )
         })?;
-        let base = self.team.member_ptr(rank)?;
-        let mc = self
-            .team
-            .multicast_address()
-            .ok_or_else(|| Error::invalid("team", "the team has no multicast address"))?;
-        let in_region = base + mmk::MM_DATA as u64;
-        let out_region = in_region + self.region as u64;
+        let Addrs {
+            base,
+            mc,
+            in_region,
+            out_region,
+        } = self.addrs(rank)?;
         // Chunks of whole elements (and of 16 bytes, but for the last).
         let chunk = self.region - self.region % 16;
         let chunks = bytes.div_ceil(chunk).max(1);
@@ -297,13 +321,12 @@ impl Mm {
                 format!("{dtype} {op} has no multimem.ld_reduce form (f32 reduces only with add)"),
             )
         })?;
-        let base = self.team.member_ptr(rank)?;
-        let mc = self
-            .team
-            .multicast_address()
-            .ok_or_else(|| Error::invalid("team", "the team has no multicast address"))?;
-        let in_region = base + mmk::MM_DATA as u64;
-        let out_region = in_region + self.region as u64;
+        let Addrs {
+            base,
+            mc,
+            in_region,
+            out_region,
+        } = self.addrs(rank)?;
         let window = self.gather_window(coll);
         if window < dtype.size() {
             return Err(Error::invalid(

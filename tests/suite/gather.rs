@@ -523,6 +523,67 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
     }
 }
 
+/// A staged reduce-scatter or all-gather of several rounds, then at once a one-shot allreduce
+/// (it pushes into the staging before its first barrier), on teams of 2 and 3 with random
+/// delays before every phase B: a peer still reading my last round's sub-slot must not find
+/// the allreduce's data there. The ring's sub-slots map onto the staging parities so that a
+/// call's first parity is never the one of the previous call's last round; the mapping that
+/// puts two consecutive rounds into one parity fails here.
+#[test]
+fn a_one_shot_allreduce_right_after_a_staged_call_leaves_its_last_round_alone() {
+    for (n, seed) in [(2usize, 5u64), (3, 6)] {
+        let e = sim(SimConfig::new(n, 13000));
+        e.sim
+            .as_ref()
+            .unwrap()
+            .set_kernel_delays(Duration::from_micros(300), seed);
+        let devices = e.driver.devices();
+        let comm = Communicator::builder(&devices)
+            .config(CommConfig {
+                ll_max_bytes: 2048,
+                gather_ll_max_bytes: 2048,
+                one_shot_max_bytes: Some(4096),
+                stage_bytes: Some(4096),
+                max_blocks: 3,
+                timeout: Duration::from_secs(20),
+                ..Default::default()
+            })
+            .multicast(MulticastPolicy::Never)
+            .build()
+            .unwrap();
+        let s = streams(&comm);
+        let mut data = seed + 200;
+        let mut pending: Vec<Box<dyn Check>> = Vec::new();
+        for i in 0..24 {
+            let kind = if i % 2 == 0 {
+                Kind::ReduceScatter(ReduceOp::Sum)
+            } else {
+                Kind::AllGather
+            };
+            let count = [1500, 1100, 900][i % 3];
+            let p = queue::<f32>(&comm, &s, kind, count, Mem::Own, false, &mut data);
+            assert_eq!(p.choice.algorithm, Algorithm::PushStaged);
+            pending.push(Box::new(p));
+            let p = queue::<f32>(
+                &comm,
+                &s,
+                Kind::AllReduce(ReduceOp::Sum),
+                700,
+                Mem::Sym,
+                false,
+                &mut data,
+            );
+            assert_eq!(p.choice.algorithm, Algorithm::OneShot);
+            pending.push(Box::new(p));
+        }
+        sync(&s);
+        comm.check().unwrap();
+        for p in &pending {
+            p.check();
+        }
+    }
+}
+
 /// Low-latency broadcasts from one root, back to back: the root hears nothing from the
 /// others in a broadcast, yet it must not overwrite a slot a slow receiver still polls two
 /// calls later. The non-roots' presence words (every rank hears from every peer in every call)

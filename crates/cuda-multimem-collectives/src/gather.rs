@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use cuda_multimem::{Device, Error, Function, LaunchConfig, Module, Result, StreamRef};
 
 use crate::comm::RankHandle;
-use crate::kernels::gather::{ll_words, Collective};
+use crate::kernels::gather::{ll_words, staged_max_blocks, Collective};
 use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::operand::{Dst, Operand, Place, Src};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
@@ -304,8 +304,8 @@ impl<'a> RankHandle<'a> {
         };
         let mut blocks = units.div_ceil(max_threads).clamp(1, max_blocks);
         if algorithm == Algorithm::PushStaged {
-            // every block owns at least 128 bytes of each staging slot
-            blocks = blocks.min(inner.p2p.stage_half as u64 / 128).max(1);
+            // every block owns at least 128 bytes of each staging sub-slot
+            blocks = blocks.min(staged_max_blocks(inner.p2p.stage_half as u64));
         }
         let threads = units
             .div_ceil(blocks)

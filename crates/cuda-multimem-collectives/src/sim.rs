@@ -150,6 +150,13 @@ impl Ctx {
     /// The barrier of block `b` at `val` (see the PTX `barrier`): signal every peer, then wait
     /// for every peer, bounded by the timeout; check the header when `parity` is given.
     fn barrier(&self, a: &LaunchArgs, b: usize, val: u32, parity: Option<u32>) {
+        self.arrive(a, b, val, parity);
+        self.wait(b, val, parity);
+    }
+
+    /// The signal half of [`Ctx::barrier`]: block `b` tells every peer it arrived at `val`
+    /// (release), after writing its header when `parity` is given.
+    fn arrive(&self, a: &LaunchArgs, b: usize, val: u32, parity: Option<u32>) {
         a.jitter();
         for t in (0..self.n).filter(|&t| t != self.rank) {
             if let Some(p) = parity {
@@ -158,6 +165,12 @@ impl Ctx {
             }
             u32_at(self.pads[t] + OFF_SIG + 4 * (b * 8 + self.rank)).store(val, Ordering::Release);
         }
+    }
+
+    /// The wait half of [`Ctx::barrier`]: until every peer's block `b` arrived at `val`
+    /// (acquire), bounded by the timeout (then `ERR_TIMEOUT`) or until the error word is set;
+    /// the headers checked when `parity` is given.
+    fn wait(&self, b: usize, val: u32, parity: Option<u32>) {
         for t in (0..self.n).filter(|&t| t != self.rank) {
             let slot = u32_at(self.pad + OFF_SIG + 4 * (b * 8 + t));
             let start = Instant::now();

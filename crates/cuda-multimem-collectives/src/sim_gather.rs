@@ -6,7 +6,7 @@
 //! polls. Registered by [`super::install`].
 
 use super::*;
-use crate::kernels::gather::{ll_words, Collective, ROUND_MAX_BYTES};
+use crate::kernels::gather::{ll_words, round_share, sub_slot_bytes, Collective};
 
 /// Register every entry of the three collectives.
 pub(super) fn register() {
@@ -117,41 +117,50 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
             let slot = u64_at(pad + OFF_STAGE_HALF).load(Ordering::Relaxed) as usize;
             let stage =
                 |t: usize| u64_at(pad + OFF_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
-            let share = ((slot as u64 / g) & !127).min(ROUND_MAX_BYTES);
+            let share = round_share(slot as u64, g);
             let cap = share / 16;
             if cap == 0 {
                 return Err(KernelError::Failed(format!(
                     "a {slot}-byte staging slot cannot be shared by {g} blocks"
                 )));
             }
+            let sub = sub_slot_bytes(slot as u64) as usize;
             let boff = (b * share) as usize;
             let rounds = per.div_ceil(cap).max(1);
-            // round j: its slot parity and byte range of the chunk
+            // round j: its sub-slot's offset in a staging area, less the sender's slot (q & 1
+            // is the parity, q >> 1 the half; q = ((c >> 1) + j) & 3), and its byte range
             let round = |j: u64| {
-                let q = ((parity as u64 + j) & 1) as usize;
+                let q = (((cnt >> 1) as u64 + j) & 3) as usize;
                 let lo = (bs + j * cap).min(be);
                 let (x0, x1) = bytes(lo, (lo + cap).min(be));
-                (q, x0, x1)
+                ((q & 1) * n * slot + (q >> 1) * sub + boff, x0, x1)
             };
             // software-pipelined as the kernel: step i runs phase A of round i (i < R), phase
-            // B of round i - 1 (i > 0), then the barrier of round i (i < R)
+            // B of round i - 1 (i > 0; from i = 2 after waiting for the peers' arrival at
+            // round i - 1), then arrives at round i (i < R; at i = 0 the whole barrier)
             for i in 0..=rounds {
                 if i < rounds && sends {
-                    // phase A: my data for every other rank k into k's slot [q][rank]
-                    let (q, x0, x1) = round(i);
+                    // phase A: my data for every other rank k into k's sub-slot [q][rank]
+                    let (at, x0, x1) = round(i);
                     for k in (0..n).filter(|&k| k != rank) {
                         let src = match c {
                             Collective::ReduceScatter => inp + k * b_ + x0,
                             _ => inp + x0,
                         };
-                        copy(a, src, stage(k) + (q * n + rank) * slot + boff, x1 - x0)?;
+                        copy(a, src, stage(k) + at + rank * slot, x1 - x0)?;
                     }
                 }
                 if i > 0 {
-                    // phase B of round i - 1: from my own memory into my output
-                    let (q, x0, x1) = round(i - 1);
+                    if i >= 2 {
+                        cx.wait(b as usize, cnt.wrapping_add(i as u32), None);
+                    }
+                    // phase B of round i - 1: from my own memory into my output (after a
+                    // random delay where the tests ask for one: a peer may run ahead meanwhile,
+                    // into its next round or its next call)
+                    a.jitter();
+                    let (at, x0, x1) = round(i - 1);
                     let len = x1 - x0;
-                    let mine = |k: usize| stage(rank) + (q * n + k) * slot + boff;
+                    let mine = |k: usize| stage(rank) + at + k * slot;
                     match c {
                         Collective::ReduceScatter => {
                             let (e0, e1) = ((x0 as u64) / es, (x1 as u64) / es);
@@ -174,12 +183,13 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
                         }
                     }
                 }
-                if i < rounds {
-                    let hdr = (i == 0).then_some(parity);
-                    cx.barrier(a, b as usize, cnt.wrapping_add(1 + i as u32), hdr);
+                if i == 0 {
+                    cx.barrier(a, b as usize, cnt.wrapping_add(1), Some(parity));
+                } else if i < rounds {
+                    cx.arrive(a, b as usize, cnt.wrapping_add(1 + i as u32), None);
                 }
             }
-            // c + 2R: the next call's staging parity differs from my last round's
+            // c + 2R: the next call's first sub-slot has the other parity than my last round's
             final_ctr = cnt.wrapping_add(2 * rounds as u32);
         }
         let mut j = b as usize;

@@ -9,8 +9,8 @@
 
 pub use cuda_multimem_collectives::kernels::gather::*;
 use cuda_multimem_collectives::kernels::{
-    ERR_TIMEOUT, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_RANK, OFF_STAGES,
-    OFF_STAGE_HALF,
+    ERR_TIMEOUT, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
+    OFF_SIG, OFF_STAGES, OFF_STAGE_HALF,
 };
 use cuda_multimem_collectives::DType;
 
@@ -118,17 +118,18 @@ enum RoundRegs {
 
 /// The geometry of round `j` (a u32 register): its units [lo, hi) = [min(first + j * C, end),
 /// min(lo + C, end)) of this block's range, as elements [lo << vl, min(hi << vl, count)), and
-/// its slot parity q = (parity + j) & 1. A unit at byte x of the chunk lands at slot byte
-/// share offset + x - lo * 16: phase A's push base = (q*n + rank)*slot + b*share - lo*16 (add a
-/// peer's staging), phase B's base of my slots = mine + q*n*slot + b*share - lo*16 (add
-/// k*slot). Scratch: rd43, rd69, r15, r16, r22.
+/// its sub-slot q = ((c >> 1) + j) & 3 (`RING`): parity q & 1 (r22), half q >> 1. A unit at byte
+/// x of the chunk lands at sub-slot byte share offset + x - lo * 16: phase A's push base =
+/// (parity*n + rank)*slot + half*sub + b*share - lo*16 (add a peer's staging), phase B's base of
+/// my slots = mine + parity*n*slot + half*sub + b*share - lo*16 (add k*slot). Scratch: rd43,
+/// rd69, rd71, r15, r16, r22, r26.
 fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
     let (lo, hi, elo, ehi) = match which {
         RoundRegs::A => ("%rd65", "%rd66", "%rd67", "%rd68"),
         RoundRegs::B => ("%rd55", "%rd56", "%rd63", "%rd64"),
     };
     let mut s = format!(
-        "\t// round {j}'s units [{lo}, {hi}), elements [{elo}, {ehi}), slot parity r22
+        "\t// round {j}'s units [{lo}, {hi}), elements [{elo}, {ehi}), sub-slot parity r22, half rd71
 \tcvt.u64.u32 %rd69, {j};
 \tmad.lo.u64 {lo}, %rd69, %rd51, %rd11;
 \tmin.u64 {lo}, {lo}, %rd12;
@@ -137,9 +138,14 @@ fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
 \tshl.b64 {elo}, {lo}, {vl};
 \tshl.b64 {ehi}, {hi}, {vl};
 \tmin.u64 {ehi}, {ehi}, %rd4;
-\tadd.u32 %r22, %r8, {j};
+\tadd.u32 %r22, %r24, {j};
+\tand.b32 %r22, %r22, 3;
+\tshr.u32 %r26, %r22, 1;
+\tcvt.u64.u32 %rd71, %r26;
+\tmul.lo.u64 %rd71, %rd71, %rd70;
 \tand.b32 %r22, %r22, 1;
 \tshl.b64 %rd43, {lo}, 4;
+\tsub.u64 %rd43, %rd71, %rd43;
 "
     );
     s += if which == RoundRegs::A {
@@ -147,7 +153,7 @@ fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
 \tcvt.u64.u32 %rd57, %r15;
 \tmul.lo.u64 %rd57, %rd57, %rd39;
 \tadd.u64 %rd57, %rd57, %rd52;
-\tsub.u64 %rd57, %rd57, %rd43;
+\tadd.u64 %rd57, %rd57, %rd43;
 "
     } else {
         "\tmul.lo.u32 %r16, %r22, %r6;
@@ -155,7 +161,7 @@ fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
 \tmul.lo.u64 %rd58, %rd58, %rd39;
 \tadd.u64 %rd58, %rd58, %rd54;
 \tadd.u64 %rd58, %rd58, %rd52;
-\tsub.u64 %rd58, %rd58, %rd43;
+\tadd.u64 %rd58, %rd58, %rd43;
 "
     };
     s
@@ -244,10 +250,13 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	cvt.u64.u32 %rd17, %r5;
 	mul.lo.u64 %rd62, %rd17, %rd19;
 	add.u64 %rd62, %rd62, {own_base};
-{in_place}{to_direct}	// ---- staged: slot bytes rd39; this block's share of a slot: (slot / G) rounded down to
-	// 128 bytes and at most ROUND_MAX_BYTES (rd50) at offset b * share (rd52); units per round C = share / 16 (rd51)
+{in_place}{to_direct}	// ---- staged: slot bytes rd39, sub-slot bytes rd70 (half a slot, 128-byte aligned); this
+	// block's share of a sub-slot: (sub / G) rounded down to 128 bytes and at most
+	// ROUND_MAX_BYTES (rd50) at offset b * share (rd52); units per round C = share / 16 (rd51)
 	ld.global.u64 %rd39, [%rd1+{OFF_STAGE_HALF}];
-	div.u64 %rd50, %rd39, %rd13;
+	shr.u64 %rd70, %rd39, 1;
+	and.b64 %rd70, %rd70, -128;
+	div.u64 %rd50, %rd70, %rd13;
 	and.b64 %rd50, %rd50, -128;
 	min.u64 %rd50, %rd50, {ROUND_MAX_BYTES};
 	shr.u64 %rd51, %rd50, 4;
@@ -262,6 +271,8 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	// last round's, and its first barrier value is above every value of this call
 	shl.b32 %r21, %r20, 1;
 	add.u32 %r21, %r21, %r7;
+	// the ring's position: round j uses sub-slot ((c >> 1) + j) & 3 (r24 = c >> 1)
+	shr.u32 %r24, %r7, 1;
 	// every rank's staging (table rd34), mine (rd54)
 	add.u64 %rd34, %rd1, {OFF_STAGES};
 	mul.wide.u32 %rd41, %r5, 8;
@@ -276,9 +287,10 @@ $L_round:
 	setp.ge.u32 %p21, %r37, %r20;
 	setp.eq.u32 %p22, %r37, 0;
 	// roles: r49 = does phase A, r38 = does phase B, as thread r47 of r48. With both phases
-	// in this step the first half of the warps pushes round i while the second half reduces
-	// or copies round i - 1 (so the link and the local work overlap); else all threads do
-	// the one phase. A block has a power of two of at least 64 threads: halves are whole warps.
+	// in this step the first half of the warps (rounded down to whole warps) pushes round i
+	// while the others reduce or copy round i - 1 (so the link and the local work overlap);
+	// else all threads do the one phase. A block has a multiple of 32 threads, at least 64:
+	// both groups are whole warps, and the last warp is always in phase B's.
 	selp.u32 %r49, 0, 1, %p21;
 	selp.u32 %r38, 0, 1, %p22;
 {bc_role}	mov.u32 %r47, %r1;
@@ -286,11 +298,14 @@ $L_round:
 	and.b32 %r35, %r49, %r38;
 	setp.eq.u32 %p15, %r35, 0;
 	@%p15 bra $L_roles;
-	shr.u32 %r48, %r3, 1;
-	setp.lt.u32 %p15, %r1, %r48;
+	shr.u32 %r50, %r3, 1;
+	and.b32 %r50, %r50, -32;
+	setp.lt.u32 %p15, %r1, %r50;
 	selp.u32 %r49, 1, 0, %p15;
 	selp.u32 %r38, 0, 1, %p15;
-	@!%p15 sub.u32 %r47, %r1, %r48;
+	mov.u32 %r48, %r50;
+	@!%p15 sub.u32 %r47, %r1, %r50;
+	@!%p15 sub.u32 %r48, %r3, %r50;
 $L_roles:
 	setp.eq.u32 %p15, %r49, 0;
 	@%p15 bra $L_skip_a;
@@ -331,6 +346,11 @@ $L_pk_loop:
     s += "$L_pk_next:\n\tadd.u32 %r36, %r36, 1;\n\tbra.uni $L_pk_loop;\n$L_pk_done:\n";
     // phase B of round i - 1, from my own memory into my output (none at i = 0)
     s += "$L_skip_a:\n\tsetp.eq.u32 %p15, %r38, 0;\n\t@%p15 bra $L_skip_b;\n\tsub.u32 %r39, %r37, 1;\n";
+    // from step 2 on, phase B's threads first wait for every peer's arrival at round i - 1
+    // (value c + i; round 0's barrier was whole)
+    s += "\tsetp.lt.u32 %p15, %r37, 2;\n\t@%p15 bra $L_pb_go;\n\tadd.u32 %r25, %r7, %r37;\n";
+    s += &wait_b("wb", "%r25");
+    s += "$L_pb_go:\n";
     s += &round_regs("%r39", RoundRegs::B, vl);
     match c {
         Collective::ReduceScatter => {
@@ -409,7 +429,7 @@ $L_pk_loop:
     s += "\tadd.u32 %r12, %r7, 1;\n\tadd.u32 %r12, %r12, %r37;\n\tsetp.ne.u32 %p5, %r37, 0;\n\t@%p5 bra $L_bn_go;\n";
     s += &barrier("b0", "%r12", true);
     s += "\tbra.uni $L_b_after;\n$L_bn_go:\n";
-    s += &barrier("bn", "%r12", false);
+    s += &arrive("an", "%r12");
     s += "$L_b_after:\n";
     s += "\tadd.u32 %r37, %r37, 1;\n\tbra.uni $L_round;\n$L_rounds_done:\n";
     if c != Collective::ReduceScatter {
@@ -419,6 +439,66 @@ $L_pk_loop:
     }
     s += &epilogue_to("%r21");
     s
+}
+
+/// The last warp's lanes t < n, t != rank, each for peer t; others branch to `$L_{label}_done`
+/// (predicate p10; lane in r51).
+fn last_warp_lanes(label: &str) -> String {
+    format!(
+        "\tsub.u32 %r51, %r3, 32;\n\tsub.u32 %r51, %r1, %r51;\n\tsetp.ge.u32 %p10, %r51, %r6;\n\tsetp.eq.or.u32 %p10, %r51, %r5, %p10;\n\t@%p10 bra $L_{label}_done;\n"
+    )
+}
+
+/// The signal half of [`barrier`] at `val_reg` (no header): after every thread's pushes of
+/// this round and reads of the previous one (bar.sync), lane t of the last warp tells peer t
+/// with a release store. No wait: phase B's threads wait in the next step ([`wait_b`]) while
+/// phase A's push the next round.
+fn arrive(label: &str, val_reg: &str) -> String {
+    format!(
+        r#"	// ---- arrive {label}: block b tells block b of every peer it is at value {val_reg}
+	bar.sync 0;
+{lanes}	mul.wide.u32 %rd40, %r51, 8;
+	add.u64 %rd40, %rd1, %rd40;
+	ld.global.u64 %rd41, [%rd40+{OFF_PADS}];
+	mad.lo.u32 %r40, %r2, 8, %r5;
+	mul.wide.u32 %rd43, %r40, 4;
+	add.u64 %rd43, %rd41, %rd43;
+	st.release.sys.global.u32 [%rd43+{OFF_SIG}], {val_reg};
+$L_{label}_done:
+"#,
+        lanes = last_warp_lanes(label)
+    )
+}
+
+/// The wait half of [`barrier`] at `val_reg`, by phase B's threads only (r48 of them, the last
+/// warp among them): lane t of the last warp waits for peer t's arrival (acquire), bounded by
+/// the timeout (then `ERR_TIMEOUT`) or until the error word is set; then the phase's threads
+/// meet at named barrier 1.
+fn wait_b(label: &str, val_reg: &str) -> String {
+    format!(
+        r#"	// ---- wait {label}: phase B's threads wait until block b of every peer is at {val_reg}
+{lanes}	mad.lo.u32 %r42, %r2, 8, %r51;
+	mul.wide.u32 %rd44, %r42, 4;
+	add.u64 %rd44, %rd1, %rd44;
+	mov.u64 %rd45, %globaltimer;
+$L_{label}_spin:
+	ld.acquire.sys.global.u32 %r43, [%rd44+{OFF_SIG}];
+	sub.u32 %r43, %r43, {val_reg};
+	setp.ge.s32 %p11, %r43, 0;
+	@%p11 bra $L_{label}_done;
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+	setp.ne.u32 %p12, %r44, 0;
+	@%p12 bra $L_{label}_done;
+	mov.u64 %rd46, %globaltimer;
+	sub.u64 %rd46, %rd46, %rd45;
+	setp.lt.u64 %p13, %rd46, %rd8;
+	@%p13 bra $L_{label}_spin;
+	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
+$L_{label}_done:
+	bar.sync 1, %r48;
+"#,
+        lanes = last_warp_lanes(label)
+    )
 }
 
 /// The direct path (symmetric output): barrier(c+1) with the call header — every peer is in

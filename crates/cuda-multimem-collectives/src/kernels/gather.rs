@@ -22,13 +22,37 @@
 
 use crate::{DType, ReduceOp as Op};
 
-/// The most bytes a block moves to one peer in one round of the staged kernel: its share of a
-/// staging slot is `min((slot / G) rounded down to 128 bytes, ROUND_MAX_BYTES)`. Rounds are
-/// software-pipelined (one round's pushes overlap the previous round's local work), so more,
-/// smaller rounds hide more of the local work: on 2 × H200, 256 MiB reduce-scatters reached
-/// 318 GB/s busbw with 256 KiB per block per round (a 32 MiB slot) and 335 with 64 KiB or
-/// less (docs/perf.md, session 4).
+/// The most bytes a block moves to one peer in one round of the staged kernel (its share of a
+/// staging sub-slot: [`round_share`]). Rounds are software-pipelined (one round's pushes
+/// overlap the previous round's local work), so more, smaller rounds hide more of the local
+/// work: on 2 × H200, 256 MiB reduce-scatters reached 318 GB/s busbw with 256 KiB per block per
+/// round and 335 with 64 KiB or less (docs/perf.md, session 4).
 pub const ROUND_MAX_BYTES: u64 = 64 << 10;
+
+/// Sub-slots of the staged kernel's ring: each `[parity][sender]` staging slot is cut in two
+/// halves, and round j of a call with header parity p (`(c >> 1)`) uses sub-slot
+/// `q = ((c >> 1) + j) & 3`: parity `q & 1`, half `q >> 1`. Round j + 4 reuses round j's
+/// sub-slot, so a round's pushes wait only for the peers' arrival at the barrier of round
+/// j - 3 (docs/design/collectives.md "Staged kernel").
+pub const RING: u64 = 4;
+
+/// Bytes of one sub-slot of a staging slot of `slot` bytes (half of it, 128-byte aligned).
+pub fn sub_slot_bytes(slot: u64) -> u64 {
+    (slot / 2) & !127
+}
+
+/// A block's share of every staging sub-slot, the bytes it moves to one peer per round:
+/// `(sub-slot / G)` rounded down to 128 bytes, at most [`ROUND_MAX_BYTES`]; 0 when the sub-slot
+/// is too small for G blocks (the host never launches that).
+pub fn round_share(slot: u64, blocks: u64) -> u64 {
+    ((sub_slot_bytes(slot) / blocks.max(1)) & !127).min(ROUND_MAX_BYTES)
+}
+
+/// The most blocks a staged call of a `slot`-byte staging slot may use (each owns at least 128
+/// bytes of every sub-slot).
+pub fn staged_max_blocks(slot: u64) -> u64 {
+    (sub_slot_bytes(slot) / 128).max(1)
+}
 
 /// The three collectives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -137,13 +161,12 @@ impl Collective {
 }
 
 /// Rounds of a staged call, the same on every block and rank: a block owns `per` 16-byte units
-/// of a chunk (`per` = ceil(units / G) rounded up to 8) and `(slot / G)` rounded down to 128
-/// bytes of every staging slot; a round moves that much. The counters end at c + 2R.
+/// of a chunk (`per` = ceil(units / G) rounded up to 8) and moves [`round_share`] bytes of them
+/// per round. The counters end at c + 2R.
 pub fn staged_rounds(chunk_bytes: u64, blocks: u64, slot: u64) -> u64 {
     let units = chunk_bytes.div_ceil(16);
     let per = units.div_ceil(blocks.max(1)).next_multiple_of(8);
-    let share = ((slot / blocks.max(1)) & !127) / 16;
-    per.div_ceil(share.max(1)).max(1)
+    per.div_ceil((round_share(slot, blocks) / 16).max(1)).max(1)
 }
 
 /// 4-byte words of a low-latency call's chunk of `chunk_bytes` (the last one may hold a single

@@ -245,7 +245,7 @@ fn low_latency_one_shot_runs_element_units_on_rows_not_16_byte_aligned() {
 /// and `tokens × SPLIT` blocks in the choice.
 #[test]
 fn low_latency_and_barrier_one_shot_give_the_same_bits() {
-    for (t, h) in [
+    let cases = [
         (1, 2040),
         (3, 1026),
         (16, 2000),
@@ -253,34 +253,44 @@ fn low_latency_and_barrier_one_shot_give_the_same_bits() {
         (1, 8192),
         (3, 4100),
         (2, 4098),
+    ];
+    // every case on one team per form (a team per case and form cost a minute on 2 cores):
+    // each form's bf16 and f32 (rows of the same bytes) results, then compared
+    let mut results = Vec::new();
+    for (alg, what) in [
+        (Algorithm::OneShotLl, "low-latency"),
+        (Algorithm::OneShot, "barrier one-shot"),
     ] {
-        let blocks = if 2 * h >= SPLIT_MIN_ROW_BYTES {
-            t * SPLIT
-        } else {
-            t
-        };
-        let (_e, ll, sl) = team(2, forced(Some(Algorithm::OneShotLl)));
-        let c = ll.add_rms_norm_choice(DType::Bf16, t, h).unwrap();
-        assert_eq!(c.blocks as usize, blocks, "{t} x {h}: low-latency {c:?}");
-        let case = Case::<bf16>::new(2, t, h, (t * h) as u64);
-        let a = run(&ll, &sl, &case, true, "low-latency");
-        drop((ll, sl, _e));
-        let (_e, os, so) = team(2, forced(Some(Algorithm::OneShot)));
-        let c = os.add_rms_norm_choice(DType::Bf16, t, h).unwrap();
+        let (_e, comm, s) = team(2, forced(Some(alg)));
+        let mut mine = Vec::new();
+        for (t, h) in cases {
+            let blocks = if 2 * h >= SPLIT_MIN_ROW_BYTES {
+                t * SPLIT
+            } else {
+                t
+            };
+            let c = comm.add_rms_norm_choice(DType::Bf16, t, h).unwrap();
+            assert_eq!(c.blocks as usize, blocks, "{t} x {h}: {what} {c:?}");
+            let case = Case::<bf16>::new(2, t, h, (t * h) as u64);
+            let a = run(&comm, &s, &case, true, what);
+            let hf = h / 2;
+            let f = Case::<f32>::new(2, t, hf, (t + hf) as u64);
+            let b = run(&comm, &s, &f, false, &format!("{what} f32"));
+            mine.push((a, b));
+        }
+        results.push(mine);
+    }
+    for (i, (t, h)) in cases.into_iter().enumerate() {
         assert_eq!(
-            c.blocks as usize, blocks,
-            "{t} x {h}: barrier one-shot {c:?}"
+            results[0][i].0, results[1][i].0,
+            "{t} x {h}: the two one-shots differ"
         );
-        let b = run(&os, &so, &case, true, "barrier one-shot");
-        assert_eq!(a, b, "{t} x {h}: the two one-shots differ");
-        // f32 rows of the same bytes: the same forms
-        let hf = h / 2;
-        let f = Case::<f32>::new(2, t, hf, (t + hf) as u64);
-        let a = run(&os, &so, &f, false, "barrier one-shot f32");
-        drop((os, so, _e));
-        let (_e, ll, sl) = team(2, forced(Some(Algorithm::OneShotLl)));
-        let b = run(&ll, &sl, &f, false, "low-latency f32");
-        assert_eq!(a, b, "{t} x {hf} f32: the two one-shots differ");
+        assert_eq!(
+            results[0][i].1,
+            results[1][i].1,
+            "{t} x {} f32: the two one-shots differ",
+            h / 2
+        );
     }
 }
 

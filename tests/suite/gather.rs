@@ -458,30 +458,36 @@ fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
 /// Back-to-back calls of every collective, interleaved with allreduce, of random sizes, types
 /// and operand kinds, with random per-device delays, checked only once all have run: the
 /// counters, slot parities and header parities of one call must not disturb the next.
+/// A simulated team of `n` with random delays (up to 300 µs, from `seed`) before every launch
+/// and phase: low-latency up to 2 KiB (allreduce and the others), direct above 4 KiB, slots of
+/// 4 KiB shared by 3 blocks: multi-round staged calls.
+fn delayed_team(n: usize, seed: u64) -> (Env, Communicator) {
+    let e = sim(SimConfig::new(n, 13000));
+    e.sim
+        .as_ref()
+        .unwrap()
+        .set_kernel_delays(Duration::from_micros(300), seed);
+    let devices = e.driver.devices();
+    let comm = Communicator::builder(&devices)
+        .config(CommConfig {
+            ll_max_bytes: 2048,
+            gather_ll_max_bytes: 2048,
+            one_shot_max_bytes: Some(4096),
+            stage_bytes: Some(4096),
+            max_blocks: 3,
+            timeout: Duration::from_secs(20),
+            ..Default::default()
+        })
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    (e, comm)
+}
+
 #[test]
 fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_2_to_8() {
     for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {
-        let e = sim(SimConfig::new(n, 13000));
-        e.sim
-            .as_ref()
-            .unwrap()
-            .set_kernel_delays(Duration::from_micros(300), seed);
-        let devices = e.driver.devices();
-        let comm = Communicator::builder(&devices)
-            .config(CommConfig {
-                // low-latency up to 2 KiB (allreduce and the others), direct above 4 KiB,
-                // slots of 4 KiB: multi-round staged calls
-                ll_max_bytes: 2048,
-                gather_ll_max_bytes: 2048,
-                one_shot_max_bytes: Some(4096),
-                stage_bytes: Some(4096),
-                max_blocks: 3,
-                timeout: Duration::from_secs(20),
-                ..Default::default()
-            })
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap();
+        let (_e, comm) = delayed_team(n, seed);
         let s = streams(&comm);
         let mut state = seed * 7919;
         let mut rnd = |m: u64| {
@@ -532,25 +538,7 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
 #[test]
 fn a_one_shot_allreduce_right_after_a_staged_call_leaves_its_last_round_alone() {
     for (n, seed) in [(2usize, 5u64), (3, 6)] {
-        let e = sim(SimConfig::new(n, 13000));
-        e.sim
-            .as_ref()
-            .unwrap()
-            .set_kernel_delays(Duration::from_micros(300), seed);
-        let devices = e.driver.devices();
-        let comm = Communicator::builder(&devices)
-            .config(CommConfig {
-                ll_max_bytes: 2048,
-                gather_ll_max_bytes: 2048,
-                one_shot_max_bytes: Some(4096),
-                stage_bytes: Some(4096),
-                max_blocks: 3,
-                timeout: Duration::from_secs(20),
-                ..Default::default()
-            })
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap();
+        let (_e, comm) = delayed_team(n, seed);
         let s = streams(&comm);
         let mut data = seed + 200;
         let mut pending: Vec<Box<dyn Check>> = Vec::new();

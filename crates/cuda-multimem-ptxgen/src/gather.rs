@@ -15,8 +15,8 @@ use cuda_multimem_collectives::kernels::{
 use cuda_multimem_collectives::DType;
 
 use super::{
-    barrier, epilogue, epilogue_to, parity_slots, strided, strided_by, Addr, Flavor, BLOCK_RANGE,
-    REGS,
+    barrier, epilogue, epilogue_to, parity_slots, sig_spin, strided, strided_by, Addr, Flavor,
+    BLOCK_RANGE, REGS,
 };
 
 const HEADER: &str = "//
@@ -480,24 +480,11 @@ fn wait_b(label: &str, val_reg: &str) -> String {
 {lanes}	mad.lo.u32 %r42, %r2, 8, %r51;
 	mul.wide.u32 %rd44, %r42, 4;
 	add.u64 %rd44, %rd1, %rd44;
-	mov.u64 %rd45, %globaltimer;
-$L_{label}_spin:
-	ld.acquire.sys.global.u32 %r43, [%rd44+{OFF_SIG}];
-	sub.u32 %r43, %r43, {val_reg};
-	setp.ge.s32 %p11, %r43, 0;
-	@%p11 bra $L_{label}_done;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
-	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_done;
-	mov.u64 %rd46, %globaltimer;
-	sub.u64 %rd46, %rd46, %rd45;
-	setp.lt.u64 %p13, %rd46, %rd8;
-	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
-$L_{label}_done:
+{spin}$L_{label}_done:
 	bar.sync 1, %r48;
 "#,
-        lanes = last_warp_lanes(label)
+        lanes = last_warp_lanes(label),
+        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)
     )
 }
 

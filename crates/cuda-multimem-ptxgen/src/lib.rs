@@ -313,24 +313,35 @@ fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> S
 	mad.lo.u32 %r42, %r2, 8, %r1;
 	mul.wide.u32 %rd44, %r42, 4;
 	add.u64 %rd44, %rd1, %rd44;
-	mov.u64 %rd45, %globaltimer;
+{spin}{hdr_check}{side}$L_{label}_done:
+	bar.sync 0;
+"#,
+        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)
+    )
+}
+
+/// Spin until the `u32` signal at [`addr` + `off`] minus `val` is at least 0 (acquire, system
+/// scope), bounded by the timeout in %rd8 (then `ERR_TIMEOUT` into the error word at [%rd1 +
+/// `err`]) or until that error word is set: on arrival it falls through at `$L_{label}_arrived`,
+/// else it branches to `$L_{label}_done`. Scratch: r43, r44, r46, rd45, rd46, p11–p13.
+pub(crate) fn sig_spin(label: &str, addr: &str, off: usize, val: &str, err: usize) -> String {
+    format!(
+        r#"	mov.u64 %rd45, %globaltimer;
 $L_{label}_spin:
-	ld.acquire.sys.global.u32 %r43, [%rd44+{OFF_SIG}];
-	sub.u32 %r43, %r43, {val_reg};
+	ld.acquire.sys.global.u32 %r43, [{addr}+{off}];
+	sub.u32 %r43, %r43, {val};
 	setp.ge.s32 %p11, %r43, 0;
 	@%p11 bra $L_{label}_arrived;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+	ld.relaxed.gpu.global.u32 %r44, [%rd1+{err}];
 	setp.ne.u32 %p12, %r44, 0;
 	@%p12 bra $L_{label}_done;
 	mov.u64 %rd46, %globaltimer;
 	sub.u64 %rd46, %rd46, %rd45;
 	setp.lt.u64 %p13, %rd46, %rd8;
 	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
+	atom.global.cas.b32 %r46, [%rd1+{err}], 0, {ERR_TIMEOUT};
 	bra.uni $L_{label}_done;
 $L_{label}_arrived:
-{hdr_check}{side}$L_{label}_done:
-	bar.sync 0;
 "#
     )
 }

@@ -112,28 +112,13 @@ $L_{label}_cend:
 	fence.proxy.alias;
 	multimem.red.release.sys.global.add.u32 [%rd41+{sig}], 1;
 	mul.lo.u32 %r40, %r6, {val};
-	mov.u64 %rd45, %globaltimer;
-$L_{label}_spin:
-	ld.acquire.sys.global.u32 %r43, [%rd42+{sig}];
-	sub.u32 %r43, %r43, %r40;
-	setp.ge.s32 %p11, %r43, 0;
-	@%p11 bra $L_{label}_arrived;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{err}];
-	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_done;
-	mov.u64 %rd46, %globaltimer;
-	sub.u64 %rd46, %rd46, %rd45;
-	setp.lt.u64 %p13, %rd46, %rd8;
-	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{err}], 0, 1;
-	bra.uni $L_{label}_done;
-$L_{label}_arrived:
-	fence.proxy.alias;
+{spin}	fence.proxy.alias;
 {hdr_check}$L_{label}_done:
 	bar.sync 0;
 "#,
         sig = MM_OFF_SIG,
         err = MM_OFF_ERR,
+        spin = super::sig_spin(label, "%rd42", MM_OFF_SIG, "%r40", MM_OFF_ERR),
     )
 }
 

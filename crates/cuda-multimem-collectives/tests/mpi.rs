@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use cuda_multimem::{Driver, Stream};
+use cuda_multimem::Stream;
 use cuda_multimem_collectives::{
     random_bytes, reference_bytes, CommConfig, Communicator, DType, MpiBootstrap, ReduceOp,
 };

@@ -287,8 +287,9 @@ $L_round:
 	setp.ge.u32 %p21, %r37, %r20;
 	setp.eq.u32 %p22, %r37, 0;
 	// roles: r49 = does phase A, r38 = does phase B, as thread r47 of r48. With both phases
-	// in this step the first half of the warps (rounded down to whole warps) pushes round i
-	// while the others reduce or copy round i - 1 (so the link and the local work overlap);
+	// in this step the first quarter of the warps (at least one warp) pushes round i while
+	// the others wait for and reduce or copy round i - 1 (so the link and the local work
+	// overlap; a quarter of the threads keep the link busy, the local work needs the rest);
 	// else all threads do the one phase. A block has a multiple of 32 threads, at least 64:
 	// both groups are whole warps, and the last warp is always in phase B's.
 	selp.u32 %r49, 0, 1, %p21;
@@ -298,8 +299,9 @@ $L_round:
 	and.b32 %r35, %r49, %r38;
 	setp.eq.u32 %p15, %r35, 0;
 	@%p15 bra $L_roles;
-	shr.u32 %r50, %r3, 1;
+	shr.u32 %r50, %r3, 2;
 	and.b32 %r50, %r50, -32;
+	max.u32 %r50, %r50, 32;
 	setp.lt.u32 %p15, %r1, %r50;
 	selp.u32 %r49, 1, 0, %p15;
 	selp.u32 %r38, 0, 1, %p15;

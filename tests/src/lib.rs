@@ -62,6 +62,18 @@ pub fn sim(config: SimConfig) -> Env {
     }
 }
 
+/// [`sim`] with random delays of up to `max` (drawn from `seed`) before every kernel launch and
+/// every delay point inside the simulated kernels (`Simulator::set_kernel_delays`), so devices
+/// drift apart and protocol races show.
+pub fn sim_delayed(config: SimConfig, max: std::time::Duration, seed: u64) -> Env {
+    let e = sim(config);
+    e.sim
+        .as_ref()
+        .expect("a simulated environment")
+        .set_kernel_delays(max, seed);
+    e
+}
+
 /// Print a skip line that `cargo xtask test`/`test-hw` collect and report as skipped (never as
 /// passed). Use: `if let Some(r) = why_not { return skip("name", r) }`.
 pub fn skip(test: &str, reason: impl std::fmt::Display) {

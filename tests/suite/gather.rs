@@ -14,7 +14,7 @@ use cuda_multimem_collectives::{
     ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{env, sim, skip, Env};
+use cuda_multimem_tests::{env, sim, sim_delayed, skip, Env};
 
 /// What a case calls.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -455,18 +455,11 @@ fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
     }
 }
 
-/// Back-to-back calls of every collective, interleaved with allreduce, of random sizes, types
-/// and operand kinds, with random per-device delays, checked only once all have run: the
-/// counters, slot parities and header parities of one call must not disturb the next.
 /// A simulated team of `n` with random delays (up to 300 µs, from `seed`) before every launch
 /// and phase: low-latency up to 2 KiB (allreduce and the others), direct above 4 KiB, slots of
 /// 4 KiB shared by 3 blocks: multi-round staged calls.
 fn delayed_team(n: usize, seed: u64) -> (Env, Communicator) {
-    let e = sim(SimConfig::new(n, 13000));
-    e.sim
-        .as_ref()
-        .unwrap()
-        .set_kernel_delays(Duration::from_micros(300), seed);
+    let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(300), seed);
     let devices = e.driver.devices();
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
@@ -484,6 +477,9 @@ fn delayed_team(n: usize, seed: u64) -> (Env, Communicator) {
     (e, comm)
 }
 
+/// Back-to-back calls of every collective, interleaved with allreduce, of random sizes, types
+/// and operand kinds, with random per-device delays, checked only once all have run: the
+/// counters, slot parities and header parities of one call must not disturb the next.
 #[test]
 fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_2_to_8() {
     for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {

@@ -14,7 +14,7 @@ use cuda_multimem_collectives::{
     Path, ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{sim, skip, Env};
+use cuda_multimem_tests::{sim, sim_delayed, skip, Env};
 
 /// A team of 3 with the multimem path forced where rank 2 never calls. Rank 0 queues two calls
 /// and runs them to the end (timed out) before rank 1, slower, queues its two. The arrival words
@@ -483,11 +483,7 @@ fn mm_once<T: Elem>(
 /// scalar tail, on a simulated team of `n` with random delays.
 /// The caller checked [`skipped_on_real_driver`].
 fn mm_sweep(n: usize, counts: &[usize], seed: u64) {
-    let e = sim(SimConfig::new(n, 13000));
-    e.sim
-        .as_ref()
-        .unwrap()
-        .set_kernel_delays(Duration::from_micros(100), seed);
+    let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(100), seed);
     let comm = mm_comm(
         &e,
         CommConfig {

@@ -14,7 +14,7 @@ use cuda_multimem_collectives::{
     SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{env, sim};
+use cuda_multimem_tests::{env, sim, sim_delayed};
 
 const EPS: f32 = 1e-6;
 
@@ -660,11 +660,7 @@ fn a_captured_graph_replays_the_fused_norm_in_every_form() {
 #[test]
 fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
     for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {
-        let e = sim(SimConfig::new(n, 13000));
-        e.sim
-            .as_ref()
-            .unwrap()
-            .set_kernel_delays(Duration::from_micros(300), seed);
+        let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(300), seed);
         let devices = e.driver.devices();
         let comm = Communicator::builder(&devices)
             .multicast(MulticastPolicy::Never)

@@ -388,6 +388,21 @@ $L_pk_loop:
                             format!("\tadd.u64 %rd24, %rd3, %rd21;\n{}", f.sc_store("%rd24")),
                         )
                     };
+                    if v {
+                        // ranks 0 and 1 loaded together (two loads in flight), then the others
+                        // one by one; combined in rank order all the same
+                        let second = format!(
+                            "\tmov.u32 %r34, 1;\n{addr_k}\tsetp.gt.u32 %p17, %r6, 1;\n\t@%p17 ld.global.cg.v4.b32 {{%r52, %r53, %r54, %r55}}, [%rd26];\n"
+                        );
+                        let take_second = format!(
+                            "\t@!%p17 bra $L_{l}_kend;\n\tmov.b32 %r30, %r52;\n\tmov.b32 %r31, %r53;\n\tmov.b32 %r32, %r54;\n\tmov.b32 %r33, %r55;\n{}",
+                            f.vec_in(false)
+                        );
+                        return format!(
+                            "\tmov.u32 %r34, 0;\n{addr_k}\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{second}{}{take_second}\tmov.u32 %r34, 2;\n$L_{l}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{l}_kend;\n{addr_k}{rest}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{l}_k;\n$L_{l}_kend:\n{store}",
+                            f.vec_in(true)
+                        );
+                    }
                     format!(
                     "\tmov.u32 %r34, 0;\n{addr_k}{first}\tmov.u32 %r34, 1;\n$L_{l}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{l}_kend;\n{addr_k}{rest}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{l}_k;\n$L_{l}_kend:\n{store}"
                 )

@@ -6,7 +6,9 @@
 //! polls. Registered by [`super::install`].
 
 use super::*;
-use crate::kernels::gather::{ll_words, round_share, sub_slot_bytes, Collective};
+use crate::kernels::gather::{
+    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, RING,
+};
 
 /// Register every entry of the three collectives.
 pub(super) fn register() {
@@ -126,11 +128,11 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
             }
             let sub = sub_slot_bytes(slot as u64) as usize;
             let boff = (b * share) as usize;
-            let rounds = per.div_ceil(cap).max(1);
+            let rounds = staged_rounds(chunk, g, slot as u64);
             // round j: its sub-slot's offset in a staging area, less the sender's slot (q & 1
             // is the parity, q >> 1 the half; q = ((c >> 1) + j) & 3), and its byte range
             let round = |j: u64| {
-                let q = (((cnt >> 1) as u64 + j) & 3) as usize;
+                let q = (((cnt >> 1) as u64 + j) % RING) as usize;
                 let lo = (bs + j * cap).min(be);
                 let (x0, x1) = bytes(lo, (lo + cap).min(be));
                 ((q & 1) * n * slot + (q >> 1) * sub + boff, x0, x1)

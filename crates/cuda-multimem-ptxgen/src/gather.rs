@@ -139,14 +139,15 @@ fn round_regs(j: &str, which: RoundRegs, vl: u32) -> String {
 \tshl.b64 {ehi}, {hi}, {vl};
 \tmin.u64 {ehi}, {ehi}, %rd4;
 \tadd.u32 %r22, %r24, {j};
-\tand.b32 %r22, %r22, 3;
+\tand.b32 %r22, %r22, {ring_mask};
 \tshr.u32 %r26, %r22, 1;
 \tcvt.u64.u32 %rd71, %r26;
 \tmul.lo.u64 %rd71, %rd71, %rd70;
 \tand.b32 %r22, %r22, 1;
 \tshl.b64 %rd43, {lo}, 4;
 \tsub.u64 %rd43, %rd71, %rd43;
-"
+",
+        ring_mask = RING - 1
     );
     s += if which == RoundRegs::A {
         "\tmad.lo.u32 %r15, %r22, %r6, %r5;

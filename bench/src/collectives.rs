@@ -132,6 +132,10 @@ struct Args {
     /// never).
     #[arg(long)]
     ll_max: Option<usize>,
+    /// CommConfig::gather_ce_min_bytes (whole buffers from it go through the copy engines where
+    /// the operands allow; a value above every size: never).
+    #[arg(long)]
+    ce_min: Option<usize>,
 }
 
 impl Args {
@@ -147,6 +151,9 @@ impl Args {
         c.one_shot_max_bytes = self.one_shot_max.or(c.one_shot_max_bytes);
         if let Some(v) = self.ll_max {
             c.gather_ll_max_bytes = v;
+        }
+        if let Some(v) = self.ce_min {
+            c.gather_ce_min_bytes = v;
         }
         c
     }

@@ -459,6 +459,12 @@ fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
 /// and phase: low-latency up to 2 KiB (allreduce and the others), direct above 4 KiB, slots of
 /// 4 KiB shared by 3 blocks: multi-round staged calls.
 fn delayed_team(n: usize, seed: u64) -> (Env, Communicator) {
+    delayed_team_ce(n, seed, usize::MAX)
+}
+
+/// [`delayed_team`] whose reduce-scatters and all-gathers of at least `ce_min` bytes go through
+/// the copy engines where their operands allow.
+fn delayed_team_ce(n: usize, seed: u64, ce_min: usize) -> (Env, Communicator) {
     let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(300), seed);
     let devices = e.driver.devices();
     let comm = Communicator::builder(&devices)
@@ -469,6 +475,7 @@ fn delayed_team(n: usize, seed: u64) -> (Env, Communicator) {
             stage_bytes: Some(4096),
             max_blocks: 3,
             timeout: Duration::from_secs(20),
+            gather_ce_min_bytes: ce_min,
             ..Default::default()
         })
         .multicast(MulticastPolicy::Never)
@@ -525,7 +532,281 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
     }
 }
 
-/// A staged reduce-scatter or all-gather of several rounds, then at once a one-shot allreduce
+/// The copy-engine forms at every size (`gather_ce_min_bytes` 0, no low-latency forms), with
+/// staging slots of 4 KiB: a reduce-scatter's pieces are then 4 KiB, so its calls here go
+/// through up to 20 pieces and wrap the ring (2 entries) many times.
+fn ce_config() -> CommConfig {
+    CommConfig {
+        gather_ce_min_bytes: 0,
+        gather_ll_max_bytes: 0,
+        stage_bytes: Some(4096),
+        max_blocks: 4,
+        ..Default::default()
+    }
+}
+
+/// Whether a call takes the copy engines under [`ce_config`]: an all-gather into a symmetric
+/// output; a reduce-scatter of a symmetric input whose chunks (and output) are 16-byte aligned.
+fn takes_ce(kind: Kind, mem: Mem, count: usize, es: usize) -> bool {
+    match kind {
+        Kind::AllGather => mem != Mem::Own,
+        Kind::ReduceScatter(_) => mem == Mem::Sym && (count * es).is_multiple_of(16),
+        _ => false,
+    }
+}
+
+/// Reduce-scatter and all-gather through the copy engines equal the host references for every
+/// type and operator, in place and out of place; operands the form cannot take (the caller's
+/// own memory, unaligned chunks) and broadcast keep their kernels, also correct. Both drivers.
+#[test]
+fn copy_engine_forms_equal_the_host_reference_for_every_dtype_op_and_operand_kind() {
+    let e = env();
+    let Some(comm) = team(&e, ce_config()) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 23;
+    let mut kinds = ReduceOp::ALL.map(Kind::ReduceScatter).to_vec();
+    kinds.extend([Kind::AllGather, Kind::Broadcast(1)]);
+    for kind in kinds {
+        for count in [3, 1000, 20_000] {
+            for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+                for in_place in [false, true] {
+                    for (c, es) in [
+                        (
+                            once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                            4,
+                        ),
+                        (
+                            once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                            2,
+                        ),
+                        (
+                            once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                            2,
+                        ),
+                    ] {
+                        assert_eq!(
+                            c.algorithm == Algorithm::CopyEngine,
+                            takes_ce(kind, mem, count, es),
+                            "{kind:?} of {count} x {es} bytes, {mem:?}, in place {in_place}: {c}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Copy-engine calls back to back with every kernel form (low-latency, staged, direct, the
+/// allreduce), random sizes, types and operand kinds, random per-device delays, checked once all
+/// have run, on teams of 2 to 8: the second stream's copies of one call must not run into the
+/// previous call's or the next one's work, nor a ring entry be reused before its reduction.
+#[test]
+fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of_2_to_8() {
+    for (n, seed) in [(2usize, 11u64), (3, 12), (5, 13), (8, 14)] {
+        let (_e, comm) = delayed_team_ce(n, seed, 8192);
+        let s = streams(&comm);
+        let mut state = seed * 104_729;
+        let mut rnd = |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        let mut pending: Vec<Box<dyn Check>> = Vec::new();
+        let mut data = seed + 300;
+        let mut ce = 0;
+        for _ in 0..24 {
+            let op = ReduceOp::ALL[rnd(3) as usize];
+            let kind = match rnd(5) {
+                0 | 1 => Kind::ReduceScatter(op),
+                2 | 3 => Kind::AllGather,
+                _ => Kind::AllReduce(op),
+            };
+            let count = [64usize, 1500, 3000, 6000][rnd(4) as usize];
+            let mem = [Mem::Sym, Mem::Sym, Mem::SymOdd, Mem::Own][rnd(4) as usize];
+            let in_place = rnd(2) == 0;
+            let (p, algorithm): (Box<dyn Check>, Algorithm) = match rnd(2) {
+                0 => {
+                    let p = queue::<f32>(&comm, &s, kind, count, mem, in_place, &mut data);
+                    let a = p.choice.algorithm;
+                    (Box::new(p), a)
+                }
+                _ => {
+                    let p = queue::<bf16>(&comm, &s, kind, count, mem, in_place, &mut data);
+                    let a = p.choice.algorithm;
+                    (Box::new(p), a)
+                }
+            };
+            ce += usize::from(algorithm == Algorithm::CopyEngine);
+            pending.push(p);
+        }
+        sync(&s);
+        comm.check().unwrap();
+        for p in &pending {
+            p.check();
+        }
+        assert!(ce >= 3, "team of {n}: only {ce} copy-engine calls");
+    }
+}
+
+/// Copy-engine calls captured in a graph (the fork onto the rank's second stream and the joins
+/// inside the capture) replay correctly with new inputs.
+#[test]
+fn captured_copy_engine_calls_replay_with_new_inputs() {
+    let e = sim(SimConfig::new(3, 13000));
+    let devices = e.driver.devices();
+    let n = 3;
+    let comm = Communicator::builder(&devices)
+        .config(ce_config())
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    let s = streams(&comm);
+    let count = 5000;
+    let rs_in = comm.alloc::<f32>(n * count).unwrap();
+    let mut rs_out = comm.alloc::<f32>(count).unwrap();
+    let mut ag_out = comm.alloc::<bf16>(n * count).unwrap();
+    let mut ag_in_place = comm.alloc::<f32>(n * count).unwrap();
+    let mut ag_ins: Vec<DeviceBuffer<bf16>> = (0..n)
+        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), count).unwrap())
+        .collect();
+    let mut execs = Vec::new();
+    for (r, st) in s.iter().enumerate() {
+        let h = comm.rank(r).unwrap();
+        let sr = st.as_stream_ref();
+        sr.begin_capture(CaptureMode::Relaxed).unwrap();
+        for c in [
+            h.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum, st)
+                .unwrap(),
+            h.all_gather(&ag_ins[r], &mut ag_out, st).unwrap(),
+            h.all_gather_in_place(&mut ag_in_place, st).unwrap(),
+        ] {
+            assert_eq!(c.algorithm, Algorithm::CopyEngine);
+        }
+        execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+    }
+    let mut seed = 91;
+    for replay in 0..3 {
+        let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
+        let ags: Vec<Vec<bf16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        let aps: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        for r in 0..n {
+            rs_in.write(r, 0, &ins[r]).unwrap();
+            ag_ins[r].copy_from_host(0, &ags[r]).unwrap();
+            ag_in_place.write(r, r * count, &aps[r]).unwrap();
+        }
+        for (x, st) in execs.iter().zip(&s) {
+            x.launch(st).unwrap();
+        }
+        sync(&s);
+        comm.check().unwrap();
+        let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+        let agr: Vec<&[bf16]> = ags.iter().map(|v| v.as_slice()).collect();
+        let apr: Vec<&[f32]> = aps.iter().map(|v| v.as_slice()).collect();
+        for (r, want) in reduce_scatter_reference(ReduceOp::Sum, &refs)
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
+            assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
+            assert_eq!(ag_in_place.to_vec(r).unwrap(), all_gather_reference(&apr));
+        }
+    }
+}
+
+/// A copy-engine call whose peer calls something else (another size; the staged kernel, its
+/// output being its own memory) is reported by `check()` as a disagreement; one whose peer never
+/// calls, as a timeout.
+#[test]
+fn copy_engine_calls_report_disagreeing_and_missing_peers() {
+    let team_of = |n: usize| {
+        let e = sim(SimConfig::new(n, 13000));
+        let comm = Communicator::builder(&e.driver.devices())
+            .config(CommConfig {
+                timeout: Duration::from_millis(300),
+                ..ce_config()
+            })
+            .multicast(MulticastPolicy::Never)
+            .build()
+            .unwrap();
+        let s = streams(&comm);
+        (e, comm, s)
+    };
+    // sizes 2000 / 4000 per rank
+    {
+        let (_e, comm, s) = team_of(2);
+        let input = comm.alloc::<f32>(4000).unwrap();
+        let mut output = comm.alloc::<f32>(8000).unwrap();
+        for (r, count) in [(0usize, 2000usize), (1, 4000)] {
+            let c = comm
+                .rank(r)
+                .unwrap()
+                .all_gather(
+                    input.slice(..count).unwrap(),
+                    output.slice_mut(..2 * count).unwrap(),
+                    &s[r],
+                )
+                .unwrap();
+            assert_eq!(c.algorithm, Algorithm::CopyEngine);
+        }
+        sync(&s);
+        match comm.check() {
+            Err(Error::RanksDisagree { .. }) => {}
+            other => panic!("all-gather sizes 2000 / 4000: got {other:?}"),
+        }
+    }
+    // rank 0's reduce-scatter through the copy engines, rank 1's staged (own input)
+    {
+        let (_e, comm, s) = team_of(2);
+        let input = comm.alloc::<f32>(8000).unwrap();
+        let mut output = comm.alloc::<f32>(4000).unwrap();
+        let own = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), 8000).unwrap();
+        let c0 = comm
+            .rank(0)
+            .unwrap()
+            .reduce_scatter(&input, &mut output, ReduceOp::Sum, &s[0])
+            .unwrap();
+        let c1 = comm
+            .rank(1)
+            .unwrap()
+            .reduce_scatter(&own, &mut output, ReduceOp::Sum, &s[1])
+            .unwrap();
+        assert_eq!(c0.algorithm, Algorithm::CopyEngine);
+        assert_eq!(c1.algorithm, Algorithm::PushStaged);
+        sync(&s);
+        match comm.check() {
+            Err(Error::RanksDisagree { .. }) => {}
+            other => panic!("copy engines / staged: got {other:?}"),
+        }
+    }
+    // ranks 0 and 1 call; rank 2 never does
+    for kind in [Kind::ReduceScatter(ReduceOp::Max), Kind::AllGather] {
+        let (_e, comm, s) = team_of(3);
+        let (il, ol) = lengths(kind, 3, 2000);
+        let input = comm.alloc::<f32>(il).unwrap();
+        let mut output = comm.alloc::<f32>(ol).unwrap();
+        for (r, st) in s.iter().enumerate().take(2) {
+            let c = call(
+                &comm,
+                r,
+                kind,
+                Some((&input).into()),
+                (&mut output).into(),
+                st,
+            )
+            .unwrap();
+            assert_eq!(c.algorithm, Algorithm::CopyEngine, "{kind:?}");
+        }
+        sync(&s);
+        match comm.check() {
+            Err(Error::Timeout { .. }) => {}
+            other => panic!("{kind:?}: expected a timeout, got {other:?}"),
+        }
+    }
+}
+
 /// (it pushes into the staging before its first barrier), on teams of 2 and 3 with random
 /// delays before every phase B: a peer still reading my last round's sub-slot must not find
 /// the allreduce's data there. The ring's sub-slots map onto the staging parities so that a

@@ -64,7 +64,7 @@ impl PrologueCopy {
 /// The executor's symmetric areas and launch shapes.
 pub(crate) struct P2p {
     pub(crate) pads: Sym,
-    _stages: Sym,
+    stages: Sym,
     _ll: Sym,
     lands: Sym,
     land_slot: usize,
@@ -126,7 +126,7 @@ impl P2p {
         }
         Ok(P2p {
             pads,
-            _stages: stages,
+            stages,
             _ll: ll,
             lands,
             land_slot,
@@ -134,6 +134,11 @@ impl P2p {
             multiprocessors,
             scratch,
         })
+    }
+
+    /// Local rank `rank`'s staging area as mapped here and its bytes (2 × N slots).
+    pub(crate) fn stage_area(&self, rank: usize) -> (CUdeviceptr, usize) {
+        (self.stages.addrs[rank], self.stages.bytes)
     }
 
     /// Bytes of one of the scratch's three regions, a multiple of 16 (0: no scratch).
@@ -169,7 +174,10 @@ impl P2p {
                 units.div_ceil(n as u64)
             }
             // not allreduce algorithms (refused by CommConfig::validate; shapes: src/gather.rs)
-            Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl => units,
+            Algorithm::PushStaged
+            | Algorithm::PushDirect
+            | Algorithm::PushLl
+            | Algorithm::CopyEngine => units,
         };
         let mut blocks = per_rank.div_ceil(max_threads).clamp(1, max_blocks);
         if algorithm == Algorithm::TwoShotPush {
@@ -272,7 +280,10 @@ impl P2p {
             Algorithm::OneShot | Algorithm::OneShotLl => true,
             Algorithm::TwoShotPush | Algorithm::TwoShotCe => sym_out && (sym_in || bytes % 16 == 0),
             Algorithm::TwoShot => sym_in && sym_out,
-            Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl => false,
+            Algorithm::PushStaged
+            | Algorithm::PushDirect
+            | Algorithm::PushLl
+            | Algorithm::CopyEngine => false,
         };
         Ok(ok.then_some(alg))
     }
@@ -364,7 +375,10 @@ impl P2p {
             Algorithm::TwoShot => Kernel::P2pTwoShot,
             Algorithm::TwoShotPush => Kernel::P2pTwoShotPush,
             Algorithm::TwoShotCe => Kernel::P2pTwoShotCe,
-            Algorithm::PushStaged | Algorithm::PushDirect | Algorithm::PushLl => {
+            Algorithm::PushStaged
+            | Algorithm::PushDirect
+            | Algorithm::PushLl
+            | Algorithm::CopyEngine => {
                 return Err(Error::invalid(
                     "config.algorithm",
                     format!("{alg} is not an allreduce algorithm"),

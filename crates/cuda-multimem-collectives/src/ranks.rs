@@ -27,6 +27,9 @@ pub(crate) struct Local {
     pub(crate) calls: AtomicU64,
     /// The fused allreduce + RMSNorm kernels of this device.
     pub(crate) norm: crate::norm::NormKernels,
+    /// The copy-engine forms' second stream and events, made on first use (held while a call
+    /// queues its work: one such call of this rank at a time).
+    pub(crate) ce: Mutex<Option<crate::gather::CeLane>>,
 }
 
 /// Size, local ranks, bootstrap, and the team's health.

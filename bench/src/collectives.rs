@@ -136,6 +136,10 @@ struct Args {
     /// the operands allow; a value above every size: never).
     #[arg(long)]
     ce_min: Option<usize>,
+    /// Symmetric operands only: call the in-place forms on the output (all-gather, broadcast)
+    /// or the input (reduce-scatter); timed only (no check).
+    #[arg(long)]
+    in_place: bool,
 }
 
 impl Args {
@@ -216,6 +220,7 @@ struct Bench<'a, T: Element> {
     coll: Coll,
     op: ReduceOp,
     root: usize,
+    in_place: bool,
 }
 
 /// Lengths (input, output) per rank for `chunk` elements per rank.
@@ -255,6 +260,16 @@ impl<T: Element + Default + Copy> Bench<'_, T> {
         let what = self.what();
         let s = &self.streams[r];
         match &mut self.bufs {
+            Bufs::Symmetric(i, o) if self.in_place => {
+                let h = self.comm.rank(r)?;
+                Ok(match self.coll {
+                    Coll::ReduceScatter => {
+                        h.reduce_scatter_in_place(i.slice_mut(..il)?, self.op, s)?
+                    }
+                    Coll::AllGather => h.all_gather_in_place(o.slice_mut(..ol)?, s)?,
+                    _ => h.broadcast_in_place(o.slice_mut(..ol)?, self.root, s)?,
+                })
+            }
             Bufs::Symmetric(i, o) => call(
                 self.comm,
                 r,
@@ -482,6 +497,7 @@ fn bench<T: Element + Default + Copy>(args: &Args) -> Res<bool> {
                 coll,
                 op,
                 root: args.root,
+                in_place: args.in_place,
             };
             for &size in &sizes {
                 let chunk = per_chunk(size);

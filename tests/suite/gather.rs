@@ -532,9 +532,8 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
     }
 }
 
-/// The copy-engine forms at every size (`gather_ce_min_bytes` 0, no low-latency forms), with
-/// staging slots of 4 KiB: a reduce-scatter's pieces are then 4 KiB, so its calls here go
-/// through up to 20 pieces and wrap the ring (2 entries) many times.
+/// The copy-engine all-gather at every size (`gather_ce_min_bytes` 0, no low-latency forms;
+/// 4 KiB staging slots for the calls that keep their kernels: many rounds).
 fn ce_config() -> CommConfig {
     CommConfig {
         gather_ce_min_bytes: 0,
@@ -545,21 +544,11 @@ fn ce_config() -> CommConfig {
     }
 }
 
-/// Whether a call takes the copy engines under [`ce_config`]: an all-gather into a symmetric
-/// output; a reduce-scatter of a symmetric input whose chunks (and output) are 16-byte aligned.
-fn takes_ce(kind: Kind, mem: Mem, count: usize, es: usize) -> bool {
-    match kind {
-        Kind::AllGather => mem != Mem::Own,
-        Kind::ReduceScatter(_) => mem == Mem::Sym && (count * es).is_multiple_of(16),
-        _ => false,
-    }
-}
-
-/// Reduce-scatter and all-gather through the copy engines equal the host references for every
-/// type and operator, in place and out of place; operands the form cannot take (the caller's
-/// own memory, unaligned chunks) and broadcast keep their kernels, also correct. Both drivers.
+/// All-gather through the copy engines equals the host reference for every type, in place and
+/// out of place, at any offset of the symmetric output; an all-gather into the caller's own
+/// memory, reduce-scatter and broadcast keep their kernels, also correct. Both drivers.
 #[test]
-fn copy_engine_forms_equal_the_host_reference_for_every_dtype_op_and_operand_kind() {
+fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
     let e = env();
     let Some(comm) = team(&e, ce_config()) else {
         return;
@@ -572,24 +561,15 @@ fn copy_engine_forms_equal_the_host_reference_for_every_dtype_op_and_operand_kin
         for count in [3, 1000, 20_000] {
             for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
                 for in_place in [false, true] {
-                    for (c, es) in [
-                        (
-                            once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
-                            4,
-                        ),
-                        (
-                            once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
-                            2,
-                        ),
-                        (
-                            once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
-                            2,
-                        ),
+                    for c in [
+                        once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
                     ] {
                         assert_eq!(
                             c.algorithm == Algorithm::CopyEngine,
-                            takes_ce(kind, mem, count, es),
-                            "{kind:?} of {count} x {es} bytes, {mem:?}, in place {in_place}: {c}"
+                            kind == Kind::AllGather && mem != Mem::Own,
+                            "{kind:?} of {count}, {mem:?}, in place {in_place}: {c}"
                         );
                     }
                 }
@@ -598,10 +578,10 @@ fn copy_engine_forms_equal_the_host_reference_for_every_dtype_op_and_operand_kin
     }
 }
 
-/// Copy-engine calls back to back with every kernel form (low-latency, staged, direct, the
-/// allreduce), random sizes, types and operand kinds, random per-device delays, checked once all
-/// have run, on teams of 2 to 8: the second stream's copies of one call must not run into the
-/// previous call's or the next one's work, nor a ring entry be reused before its reduction.
+/// Copy-engine all-gathers back to back with every kernel form (low-latency, staged, direct,
+/// the allreduce), random sizes, types and operand kinds, random per-device delays, checked
+/// once all have run, on teams of 2 to 8: the copies of one call (on the caller's stream and
+/// the rank's second one) must not run into the previous call's or the next one's work.
 #[test]
 fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of_2_to_8() {
     for (n, seed) in [(2usize, 11u64), (3, 12), (5, 13), (8, 14)] {
@@ -651,8 +631,64 @@ fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of
     }
 }
 
-/// Copy-engine calls captured in a graph (the fork onto the rank's second stream and the joins
-/// inside the capture) replay correctly with new inputs.
+/// The gathered output is complete in the caller's stream order when the call returns to it:
+/// a copy of it queued next on the same stream sees every rank's chunk, though the peers'
+/// copies into it start late (random delays before every simulated copy and launch). Without
+/// the final barrier the snapshot misses chunks.
+#[test]
+fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
+    for (n, seed) in [(2usize, 21u64), (3, 22), (5, 23)] {
+        let (_e, comm) = delayed_team_ce(n, seed, 0);
+        let s = streams(&comm);
+        let count = 3000;
+        let mut data = seed;
+        let input = comm.alloc::<f32>(count).unwrap();
+        let mut output = comm.alloc::<f32>(n * count).unwrap();
+        for round in 0..4 {
+            let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut data)).collect();
+            for (r, x) in ins.iter().enumerate() {
+                input.write(r, 0, x).unwrap();
+            }
+            let mut snaps = Vec::new();
+            for (r, st) in s.iter().enumerate() {
+                let c = comm
+                    .rank(r)
+                    .unwrap()
+                    .all_gather(&input, &mut output, st)
+                    .unwrap();
+                assert_eq!(c.algorithm, Algorithm::CopyEngine);
+                let snap = DeviceBuffer::<f32>::zeroed(comm.device(r).unwrap(), n * count).unwrap();
+                // SAFETY: both ranges are n * count f32 of this rank's device memory (its part
+                // of the symmetric output, the snapshot), queued on a live stream of it.
+                unsafe {
+                    st.as_stream_ref()
+                        .copy_dtod_async(
+                            snap.device_ptr(),
+                            output.device_ptr(r).unwrap(),
+                            n * count * 4,
+                        )
+                        .unwrap()
+                };
+                snaps.push(snap);
+            }
+            sync(&s);
+            comm.check().unwrap();
+            let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+            let want = all_gather_reference(&refs);
+            for (r, snap) in snaps.iter().enumerate() {
+                assert_eq!(
+                    snap.to_vec().unwrap(),
+                    want,
+                    "team of {n}, round {round}, rank {r}"
+                );
+            }
+        }
+    }
+}
+
+/// Copy-engine all-gathers captured in a graph (out of place: the fork onto the rank's second
+/// stream and the join inside the capture) replay correctly with new inputs, between staged
+/// reduce-scatters.
 #[test]
 fn captured_copy_engine_calls_replay_with_new_inputs() {
     let e = sim(SimConfig::new(3, 13000));
@@ -677,9 +713,11 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
         let h = comm.rank(r).unwrap();
         let sr = st.as_stream_ref();
         sr.begin_capture(CaptureMode::Relaxed).unwrap();
+        let c = h
+            .reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum, st)
+            .unwrap();
+        assert_eq!(c.algorithm, Algorithm::PushStaged);
         for c in [
-            h.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum, st)
-                .unwrap(),
             h.all_gather(&ag_ins[r], &mut ag_out, st).unwrap(),
             h.all_gather_in_place(&mut ag_in_place, st).unwrap(),
         ] {
@@ -716,11 +754,11 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
     }
 }
 
-/// A copy-engine call whose peer calls something else (another size; the staged kernel, its
-/// output being its own memory) is reported by `check()` as a disagreement; one whose peer never
-/// calls, as a timeout.
+/// A copy-engine all-gather whose peer calls something else (another size; the staged kernel,
+/// its output being its own memory) is reported by `check()` as a disagreement; one whose peer
+/// never calls, as a timeout.
 #[test]
-fn copy_engine_calls_report_disagreeing_and_missing_peers() {
+fn copy_engine_all_gathers_report_disagreeing_and_missing_peers() {
     let team_of = |n: usize| {
         let e = sim(SimConfig::new(n, 13000));
         let comm = Communicator::builder(&e.driver.devices())
@@ -757,21 +795,21 @@ fn copy_engine_calls_report_disagreeing_and_missing_peers() {
             other => panic!("all-gather sizes 2000 / 4000: got {other:?}"),
         }
     }
-    // rank 0's reduce-scatter through the copy engines, rank 1's staged (own input)
+    // rank 0's all-gather through the copy engines, rank 1's staged (own output)
     {
         let (_e, comm, s) = team_of(2);
-        let input = comm.alloc::<f32>(8000).unwrap();
-        let mut output = comm.alloc::<f32>(4000).unwrap();
-        let own = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), 8000).unwrap();
+        let input = comm.alloc::<f32>(4000).unwrap();
+        let mut output = comm.alloc::<f32>(8000).unwrap();
+        let mut own = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), 8000).unwrap();
         let c0 = comm
             .rank(0)
             .unwrap()
-            .reduce_scatter(&input, &mut output, ReduceOp::Sum, &s[0])
+            .all_gather(&input, &mut output, &s[0])
             .unwrap();
         let c1 = comm
             .rank(1)
             .unwrap()
-            .reduce_scatter(&own, &mut output, ReduceOp::Sum, &s[1])
+            .all_gather(&input, &mut own, &s[1])
             .unwrap();
         assert_eq!(c0.algorithm, Algorithm::CopyEngine);
         assert_eq!(c1.algorithm, Algorithm::PushStaged);
@@ -782,7 +820,7 @@ fn copy_engine_calls_report_disagreeing_and_missing_peers() {
         }
     }
     // ranks 0 and 1 call; rank 2 never does
-    for kind in [Kind::ReduceScatter(ReduceOp::Max), Kind::AllGather] {
+    for kind in [Kind::AllGather] {
         let (_e, comm, s) = team_of(3);
         let (il, ol) = lengths(kind, 3, 2000);
         let input = comm.alloc::<f32>(il).unwrap();

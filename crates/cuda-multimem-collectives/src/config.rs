@@ -39,13 +39,11 @@ pub struct CommConfig {
     /// 3.8 µs from 64 to 256 KiB where the staged kernel's one round took about 7 µs, behind
     /// NCCL's 6.1 at 128 KiB (docs/perf.md, session 4). 0 turns them off. At most 16 MiB.
     pub gather_ll_max_bytes: usize,
-    /// Reduce-scatter and all-gather whose whole buffer (the scattered input, the gathered
-    /// output) is at least this many bytes move their data through the copy engines
-    /// ([`Algorithm::CopyEngine`]) where the operands allow it: an all-gather into a symmetric
-    /// output, a reduce-scatter of a symmetric input with 16-byte aligned chunks (the
-    /// low-latency forms take precedence below `gather_ll_max_bytes`). The copy engines move
-    /// about 7 % more over NVLink than kernel stores (2 x H200: 390 against 364 GB/s each way
-    /// with both directions busy, docs/perf.md). `usize::MAX` turns it off.
+    /// All-gathers whose gathered output is symmetric and at least this many bytes move their
+    /// data through the copy engines ([`Algorithm::CopyEngine`]; the low-latency forms take
+    /// precedence up to `gather_ll_max_bytes`). The copy engines move about 7 % more over
+    /// NVLink than kernel stores (2 x H200: 390 against 364 GB/s each way with both directions
+    /// busy, docs/perf.md). `usize::MAX` turns it off.
     pub gather_ce_min_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands

@@ -11,26 +11,18 @@ use cuda_multimem::{
 };
 
 use crate::comm::RankHandle;
-use crate::kernels::gather::{
-    ce_pieces, ll_words, pulled_entry, staged_max_blocks, Collective, CE_MAX_PIECES,
-    CE_PIECE_BYTES, CE_RING,
-};
+use crate::kernels::gather::{ll_words, staged_max_blocks, Collective};
 use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::operand::{Dst, Operand, Place, Src};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 
-/// The kernels of one device: by collective, form (`true`: low-latency), type and operator
-/// (all-gather and broadcast under [`ReduceOp::Sum`] only), and reduce-scatter's local
-/// reduction of pulled pieces by type and operator.
-pub(crate) struct Kernels {
-    main: HashMap<(Collective, bool, DType, ReduceOp), Function>,
-    pulled: HashMap<(DType, ReduceOp), Function>,
-}
+/// The kernels of one device, by collective, form (`true`: low-latency), type and operator
+/// (all-gather and broadcast under [`ReduceOp::Sum`] only).
+pub(crate) type Kernels = HashMap<(Collective, bool, DType, ReduceOp), Function>;
 
 /// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
 pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
-    let mut main = HashMap::new();
-    let mut pulled = HashMap::new();
+    let mut functions = HashMap::new();
     for c in Collective::ALL {
         let text = c
             .load_text()
@@ -38,62 +30,43 @@ pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
         let m = Module::load_ptx(device, &text)?;
         for dt in DType::ALL {
             for &op in c.ops() {
-                main.insert((c, false, dt, op), m.function(&c.entry(dt, op))?);
-                main.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
-                if c == Collective::ReduceScatter {
-                    pulled.insert((dt, op), m.function(&pulled_entry(dt, op))?);
-                }
+                functions.insert((c, false, dt, op), m.function(&c.entry(dt, op))?);
+                functions.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
             }
         }
     }
-    Ok(Kernels { main, pulled })
+    Ok(functions)
 }
 
-/// A rank's second stream and events for the copy-engine forms ([`Algorithm::CopyEngine`]):
-/// the copies run on `stream`, forked from the caller's stream after the first barrier
-/// (`fork`) and joined back before the second (`done` for all-gather; the last piece's
-/// `landed` for reduce-scatter, whose caller's stream waits for every piece's copies before
-/// reducing it and records `freed` after, which the copies of the piece `CE_RING` later wait
-/// for).
+/// A rank's second stream for the copy-engine all-gather ([`Algorithm::CopyEngine`]): an
+/// out-of-place call's local copy runs there, forked from the caller's stream after the first
+/// barrier (`fork`) and joined back before the second (`done`), beside the copies to the peers
+/// on the caller's stream.
 pub(crate) struct CeLane {
     stream: Stream,
     fork: Event,
     done: Event,
-    landed: Vec<Event>,
-    freed: Vec<Event>,
 }
 
 impl CeLane {
     fn new(device: &Device) -> Result<CeLane> {
-        let events =
-            |k: u64| -> Result<Vec<Event>> { (0..k).map(|_| Event::new(device, false)).collect() };
         Ok(CeLane {
             stream: Stream::new(device)?,
             fork: Event::new(device, false)?,
             done: Event::new(device, false)?,
-            landed: events(CE_RING)?,
-            freed: events(CE_RING)?,
         })
     }
 }
 
-/// What a copy-engine call moves: the symmetric operand (every rank's address of it as mapped
-/// here, at the operand's offset) and, for reduce-scatter, its pieces through the ring.
+/// Where a copy-engine all-gather writes: every rank's symmetric output as mapped here.
 struct CePlan {
-    /// Rank k's address of the symmetric operand (all-gather: the output; reduce-scatter: the
-    /// input), at the operand's offset.
+    /// Rank k's address of the output (at the operand's offset).
     peers: Vec<u64>,
-    /// This rank's device table of those addresses (the barriers' kernel reads its entry).
+    /// This rank's device table of the output's addresses (the barriers' kernel reads its entry).
     table: u64,
     /// The symmetric buffer's id and the operand's offset (for the call header).
     sym_id: u64,
     sym_off: u64,
-    /// Reduce-scatter: piece bytes (also the stride of a ring entry's copies), ring entries,
-    /// the ring's base (this rank's staging area), the pieces.
-    piece: u64,
-    ring: u64,
-    scratch: u64,
-    pieces: Vec<(u64, u64)>,
 }
 
 /// `len` elements of `T` as bytes, checked against the operand's recorded byte length.
@@ -380,73 +353,38 @@ impl<'a> RankHandle<'a> {
         }
     }
 
-    /// The copy-engine form's plan where it applies (see [`Algorithm::CopyEngine`]): the whole
-    /// buffer at least `gather_ce_min_bytes`; all-gather with a symmetric output,
-    /// reduce-scatter with a symmetric input, 16-byte aligned chunks and output, and a piece
-    /// count within [`CE_MAX_PIECES`]; broadcast never. Every rank that makes the same call
-    /// with operands of the same kind and alignment makes the same choice (the call header
-    /// tells the others apart).
-    fn ce_plan(
-        &self,
-        call: &Call<'_>,
-        ip: u64,
-        op_: u64,
-        chunk: usize,
-        total: usize,
-    ) -> Result<Option<CePlan>> {
+    /// The copy-engine form's plan where it applies (see [`Algorithm::CopyEngine`]): an
+    /// all-gather whose gathered output, at least `gather_ce_min_bytes`, is symmetric. Every
+    /// rank that makes the same call with operands of the same kind makes the same choice (the
+    /// call header tells the others apart).
+    fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Result<Option<CePlan>> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
-        if chunk == 0 || total < inner.config.gather_ce_min_bytes {
+        if call.coll != Collective::AllGather || total < inner.config.gather_ce_min_bytes {
             return Ok(None);
         }
-        let (sym, ptr) = match call.coll {
-            Collective::AllGather => (&call.output, op_),
-            Collective::ReduceScatter => (&call.input, ip),
-            Collective::Broadcast => return Ok(None),
-        };
-        let Place::Sym { buf, offset, .. } = sym.place else {
+        let Place::Sym { buf, offset, .. } = call.output.place else {
             return Ok(None);
         };
         let peers: Vec<u64> = buf.sym.addrs.iter().map(|&a| a + offset as u64).collect();
-        if peers.len() != n || peers[r] != ptr {
+        if peers.len() != n || peers[r] != op_ {
             return Ok(None);
         }
-        let mut plan = CePlan {
+        Ok(Some(CePlan {
             peers,
             table: buf.table(r)?,
             sym_id: buf.id,
             sym_off: offset as u64,
-            piece: 0,
-            ring: 0,
-            scratch: 0,
-            pieces: Vec::new(),
-        };
-        if call.coll == Collective::ReduceScatter {
-            let b = chunk as u64;
-            if b % 16 != 0 || (ip + r as u64 * b) % 16 != 0 || op_ % 16 != 0 {
-                return Ok(None);
-            }
-            let (scratch, area) = inner.p2p.stage_area(r);
-            // a piece is at most a staging slot, so the ring has at least 2 entries of N pieces
-            let piece = CE_PIECE_BYTES.min(inner.p2p.stage_half as u64) & !15;
-            let ring = CE_RING.min(area as u64 / (n as u64 * piece).max(1));
-            let pieces = ce_pieces(b, piece);
-            if piece == 0 || ring < 2 || pieces.len() as u64 > CE_MAX_PIECES {
-                return Ok(None);
-            }
-            (plan.piece, plan.ring, plan.scratch, plan.pieces) = (piece, ring, scratch, pieces);
-        }
-        Ok(Some(plan))
+        }))
     }
 
-    /// Queue a copy-engine call (`plan` from [`Self::ce_plan`]): barrier with the call header
-    /// (every peer is in this call: done with what its stream did with its output or input
-    /// before), the copies on the rank's second stream, forked after the barrier —
-    /// all-gather: my input into every peer's output, the local copy on the caller's stream;
-    /// reduce-scatter: the peers' parts of my chunk, piece by piece, into the ring, each piece
-    /// reduced into my output on the caller's stream once its copies are complete — joined
-    /// back, then a barrier (every peer's copies into my output, or from my input, are
-    /// complete). Memory-ordering argument: docs/design/collectives.md "Copy-engine forms".
+    /// Queue a copy-engine all-gather (`plan` from [`Self::ce_plan`]): a barrier with the call
+    /// header (every peer is in this call, done with what its stream did with its output
+    /// before); my input into chunk r of every peer's output by `cuMemcpyDtoDAsync` on the
+    /// caller's stream and, out of place, into my own on the rank's second stream (forked after
+    /// the barrier, joined back after the peer copies); a barrier (every peer's copies into my
+    /// output are complete). Memory-ordering argument: docs/design/collectives.md
+    /// "Copy-engine all-gather".
     #[allow(clippy::too_many_arguments)]
     fn run_ce(
         &self,
@@ -461,138 +399,72 @@ impl<'a> RankHandle<'a> {
         let inner = &*self.comm.inner;
         let (c, l, n) = (&inner.config, self.local, inner.ranks.n);
         let (r, b) = (l.rank, chunk as u64);
-        let rs = call.coll == Collective::ReduceScatter;
-        let threads = 512u32;
-        let max_blocks = 4 * inner.p2p.multiprocessors.max(1);
-        let blocks_for = |bytes: u64| {
-            (bytes / 16)
-                .div_ceil(threads as u64)
-                .clamp(1, max_blocks as u64) as u32
-        };
         let choice = Choice {
             path: Path::PeerToPeer,
             algorithm: Algorithm::CopyEngine,
-            blocks: if rs { blocks_for(plan.piece.min(b)) } else { 1 },
-            threads: if rs { threads } else { 32 },
+            blocks: 1,
+            threads: 32,
             staged_chunks: 0,
         };
         let meet = l
             .gather
-            .main
             .get(&(Collective::AllGather, false, DType::F32, ReduceOp::Sum))
             .ok_or_else(|| Error::invalid("op", "no all-gather kernel for the barriers"))?;
-        let pulled = if rs {
-            Some(l.gather.pulled.get(&(call.dtype, call.op)).ok_or_else(|| {
-                Error::invalid(
-                    "op",
-                    format!("no reduce-scatter kernel for {} {}", call.dtype, call.op),
-                )
-            })?)
-        } else {
-            None
-        };
         let sig = call_header(&[
             (chunk / call.dtype.size()) as u64,
             call.dtype.code(),
-            if rs { call.op.code() } else { 0xff },
+            0xff,
             call.coll.code(),
             // the form: 3 copy engines
             3,
-            call.root as u64,
+            0,
             plan.sym_id,
             plan.sym_off,
             choice.blocks as u64,
         ]);
         let pad = inner.p2p.pads.addrs[r];
         // SAFETY: the direct all-gather entry (eight .u64 parameters) with no elements: its two
-        // barriers and counters only; it reads the table entry of this rank (a live table of N
-        // addresses of the symmetric operand) and touches no data. Live stream of this device.
+        // barriers and counters only; it reads this rank's entry of the output's table (a live
+        // table of N addresses) and touches no data. A live stream of this device.
         let barrier = || unsafe {
             meet.launch_u64(
                 &LaunchConfig::linear(1, 32),
                 stream,
-                &[
-                    pad,
-                    ip,
-                    plan.peers[r],
-                    0,
-                    plan.table,
-                    0,
-                    sig,
-                    c.timeout_ns(),
-                ],
+                &[pad, ip, op_, 0, plan.table, 0, sig, c.timeout_ns()],
             )
         };
         let mut lane = l.ce.lock();
-        if lane.is_none() {
+        if !in_place && lane.is_none() {
             *lane = Some(CeLane::new(&l.device)?);
         }
-        let lane = lane.as_ref().expect("made above");
-        let t = lane.stream.as_stream_ref();
         inner.ranks.next_call(l);
         let queue = || -> Result<()> {
             barrier()?;
-            lane.fork.record(stream)?;
-            t.wait(&lane.fork)?;
-            if let Some(f) = pulled {
-                let (piece, ring) = (plan.piece, plan.ring as usize);
-                for (i, &(off, len)) in plan.pieces.iter().enumerate() {
-                    let e = i % ring;
-                    let entry = plan.scratch + e as u64 * n as u64 * piece;
-                    if i >= ring {
-                        t.wait(&lane.freed[e])?;
-                    }
-                    for k in (1..n).map(|j| (r + j) % n) {
-                        // SAFETY: peer k's symmetric input (same size and offset as mine,
-                        // checked) holds chunk r at + r * B, the piece within it; the ring
-                        // entry's copy k lies in this rank's staging area (ring × N × piece
-                        // bytes at most, `ce_plan`); a live stream of this device.
-                        unsafe {
-                            t.copy_dtod_async(
-                                entry + k as u64 * piece,
-                                plan.peers[k] + r as u64 * b + off,
-                                len as usize,
-                            )
-                        }?;
-                    }
-                    lane.landed[e].record(t)?;
-                    stream.wait(&lane.landed[e])?;
-                    // SAFETY: the pulled-reduction entry (six .u64 parameters); my chunk's piece
-                    // and the output's lie in the checked operands, the ring entry as above,
-                    // every address and the stride 16-byte aligned (`ce_plan`).
-                    unsafe {
-                        f.launch_u64(
-                            &LaunchConfig::linear(blocks_for(len), threads),
-                            stream,
-                            &[
-                                pad,
-                                ip + r as u64 * b + off,
-                                op_ + off,
-                                len / 16,
-                                entry,
-                                piece,
-                            ],
-                        )
-                    }?;
-                    lane.freed[e].record(stream)?;
-                }
-            } else {
-                for k in (1..n).map(|j| (r + j) % n) {
-                    // SAFETY: my input (checked) into chunk r of peer k's symmetric output
-                    // (same size and offset as mine, checked: it holds N chunks).
-                    unsafe { t.copy_dtod_async(plan.peers[k] + r as u64 * b, ip, chunk) }?;
-                }
-                lane.done.record(t)?;
-                if !in_place {
-                    // SAFETY: my input into chunk r of my output, both checked.
-                    unsafe { stream.copy_dtod_async(op_ + r as u64 * b, ip, chunk) }?;
-                }
+            let lane = lane.as_ref().filter(|_| !in_place);
+            if let Some(lane) = lane {
+                lane.fork.record(stream)?;
+                lane.stream.wait(&lane.fork)?;
+                // SAFETY: my input into chunk r of my output, both checked; a live stream of
+                // this device.
+                unsafe {
+                    lane.stream
+                        .as_stream_ref()
+                        .copy_dtod_async(op_ + r as u64 * b, ip, chunk)
+                }?;
+                lane.done.record(&lane.stream)?;
+            }
+            for k in (1..n).map(|j| (r + j) % n) {
+                // SAFETY: my input (checked) into chunk r of peer k's symmetric output (same
+                // size and offset as mine, checked: it holds N chunks).
+                unsafe { stream.copy_dtod_async(plan.peers[k] + r as u64 * b, ip, chunk) }?;
+            }
+            if let Some(lane) = lane {
                 stream.wait(&lane.done)?;
             }
             barrier()
         };
-        // Work queued after the first barrier and then failing leaves the peers in a call
-        // this rank cannot finish: the team is not usable after that.
+        // Work queued after the first barrier and then failing leaves the peers in a call this
+        // rank cannot finish: the team is not usable after that.
         queue().map_err(|e| inner.ranks.break_with(e))?;
         Ok(choice)
     }
@@ -665,7 +537,7 @@ impl<'a> RankHandle<'a> {
             && total > c.one_shot_max(n);
         // copy engines: large buffers whose symmetric operand lets them (`ce_plan`)
         if !ll {
-            if let Some(plan) = self.ce_plan(&call, ip, op_, chunk, total)? {
+            if let Some(plan) = self.ce_plan(&call, op_, total)? {
                 self.check_stream(&stream)?;
                 return self.run_ce(&call, &plan, ip, op_, chunk, in_place, stream);
             }
@@ -685,7 +557,6 @@ impl<'a> RankHandle<'a> {
         inner.ranks.next_call(l);
         let f = l
             .gather
-            .main
             .get(&(call.coll, ll, call.dtype, call.op))
             .ok_or_else(|| {
                 Error::invalid(

@@ -64,7 +64,7 @@ impl PrologueCopy {
 /// The executor's symmetric areas and launch shapes.
 pub(crate) struct P2p {
     pub(crate) pads: Sym,
-    stages: Sym,
+    _stages: Sym,
     _ll: Sym,
     lands: Sym,
     land_slot: usize,
@@ -126,7 +126,7 @@ impl P2p {
         }
         Ok(P2p {
             pads,
-            stages,
+            _stages: stages,
             _ll: ll,
             lands,
             land_slot,
@@ -134,11 +134,6 @@ impl P2p {
             multiprocessors,
             scratch,
         })
-    }
-
-    /// Local rank `rank`'s staging area as mapped here and its bytes (2 × N slots).
-    pub(crate) fn stage_area(&self, rank: usize) -> (CUdeviceptr, usize) {
-        (self.stages.addrs[rank], self.stages.bytes)
     }
 
     /// Bytes of one of the scratch's three regions, a multiple of 16 (0: no scratch).

@@ -7,7 +7,7 @@
 
 use super::*;
 use crate::kernels::gather::{
-    ll_words, pulled_entry, round_share, staged_rounds, sub_slot_bytes, Collective, RING,
+    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, RING,
 };
 
 /// Register every entry of the three collectives.
@@ -20,37 +20,6 @@ pub(super) fn register() {
             }
         }
     }
-    for d in DType::ALL {
-        for o in Op::ALL {
-            register_kernel(&pulled_entry(d, o), move |a| run_pulled(d, o, a));
-        }
-    }
-}
-
-/// Reduce-scatter's local reduction of pulled pieces: the piece's vectors, the ranks in order
-/// (mine from `p_own`, peer k's from `p_pulled + k * p_stride`), into `p_out`. The kernel's
-/// rule that every address and the stride are 16-byte aligned is checked (it would fault).
-fn run_pulled(d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
-    let pad = a.u64(0)? as usize;
-    let (own, out, units) = (a.u64(1)? as usize, a.u64(2)? as usize, a.u64(3)?);
-    let (pulled, stride) = (a.u64(4)? as usize, a.u64(5)? as usize);
-    a.check(pad, PAD_BYTES, false)?;
-    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
-    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
-    if n == 0 || n > MAX_RANKS || rank >= n {
-        return Err(KernelError::Failed(format!("bad pad: rank {rank} of {n}")));
-    }
-    if (own | out | pulled | stride) % 16 != 0 {
-        return Err(KernelError::Failed(format!(
-            "misaligned vectors: own {own:#x}, out {out:#x}, pulled {pulled:#x}, stride {stride}"
-        )));
-    }
-    a.jitter();
-    let count = units * 16 / d.size() as u64;
-    let srcs: Vec<(usize, u64)> = (0..n)
-        .map(|k| (if k == rank { own } else { pulled + k * stride }, 0))
-        .collect();
-    reduce_into(a, d, op, &srcs, &[out], 0, count)
 }
 
 /// Copy `len` bytes from `src` to `dst` (ranges checked first).

@@ -254,14 +254,10 @@ pub enum Algorithm {
     /// low-latency slots, the receivers poll the data, no barrier. Serves every operand kind
     /// and alignment with no copies outside the kernel. See `docs/design/collectives.md`.
     PushLl,
-    /// Reduce-scatter and all-gather of large buffers (from
-    /// [`crate::CommConfig::gather_ce_min_bytes`]) through the copy engines, between two
-    /// barrier launches. All-gather into a symmetric output: every rank's copy engine writes its
-    /// input into every peer's output (`cuMemcpyDtoDAsync` on a second stream of the rank; the
-    /// local copy, out of place, on the caller's). Reduce-scatter of a symmetric input: every
-    /// rank's copy engine pulls the peers' parts of its chunk, piece by piece, into a ring in
-    /// its own staging area while a local kernel reduces the pieces already there into the
-    /// output. See `docs/design/collectives.md`.
+    /// All-gather of large buffers (from [`crate::CommConfig::gather_ce_min_bytes`]) into a
+    /// symmetric output, through the copy engines: a barrier launch, every rank's input copied
+    /// into chunk r of every peer's output by `cuMemcpyDtoDAsync` (the local copy, out of place,
+    /// on a second stream of the rank), a barrier launch. See `docs/design/collectives.md`.
     CopyEngine,
 }
 

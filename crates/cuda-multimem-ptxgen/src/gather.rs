@@ -43,62 +43,9 @@ pub fn generate(c: Collective) -> String {
         for &op in c.ops() {
             s += &kernel(c, &Flavor { dtype, op });
             s += &ll_kernel(c, &Flavor { dtype, op });
-            if c == Collective::ReduceScatter {
-                s += &pulled_kernel(&Flavor { dtype, op });
-            }
         }
     }
     s
-}
-
-/// Reduce-scatter's local reduction of pulled pieces (the copy-engine form; parameters in
-/// `kernels::gather`): every thread of the grid takes vectors i = its global index + j × the
-/// grid's threads, loads rank k's copy (k = 0.. in order: mine from `p_own`, peer k's from
-/// `p_pulled + k × p_stride`), reduces in f32 and stores into `p_out`. No barrier, no signal:
-/// the copies it reads were complete before it started (stream order on the host).
-fn pulled_kernel(f: &Flavor) -> String {
-    let name = pulled_entry(f.dtype, f.op);
-    let addr_k = "\tsetp.eq.u32 %p19, %r34, %r5;\n\tcvt.u64.u32 %rd27, %r34;\n\tmul.lo.u64 %rd27, %rd27, %rd39;\n\tadd.u64 %rd26, %rd60, %rd27;\n\tselp.b64 %rd26, %rd2, %rd26, %p19;\n\tadd.u64 %rd26, %rd26, %rd21;\n";
-    let body = format!(
-        "\tmov.u32 %r34, 0;\n{addr_k}\tld.global.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{first}\tmov.u32 %r34, 1;\n$L_pr_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_pr_kend;\n{addr_k}\tld.global.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{rest}\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_pr_k;\n$L_pr_kend:\n{out}\tadd.u64 %rd26, %rd3, %rd21;\n\tst.global.v4.b32 [%rd26], {{%r30, %r31, %r32, %r33}};\n",
-        first = f.vec_in(true),
-        rest = f.vec_in(false),
-        out = f.vec_out()
-    );
-    format!(
-        r#"
-.visible .entry {name}(
-	.param .u64 p_ctx,
-	.param .u64 p_own,
-	.param .u64 p_out,
-	.param .u64 p_units,
-	.param .u64 p_pulled,
-	.param .u64 p_stride
-)
-.maxntid 1024, 1, 1
-{{
-{REGS}
-	ld.param.u64 %rd1, [p_ctx];
-	ld.param.u64 %rd2, [p_own];
-	ld.param.u64 %rd3, [p_out];
-	ld.param.u64 %rd10, [p_units];
-	ld.param.u64 %rd60, [p_pulled];
-	ld.param.u64 %rd39, [p_stride];
-	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
-	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
-	// this thread's index in the grid (r40) and the grid's threads (r41)
-	mov.u32 %r1, %tid.x;
-	mov.u32 %r2, %ctaid.x;
-	mov.u32 %r3, %ntid.x;
-	mov.u32 %r4, %nctaid.x;
-	mad.lo.u32 %r40, %r2, %r3, %r1;
-	mul.lo.u32 %r41, %r3, %r4;
-	mov.u64 %rd11, 0;
-{units}	ret;
-}}
-"#,
-        units = strided_by("pr", "%rd11", "%rd10", 4, &body, ("%r40", "%r41"))
-    )
 }
 
 /// Copy one unit from `[src + %rd21]` to `[dst + %rd21]` (`cg`: read past L1, for staging

@@ -134,6 +134,15 @@ impl Delays {
     }
 }
 
+/// Sleep a random time if the session injects delays (kernel launches, host-side kernel steps,
+/// asynchronous copies).
+pub(crate) fn delay(st: &State) {
+    let d = st.ext::<Delays>().draw();
+    if !d.is_zero() {
+        std::thread::sleep(d);
+    }
+}
+
 /// Set the random delay bound of the session (see [`crate::Simulator::set_kernel_delays`]).
 pub(crate) fn set_delays(st: &State, max: Duration, seed: u64) {
     let d = st.ext::<Delays>();
@@ -240,10 +249,7 @@ impl LaunchArgs {
     /// Sleep a random time if the session injects delays ([`crate::Simulator::set_kernel_delays`]);
     /// host equivalents call this between protocol steps so that devices drift apart.
     pub fn jitter(&self) {
-        let d = self.state.ext::<Delays>().draw();
-        if !d.is_zero() {
-            std::thread::sleep(d);
-        }
+        delay(&self.state);
     }
 }
 
@@ -351,9 +357,10 @@ fn function(st: &State, f: CUfunction) -> SimResult<Arc<Function>> {
 }
 
 impl crate::Simulator {
-    /// Inject random delays: every kernel launch, and every [`LaunchArgs::jitter`] inside a
-    /// host-side kernel, first sleeps a random time in `0..=max` (drawn from `seed`), so devices
-    /// drift apart and protocol races show. `Duration::ZERO` turns it off.
+    /// Inject random delays: every kernel launch, every [`LaunchArgs::jitter`] inside a
+    /// host-side kernel and every asynchronous copy first sleeps a random time in `0..=max`
+    /// (drawn from `seed`), so devices drift apart and protocol races show. `Duration::ZERO`
+    /// turns it off.
     pub fn set_kernel_delays(&self, max: Duration, seed: u64) {
         set_delays(&self.session.state, max, seed);
     }

@@ -224,7 +224,14 @@ fn copy_async(st: &Arc<State>, dst: usize, src: usize, len: usize, stream: CUstr
         m.check(dst, len, true)?;
     }
     let s2 = st.clone();
-    crate::stream::enqueue(st, stream, Arc::new(move || copy(&s2, dst, src, len)))
+    crate::stream::enqueue(
+        st,
+        stream,
+        Arc::new(move || {
+            crate::kernel::delay(&s2);
+            copy(&s2, dst, src, len)
+        }),
+    )
 }
 
 /// A synchronous copy or memset: wait for what the real driver waits for first (the legacy

@@ -19,22 +19,6 @@
 //! Each file holds two entries per type (and operator): the staged/direct kernel
 //! ([`Collective::entry`]) and the low-latency form ([`Collective::ll_entry`]: flags in the
 //! data, no barrier; `p_out_tab` is 0 and unused).
-//!
-//! Reduce-scatter's file holds a third entry per type and operator, the local reduction of the
-//! copy-engine form ([`pulled_entry`], [`crate::Algorithm::CopyEngine`]): no barrier, no
-//! signal; six `.u64` parameters:
-//! | # | name | content |
-//! | --- | --- | --- |
-//! | 0 | `p_ctx` | this rank's signal pad (its rank and the team size only) |
-//! | 1 | `p_own` | this rank's input at the piece (chunk r of its input, from the piece's offset) |
-//! | 2 | `p_out` | the output at the piece |
-//! | 3 | `p_units` | 16-byte vectors in the piece |
-//! | 4 | `p_pulled` | the ring entry: peer k's copy of the piece at `p_pulled + k * p_stride` |
-//! | 5 | `p_stride` | bytes between two peers' copies |
-//!
-//! Every address and the stride are 16-byte aligned (the host's rule for the form); every
-//! thread of the grid reduces vectors i = global thread index + j × grid threads, the ranks in
-//! order (mine from `p_own`), 16-bit types in f32 rounded once, and stores them into `p_out`.
 
 use crate::{DType, ReduceOp as Op};
 
@@ -176,55 +160,6 @@ impl Collective {
     }
 }
 
-/// The entry name of reduce-scatter's local reduction of pulled pieces (the copy-engine form).
-pub fn pulled_entry(dtype: DType, op: Op) -> String {
-    format!("cmm_rs_pulled_{}_{}", dtype.name(), op.name())
-}
-
-/// The largest piece a copy-engine reduce-scatter pulls from each peer at once: pieces go
-/// through a ring of up to [`CE_RING`] entries of N pieces in the rank's staging area, so a
-/// piece is also at most one staging slot.
-pub const CE_PIECE_BYTES: u64 = 16 << 20;
-
-/// Entries of the copy-engine reduce-scatter's ring (each N × piece bytes of the staging area).
-pub const CE_RING: u64 = 4;
-
-/// The most pieces one copy-engine reduce-scatter takes (a larger chunk, with small staging
-/// slots, runs the staged kernel): every piece is a copy per peer, an event and a launch.
-pub const CE_MAX_PIECES: u64 = 4096;
-
-/// The pieces (offset, bytes) a copy-engine reduce-scatter moves a chunk of `chunk` bytes in,
-/// with pieces of at most `piece` bytes (a multiple of 16): full pieces, then a tail of three
-/// halving ones (piece / 2, / 4, / 8, where each is at least 4 KiB and a full piece comes
-/// before them), so the reduction left after the last copy is short. Offsets and sizes are
-/// multiples of 16 when `chunk` is. Empty for an empty chunk.
-pub fn ce_pieces(chunk: u64, piece: u64) -> Vec<(u64, u64)> {
-    let piece = piece.max(16);
-    let mut tail = Vec::new();
-    let mut rest = chunk;
-    for k in 1..=3 {
-        let t = (piece >> k) & !15;
-        if t < 4096 || rest < t + piece {
-            break;
-        }
-        tail.push(t);
-        rest -= t;
-    }
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at < rest {
-        let b = piece.min(rest - at);
-        out.push((at, b));
-        at += b;
-    }
-    // piece / 2 first, piece / 8 last
-    for t in tail {
-        out.push((at, t));
-        at += t;
-    }
-    out
-}
-
 /// Rounds of a staged call, the same on every block and rank: a block owns `per` 16-byte units
 /// of a chunk (`per` = ceil(units / G) rounded up to 8) and moves [`round_share`] bytes of them
 /// per round. The counters end at c + 2R.
@@ -238,40 +173,4 @@ pub fn staged_rounds(chunk_bytes: u64, blocks: u64, slot: u64) -> u64 {
 /// 16-bit element); each travels as 8 bytes, so a slot must hold `8 × words` bytes.
 pub fn ll_words(chunk_bytes: u64) -> u64 {
     chunk_bytes.div_ceil(4)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pieces_cover_the_chunk_in_order_and_end_in_a_halving_tail() {
-        let p = 16 << 20;
-        for chunk in [
-            0,
-            16,
-            4096,
-            p - 16,
-            p,
-            p + 16,
-            2 * p,
-            8 * p,
-            8 * p + 48,
-            (1 << 30) / 2,
-        ] {
-            let v = ce_pieces(chunk, p);
-            let mut at = 0;
-            for &(o, b) in &v {
-                assert_eq!(o, at, "{chunk}");
-                assert!(b > 0 && b <= p && b % 16 == 0, "{chunk}: {b}");
-                at += b;
-            }
-            assert_eq!(at, chunk);
-        }
-        let v = ce_pieces(8 * p, p);
-        let sizes: Vec<u64> = v.iter().map(|&(_, b)| b).collect();
-        assert_eq!(&sizes[sizes.len() - 3..], &[p / 2, p / 4, p / 8]);
-        // small pieces (4 KiB staging slots): no tail under 4 KiB
-        assert!(ce_pieces(64 << 10, 4096).iter().all(|&(_, b)| b == 4096));
-    }
 }

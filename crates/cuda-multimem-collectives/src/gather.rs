@@ -11,18 +11,23 @@ use cuda_multimem::{
 };
 
 use crate::comm::RankHandle;
-use crate::kernels::gather::{ll_words, staged_max_blocks, Collective};
+use crate::kernels::gather::{ll_words, staged_max_blocks, Collective, COPY_ENTRY};
 use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::operand::{Dst, Operand, Place, Src};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 
-/// The kernels of one device, by collective, form (`true`: low-latency), type and operator
-/// (all-gather and broadcast under [`ReduceOp::Sum`] only).
-pub(crate) type Kernels = HashMap<(Collective, bool, DType, ReduceOp), Function>;
+/// The kernels of one device: by collective, form (`true`: low-latency), type and operator
+/// (all-gather and broadcast under [`ReduceOp::Sum`] only); and the copy-engine all-gather's
+/// local copy.
+pub(crate) struct Kernels {
+    main: HashMap<(Collective, bool, DType, ReduceOp), Function>,
+    copy: Function,
+}
 
 /// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
 pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
     let mut functions = HashMap::new();
+    let mut copy = None;
     for c in Collective::ALL {
         let text = c
             .load_text()
@@ -34,14 +39,21 @@ pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
                 functions.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
             }
         }
+        if c == Collective::AllGather {
+            copy = Some(m.function(COPY_ENTRY)?);
+        }
     }
-    Ok(functions)
+    Ok(Kernels {
+        main: functions,
+        copy: copy.expect("all-gather is one of Collective::ALL"),
+    })
 }
 
 /// A rank's second stream for the copy-engine all-gather ([`Algorithm::CopyEngine`]): an
-/// out-of-place call's local copy runs there, forked from the caller's stream after the first
-/// barrier (`fork`) and joined back before the second (`done`), beside the copies to the peers
-/// on the caller's stream.
+/// out-of-place call's local copy (a kernel: a second copy-engine copy beside the peer copies
+/// slowed them) runs there, forked from the caller's stream after the first barrier (`fork`)
+/// and joined back before the second (`done`), beside the copies to the peers on the caller's
+/// stream.
 pub(crate) struct CeLane {
     stream: Stream,
     fork: Event,
@@ -408,6 +420,7 @@ impl<'a> RankHandle<'a> {
         };
         let meet = l
             .gather
+            .main
             .get(&(Collective::AllGather, false, DType::F32, ReduceOp::Sum))
             .ok_or_else(|| Error::invalid("op", "no all-gather kernel for the barriers"))?;
         let sig = call_header(&[
@@ -444,12 +457,19 @@ impl<'a> RankHandle<'a> {
             if let Some(lane) = lane {
                 lane.fork.record(stream)?;
                 lane.stream.wait(&lane.fork)?;
-                // SAFETY: my input into chunk r of my output, both checked; a live stream of
+                let blocks = (b / 16)
+                    .div_ceil(512)
+                    .clamp(1, 2 * inner.p2p.multiprocessors.max(1) as u64)
+                    as u32;
+                // SAFETY: the local-copy entry (three .u64 parameters: source, destination,
+                // bytes): my input into chunk r of my output, both checked; a live stream of
                 // this device.
                 unsafe {
-                    lane.stream
-                        .as_stream_ref()
-                        .copy_dtod_async(op_ + r as u64 * b, ip, chunk)
+                    l.gather.copy.launch_u64(
+                        &LaunchConfig::linear(blocks, 512),
+                        &lane.stream,
+                        &[ip, op_ + r as u64 * b, b],
+                    )
                 }?;
                 lane.done.record(&lane.stream)?;
             }
@@ -557,6 +577,7 @@ impl<'a> RankHandle<'a> {
         inner.ranks.next_call(l);
         let f = l
             .gather
+            .main
             .get(&(call.coll, ll, call.dtype, call.op))
             .ok_or_else(|| {
                 Error::invalid(

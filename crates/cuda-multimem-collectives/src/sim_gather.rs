@@ -7,7 +7,7 @@
 
 use super::*;
 use crate::kernels::gather::{
-    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, RING,
+    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, COPY_ENTRY, RING,
 };
 
 /// Register every entry of the three collectives.
@@ -20,6 +20,15 @@ pub(super) fn register() {
             }
         }
     }
+    register_kernel(COPY_ENTRY, |a| {
+        a.jitter();
+        copy(
+            a,
+            a.u64(0)? as usize,
+            a.u64(1)? as usize,
+            a.u64(2)? as usize,
+        )
+    });
 }
 
 /// Copy `len` bytes from `src` to `dst` (ranges checked first).

@@ -45,7 +45,73 @@ pub fn generate(c: Collective) -> String {
             s += &ll_kernel(c, &Flavor { dtype, op });
         }
     }
+    if c == Collective::AllGather {
+        s += &copy_kernel();
+    }
     s
+}
+
+/// The copy-engine all-gather's local copy, out of place ([`COPY_ENTRY`]; parameters `p_src`,
+/// `p_dst`, `p_bytes`): 16-byte vectors when both addresses and the length are multiples of
+/// 16, else bytes; every thread of the grid takes units i = its global index + j × the grid's
+/// threads. No barrier, no signal.
+fn copy_kernel() -> String {
+    let body = |w: &str, ld: &str, st: &str| {
+        format!(
+            "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.{w} {ld}, [%rd24];\n\tadd.u64 %rd25, %rd3, %rd21;\n\tst.global.{w} [%rd25], {st};\n"
+        )
+    };
+    let v = "{%r30, %r31, %r32, %r33}";
+    format!(
+        r#"
+.visible .entry {COPY_ENTRY}(
+	.param .u64 p_src,
+	.param .u64 p_dst,
+	.param .u64 p_bytes
+)
+.maxntid 1024, 1, 1
+{{
+{REGS}
+	ld.param.u64 %rd2, [p_src];
+	ld.param.u64 %rd3, [p_dst];
+	ld.param.u64 %rd4, [p_bytes];
+	// this thread's index in the grid (r40) and the grid's threads (r41)
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r3, %ntid.x;
+	mov.u32 %r4, %nctaid.x;
+	mad.lo.u32 %r40, %r2, %r3, %r1;
+	mul.lo.u32 %r41, %r3, %r4;
+	mov.u64 %rd11, 0;
+	// vectors when src, dst and the length are multiples of 16, else bytes
+	or.b64 %rd16, %rd2, %rd3;
+	or.b64 %rd16, %rd16, %rd4;
+	and.b64 %rd16, %rd16, 15;
+	setp.eq.u64 %p9, %rd16, 0;
+	@!%p9 bra $L_bytes;
+	shr.u64 %rd10, %rd4, 4;
+{vectors}	ret;
+$L_bytes:
+{bytes}	ret;
+}}
+"#,
+        vectors = strided_by(
+            "cv",
+            "%rd11",
+            "%rd10",
+            4,
+            &body("v4.b32", v, v),
+            ("%r40", "%r41")
+        ),
+        bytes = strided_by(
+            "cb",
+            "%rd11",
+            "%rd4",
+            0,
+            &body("u8", "%r30", "%r30"),
+            ("%r40", "%r41")
+        )
+    )
 }
 
 /// Copy one unit from `[src + %rd21]` to `[dst + %rd21]` (`cg`: read past L1, for staging

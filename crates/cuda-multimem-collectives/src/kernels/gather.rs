@@ -160,6 +160,10 @@ impl Collective {
     }
 }
 
+/// The entry, in all-gather's file, of the copy-engine all-gather's local copy (three `.u64`
+/// parameters: source, destination, bytes; 16-byte vectors where all three allow, else bytes).
+pub const COPY_ENTRY: &str = "cmm_ag_copy_local";
+
 /// Rounds of a staged call, the same on every block and rank: a block owns `per` 16-byte units
 /// of a chunk (`per` = ceil(units / G) rounded up to 8) and moves [`round_share`] bytes of them
 /// per round. The counters end at c + 2R.

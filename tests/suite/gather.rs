@@ -578,6 +578,47 @@ fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_
     }
 }
 
+/// The copy engines take an all-gather from `gather_ce_min_bytes` of gathered output in
+/// place and from twice that out of place (the local copy's cost); below, the kernels.
+#[test]
+fn copy_engine_all_gather_starts_at_its_threshold_in_place_and_at_twice_it_out_of_place() {
+    let e = env();
+    let Some(comm) = team(
+        &e,
+        CommConfig {
+            gather_ce_min_bytes: 64 << 10,
+            ..ce_config()
+        },
+    ) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 5;
+    // f32 per rank: 2 x 8191 x 4 bytes is just under 64 KiB, 2 x 8192 x 4 is 64 KiB
+    for (count, in_place, ce) in [
+        (8191, true, false),
+        (8192, true, true),
+        (8192, false, false),
+        (16_383, false, false),
+        (16_384, false, true),
+    ] {
+        let c = once::<f32>(
+            &comm,
+            &s,
+            Kind::AllGather,
+            count,
+            Mem::Sym,
+            in_place,
+            &mut seed,
+        );
+        assert_eq!(
+            c.algorithm == Algorithm::CopyEngine,
+            ce,
+            "{count} per rank, in place {in_place}: {c}"
+        );
+    }
+}
+
 /// Copy-engine all-gathers back to back with every kernel form (low-latency, staged, direct,
 /// the allreduce), random sizes, types and operand kinds, random per-device delays, checked
 /// once all have run, on teams of 2 to 8: the copies of one call (on the caller's stream and

@@ -39,11 +39,15 @@ pub struct CommConfig {
     /// 3.8 µs from 64 to 256 KiB where the staged kernel's one round took about 7 µs, behind
     /// NCCL's 6.1 at 128 KiB (docs/perf.md, session 4). 0 turns them off. At most 16 MiB.
     pub gather_ll_max_bytes: usize,
-    /// All-gathers whose gathered output is symmetric and at least this many bytes move their
-    /// data through the copy engines ([`Algorithm::CopyEngine`]; the low-latency forms take
-    /// precedence up to `gather_ll_max_bytes`). The copy engines move about 7 % more over
-    /// NVLink than kernel stores (2 x H200: 390 against 364 GB/s each way with both directions
-    /// busy, docs/perf.md). `usize::MAX` turns it off.
+    /// All-gathers into a symmetric output move their data through the copy engines
+    /// ([`Algorithm::CopyEngine`]) when the gathered output is at least this many bytes in
+    /// place, twice that out of place (the low-latency forms take precedence up to
+    /// `gather_ll_max_bytes`). The copy engines move about 7 % more over NVLink than kernel
+    /// stores (2 x H200: 392 against 365 GB/s each way with both directions busy) but cost
+    /// about 28 µs more per call (two barrier launches around the copies; out of place, 7 µs
+    /// more for the local copy beside them): default 256 MiB, from where they won on 2 x H200
+    /// (in place 360.6-363.5 against 357-359 GB/s busbw at 256 MiB; out of place 370 against
+    /// 361 at 512 MiB; docs/perf.md). `usize::MAX` turns it off.
     pub gather_ce_min_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
@@ -83,7 +87,7 @@ impl Default for CommConfig {
         CommConfig {
             ll_max_bytes: 64 << 10,
             gather_ll_max_bytes: 1 << 20,
-            gather_ce_min_bytes: 64 << 20,
+            gather_ce_min_bytes: 256 << 20,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,

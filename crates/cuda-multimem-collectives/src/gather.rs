@@ -366,13 +366,23 @@ impl<'a> RankHandle<'a> {
     }
 
     /// The copy-engine form's plan where it applies (see [`Algorithm::CopyEngine`]): an
-    /// all-gather whose gathered output, at least `gather_ce_min_bytes`, is symmetric. Every
-    /// rank that makes the same call with operands of the same kind makes the same choice (the
-    /// call header tells the others apart).
-    fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Result<Option<CePlan>> {
+    /// all-gather whose gathered output is symmetric and at least `gather_ce_min_bytes` (in
+    /// place; out of place twice that: the local copy beside the peer copies costs about 7 µs
+    /// on 2 x H200, where the copy engines win from 256 MiB in place and from 512 MiB out of
+    /// place, docs/perf.md). Every rank that makes the same call with operands of the same
+    /// kind makes the same choice (the call header tells the others apart).
+    fn ce_plan(
+        &self,
+        call: &Call<'_>,
+        op_: u64,
+        total: usize,
+        in_place: bool,
+    ) -> Result<Option<CePlan>> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
-        if call.coll != Collective::AllGather || total < inner.config.gather_ce_min_bytes {
+        let min = inner.config.gather_ce_min_bytes;
+        let min = if in_place { min } else { min.saturating_mul(2) };
+        if call.coll != Collective::AllGather || total < min {
             return Ok(None);
         }
         let Place::Sym { buf, offset, .. } = call.output.place else {
@@ -557,7 +567,7 @@ impl<'a> RankHandle<'a> {
             && total > c.one_shot_max(n);
         // copy engines: large buffers whose symmetric operand lets them (`ce_plan`)
         if !ll {
-            if let Some(plan) = self.ce_plan(&call, op_, total)? {
+            if let Some(plan) = self.ce_plan(&call, op_, total, in_place)? {
                 self.check_stream(&stream)?;
                 return self.run_ce(&call, &plan, ip, op_, chunk, in_place, stream);
             }

@@ -136,9 +136,6 @@ struct Args {
     /// the operands allow; a value above every size: never).
     #[arg(long)]
     ce_min: Option<usize>,
-    /// CommConfig::gather_ce_piece_bytes.
-    #[arg(long)]
-    ce_piece: Option<usize>,
     /// Symmetric operands only: call the in-place forms on the output (all-gather, broadcast)
     /// or the input (reduce-scatter); timed only (no check).
     #[arg(long)]
@@ -161,9 +158,6 @@ impl Args {
         }
         if let Some(v) = self.ce_min {
             c.gather_ce_min_bytes = v;
-        }
-        if let Some(v) = self.ce_piece {
-            c.gather_ce_piece_bytes = v;
         }
         c
     }

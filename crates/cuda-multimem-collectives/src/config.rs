@@ -49,10 +49,6 @@ pub struct CommConfig {
     /// (in place 360.6-363.5 against 357-359 GB/s busbw at 256 MiB; out of place 370 against
     /// 361 at 512 MiB; docs/perf.md). `usize::MAX` turns it off.
     pub gather_ce_min_bytes: usize,
-    /// Bytes of a copy-engine reduce-scatter's pieces (each copied, flagged and reduced on its
-    /// own; the last three halve): smaller pieces leave less reduction after the last copy,
-    /// larger ones fewer flags. At least 4 KiB, at most 1 GiB.
-    pub gather_ce_piece_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
     /// allow it; docs/design/rmsnorm.md); the low-latency slots are sized for the larger of
@@ -92,7 +88,6 @@ impl Default for CommConfig {
             ll_max_bytes: 64 << 10,
             gather_ll_max_bytes: 1 << 20,
             gather_ce_min_bytes: 256 << 20,
-            gather_ce_piece_bytes: 16 << 20,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,
@@ -203,12 +198,6 @@ impl CommConfig {
                 ));
             }
         }
-        if !(4096..=1 << 30).contains(&self.gather_ce_piece_bytes) {
-            return Err(Error::invalid(
-                "config.gather_ce_piece_bytes",
-                format!("{}; expected 4 KiB to 1 GiB", self.gather_ce_piece_bytes),
-            ));
-        }
         at_most("config.ce_max_bytes", self.ce_max_bytes, 64 << 30, "64 GiB")?;
         at_most(
             "config.ce_min_bytes",
@@ -285,7 +274,6 @@ impl CommConfig {
             self.norm_ll_max_bytes as u64,
             self.gather_ll_max_bytes as u64,
             self.gather_ce_min_bytes as u64,
-            self.gather_ce_piece_bytes as u64,
             self.timeout_ns(),
             multiprocessors as u64,
         ] {

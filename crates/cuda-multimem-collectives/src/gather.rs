@@ -66,9 +66,6 @@ pub(crate) struct CeLane {
     stream: Stream,
     fork: Event,
     done: Event,
-    /// A third stream (the reduce-scatter's odd pieces) and its join.
-    stream2: Stream,
-    done2: Event,
 }
 
 impl CeLane {
@@ -77,8 +74,6 @@ impl CeLane {
             stream: Stream::new(device)?,
             fork: Event::new(device, false)?,
             done: Event::new(device, false)?,
-            stream2: Stream::new(device)?,
-            done2: Event::new(device, false)?,
         })
     }
 }
@@ -95,6 +90,9 @@ struct CePlan {
     /// Reduce-scatter: its pieces (offset, bytes) in the chunk (empty for all-gather).
     pieces: Vec<(u64, u64)>,
 }
+
+/// The copy-engine reduce-scatter's pieces: 16 MiB and a halving tail (`ce_pieces`).
+const CE_PIECE_BYTES: u64 = 16 << 20;
 
 /// `len` elements of `T` as bytes, checked against the operand's recorded byte length.
 fn bytes_of<T>(len: usize, recorded: usize, arg: &'static str) -> Result<usize> {
@@ -420,7 +418,7 @@ impl<'a> RankHandle<'a> {
             if b % 16 != 0 || (ip + r as u64 * b) % 16 != 0 || op_ % 16 != 0 {
                 return Ok(None);
             }
-            pieces = ce_pieces(b, inner.config.gather_ce_piece_bytes as u64);
+            pieces = ce_pieces(b, CE_PIECE_BYTES);
         }
         Ok(Some(CePlan {
             peers,
@@ -516,17 +514,12 @@ impl<'a> RankHandle<'a> {
                 // ranks), on the second stream; each piece's reduction on the caller's stream
                 // waits for the peer's flag. No second barrier: every byte the peer writes into
                 // my output came before a flag my kernels waited for, and nobody reads my memory.
-                let ts = [lane.stream.as_stream_ref(), lane.stream2.as_stream_ref()];
+                let t = lane.stream.as_stream_ref();
                 lane.fork.record(stream)?;
-                for t in ts {
-                    t.wait(&lane.fork)?;
-                }
+                t.wait(&lane.fork)?;
                 let p = 1 - r;
                 let (mine, theirs) = (inner.p2p.ce_flags(r), inner.p2p.ce_flags(p));
                 for (i, &(off, len)) in plan.pieces.iter().enumerate() {
-                    // pieces alternate between the two streams: one's copy runs while the
-                    // other waits for its last copy to complete and sends its flag
-                    let t = ts[i % 2];
                     // SAFETY: chunk p of my input (checked: N chunks of B bytes) into peer p's
                     // symmetric output (B bytes at the same offset as mine, checked), the piece
                     // within both; then 4 bytes of my pad (its first counter) into flag i of
@@ -557,10 +550,8 @@ impl<'a> RankHandle<'a> {
                         )
                     }?;
                 }
-                lane.done.record(ts[0])?;
-                lane.done2.record(ts[1])?;
-                stream.wait(&lane.done)?;
-                return stream.wait(&lane.done2);
+                lane.done.record(t)?;
+                return stream.wait(&lane.done);
             }
             let lane = lane.as_ref().filter(|_| !in_place);
             if let Some(lane) = lane {

@@ -544,23 +544,11 @@ fn ce_config() -> CommConfig {
     }
 }
 
-/// Whether a call of a two-rank team takes the copy engines under [`ce_config`]: an all-gather
-/// into a symmetric output; a reduce-scatter out of place into a symmetric output, its chunks
-/// and output 16-byte aligned.
-fn takes_ce(kind: Kind, mem: Mem, in_place: bool, count: usize, es: usize) -> bool {
-    match kind {
-        Kind::AllGather => mem != Mem::Own,
-        Kind::ReduceScatter(_) => mem == Mem::Sym && !in_place && (count * es).is_multiple_of(16),
-        _ => false,
-    }
-}
-
-/// All-gather and reduce-scatter through the copy engines equal the host references for every
-/// type and operator, in place and out of place, at any offset of the symmetric operands;
-/// the calls the forms cannot take (the caller's own output, in-place or unaligned
-/// reduce-scatters) and broadcast keep their kernels, also correct. Both drivers.
+/// All-gather through the copy engines equals the host reference for every type, in place and
+/// out of place, at any offset of the symmetric output; an all-gather into the caller's own
+/// memory, reduce-scatter and broadcast keep their kernels, also correct. Both drivers.
 #[test]
-fn copy_engine_forms_equal_the_host_reference_for_every_dtype_op_and_operand_kind() {
+fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
     let e = env();
     let Some(comm) = team(&e, ce_config()) else {
         return;
@@ -573,24 +561,15 @@ fn copy_engine_forms_equal_the_host_reference_for_every_dtype_op_and_operand_kin
         for count in [3, 1000, 20_000] {
             for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
                 for in_place in [false, true] {
-                    for (c, es) in [
-                        (
-                            once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
-                            4,
-                        ),
-                        (
-                            once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
-                            2,
-                        ),
-                        (
-                            once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
-                            2,
-                        ),
+                    for c in [
+                        once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
                     ] {
                         assert_eq!(
                             c.algorithm == Algorithm::CopyEngine,
-                            takes_ce(kind, mem, in_place, count, es),
-                            "{kind:?} of {count} x {es} bytes, {mem:?}, in place {in_place}: {c}"
+                            kind == Kind::AllGather && mem != Mem::Own,
+                            "{kind:?} of {count}, {mem:?}, in place {in_place}: {c}"
                         );
                     }
                 }
@@ -640,11 +619,10 @@ fn copy_engine_all_gather_starts_at_its_threshold_in_place_and_at_twice_it_out_o
     }
 }
 
-/// Copy-engine calls back to back with every kernel form (low-latency, staged, direct, the
-/// allreduce), random sizes, types and operand kinds, random per-device delays, checked once
-/// all have run, on teams of 2 to 8 (reduce-scatters through the copy engines on the team of
-/// 2): the copies of one call (on the caller's stream and the rank's second one) and its flags
-/// must not run into the previous call's or the next one's work.
+/// Copy-engine all-gathers back to back with every kernel form (low-latency, staged, direct,
+/// the allreduce), random sizes, types and operand kinds, random per-device delays, checked
+/// once all have run, on teams of 2 to 8: the copies of one call (on the caller's stream and
+/// the rank's second one) must not run into the previous call's or the next one's work.
 #[test]
 fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of_2_to_8() {
     for (n, seed) in [(2usize, 11u64), (3, 12), (5, 13), (8, 14)] {
@@ -694,11 +672,10 @@ fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of
     }
 }
 
-/// The outputs are complete in the caller's stream order when the calls return to it: a
-/// reduce-scatter whose result the next all-gather takes as input, then a copy of the gathered
-/// output queued next on the same stream, see every rank's data, though the peers' copies
-/// start late (random delays before every simulated copy and launch). Without the
-/// all-gather's final barrier the snapshot misses chunks.
+/// The gathered output is complete in the caller's stream order when the call returns to it:
+/// a copy of it queued next on the same stream sees every rank's chunk, though the peers'
+/// copies into it start late (random delays before every simulated copy and launch). Without
+/// the final barrier the snapshot misses chunks.
 #[test]
 fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
     for (n, seed) in [(2usize, 21u64), (3, 22), (5, 23)] {
@@ -706,23 +683,20 @@ fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
         let s = streams(&comm);
         let count = 3000;
         let mut data = seed;
-        let input = comm.alloc::<f32>(n * count).unwrap();
+        let input = comm.alloc::<f32>(count).unwrap();
         let mut output = comm.alloc::<f32>(n * count).unwrap();
-        let mut rs_out = comm.alloc::<f32>(count).unwrap();
         for round in 0..4 {
-            let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut data)).collect();
+            let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut data)).collect();
             for (r, x) in ins.iter().enumerate() {
                 input.write(r, 0, x).unwrap();
             }
-            // a reduce-scatter first (copy engines on the team of 2), all-gathering its result
             let mut snaps = Vec::new();
             for (r, st) in s.iter().enumerate() {
-                let h = comm.rank(r).unwrap();
-                let c = h
-                    .reduce_scatter(&input, &mut rs_out, ReduceOp::Sum, st)
+                let c = comm
+                    .rank(r)
+                    .unwrap()
+                    .all_gather(&input, &mut output, st)
                     .unwrap();
-                assert_eq!(c.algorithm == Algorithm::CopyEngine, n == 2);
-                let c = h.all_gather(rs_out.as_slice(), &mut output, st).unwrap();
                 assert_eq!(c.algorithm, Algorithm::CopyEngine);
                 let snap = DeviceBuffer::<f32>::zeroed(comm.device(r).unwrap(), n * count).unwrap();
                 // SAFETY: both ranges are n * count f32 of this rank's device memory (its part
@@ -741,9 +715,7 @@ fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
             sync(&s);
             comm.check().unwrap();
             let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
-            let parts = reduce_scatter_reference(ReduceOp::Sum, &refs);
-            let parts: Vec<&[f32]> = parts.iter().map(|v| v.as_slice()).collect();
-            let want = all_gather_reference(&parts);
+            let want = all_gather_reference(&refs);
             for (r, snap) in snaps.iter().enumerate() {
                 assert_eq!(
                     snap.to_vec().unwrap(),
@@ -755,20 +727,14 @@ fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
     }
 }
 
-/// Copy-engine calls captured in a graph (the fork onto the rank's second stream and the join
-/// inside the capture; the reduce-scatter's flags take this call's counter from the device)
-/// replay correctly with new inputs: teams of 2 (reduce-scatter through the copy engines too)
-/// and 3 (staged reduce-scatter).
+/// Copy-engine all-gathers captured in a graph (out of place: the fork onto the rank's second
+/// stream and the join inside the capture) replay correctly with new inputs, between staged
+/// reduce-scatters.
 #[test]
 fn captured_copy_engine_calls_replay_with_new_inputs() {
-    for n in [2, 3] {
-        captured_copy_engine_calls(n);
-    }
-}
-
-fn captured_copy_engine_calls(n: usize) {
-    let e = sim(SimConfig::new(n, 13000));
+    let e = sim(SimConfig::new(3, 13000));
     let devices = e.driver.devices();
+    let n = 3;
     let comm = Communicator::builder(&devices)
         .config(ce_config())
         .multicast(MulticastPolicy::Never)
@@ -791,12 +757,7 @@ fn captured_copy_engine_calls(n: usize) {
         let c = h
             .reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum, st)
             .unwrap();
-        let want = if n == 2 {
-            Algorithm::CopyEngine
-        } else {
-            Algorithm::PushStaged
-        };
-        assert_eq!(c.algorithm, want);
+        assert_eq!(c.algorithm, Algorithm::PushStaged);
         for c in [
             h.all_gather(&ag_ins[r], &mut ag_out, st).unwrap(),
             h.all_gather_in_place(&mut ag_in_place, st).unwrap(),
@@ -834,12 +795,11 @@ fn captured_copy_engine_calls(n: usize) {
     }
 }
 
-/// A copy-engine call whose peer calls something else (another size; the staged kernel, its
-/// output being its own memory) is reported by `check()` as a disagreement (or, for the
-/// reduce-scatter, whose kernels then wait for flags that never come, a timeout); one whose
-/// peer never calls, as a timeout.
+/// A copy-engine all-gather whose peer calls something else (another size; the staged kernel,
+/// its output being its own memory) is reported by `check()` as a disagreement; one whose peer
+/// never calls, as a timeout.
 #[test]
-fn copy_engine_calls_report_disagreeing_and_missing_peers() {
+fn copy_engine_all_gathers_report_disagreeing_and_missing_peers() {
     let team_of = |n: usize| {
         let e = sim(SimConfig::new(n, 13000));
         let comm = Communicator::builder(&e.driver.devices())
@@ -898,47 +858,6 @@ fn copy_engine_calls_report_disagreeing_and_missing_peers() {
         match comm.check() {
             Err(Error::RanksDisagree { .. }) => {}
             other => panic!("copy engines / staged: got {other:?}"),
-        }
-    }
-    // rank 0's reduce-scatter through the copy engines, rank 1's staged (own output)
-    {
-        let (_e, comm, s) = team_of(2);
-        let input = comm.alloc::<f32>(8000).unwrap();
-        let mut output = comm.alloc::<f32>(4000).unwrap();
-        let mut own = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), 4000).unwrap();
-        let c0 = comm
-            .rank(0)
-            .unwrap()
-            .reduce_scatter(&input, &mut output, ReduceOp::Max, &s[0])
-            .unwrap();
-        let c1 = comm
-            .rank(1)
-            .unwrap()
-            .reduce_scatter(&input, &mut own, ReduceOp::Max, &s[1])
-            .unwrap();
-        assert_eq!(c0.algorithm, Algorithm::CopyEngine);
-        assert_eq!(c1.algorithm, Algorithm::PushStaged);
-        sync(&s);
-        match comm.check() {
-            Err(Error::RanksDisagree { .. }) | Err(Error::Timeout { .. }) => {}
-            other => panic!("reduce-scatter copy engines / staged: got {other:?}"),
-        }
-    }
-    // rank 0 calls a copy-engine reduce-scatter, rank 1 never does
-    {
-        let (_e, comm, s) = team_of(2);
-        let input = comm.alloc::<f32>(8000).unwrap();
-        let mut output = comm.alloc::<f32>(4000).unwrap();
-        let c = comm
-            .rank(0)
-            .unwrap()
-            .reduce_scatter(&input, &mut output, ReduceOp::Sum, &s[0])
-            .unwrap();
-        assert_eq!(c.algorithm, Algorithm::CopyEngine);
-        sync(&s);
-        match comm.check() {
-            Err(Error::Timeout { .. }) => {}
-            other => panic!("a lone copy-engine reduce-scatter: got {other:?}"),
         }
     }
     // ranks 0 and 1 call; rank 2 never does

@@ -11,10 +11,8 @@ use cuda_multimem::{
 };
 
 use crate::comm::RankHandle;
-use crate::kernels::gather::{
-    ce_pieces, landed_entry, ll_words, staged_max_blocks, Collective, COPY_ENTRY,
-};
-use crate::kernels::{call_header, MAX_BLOCKS, OFF_CTR};
+use crate::kernels::gather::{ll_words, staged_max_blocks, Collective, COPY_ENTRY};
+use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::operand::{Dst, Operand, Place, Src};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 
@@ -24,14 +22,12 @@ use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 pub(crate) struct Kernels {
     main: HashMap<(Collective, bool, DType, ReduceOp), Function>,
     copy: Function,
-    landed: HashMap<(DType, ReduceOp), Function>,
 }
 
 /// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
 pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
     let mut functions = HashMap::new();
     let mut copy = None;
-    let mut landed = HashMap::new();
     for c in Collective::ALL {
         let text = c
             .load_text()
@@ -41,9 +37,6 @@ pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
             for &op in c.ops() {
                 functions.insert((c, false, dt, op), m.function(&c.entry(dt, op))?);
                 functions.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
-                if c == Collective::ReduceScatter {
-                    landed.insert((dt, op), m.function(&landed_entry(dt, op))?);
-                }
             }
         }
         if c == Collective::AllGather {
@@ -53,7 +46,6 @@ pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
     Ok(Kernels {
         main: functions,
         copy: copy.expect("all-gather is one of Collective::ALL"),
-        landed,
     })
 }
 
@@ -87,12 +79,7 @@ struct CePlan {
     /// The symmetric buffer's id and the operand's offset (for the call header).
     sym_id: u64,
     sym_off: u64,
-    /// Reduce-scatter: its pieces (offset, bytes) in the chunk (empty for all-gather).
-    pieces: Vec<(u64, u64)>,
 }
-
-/// The copy-engine reduce-scatter's pieces: 16 MiB and a halving tail (`ce_pieces`).
-const CE_PIECE_BYTES: u64 = 16 << 20;
 
 /// `len` elements of `T` as bytes, checked against the operand's recorded byte length.
 fn bytes_of<T>(len: usize, recorded: usize, arg: &'static str) -> Result<usize> {
@@ -387,7 +374,6 @@ impl<'a> RankHandle<'a> {
     fn ce_plan(
         &self,
         call: &Call<'_>,
-        ip: u64,
         op_: u64,
         total: usize,
         in_place: bool,
@@ -395,37 +381,22 @@ impl<'a> RankHandle<'a> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
         let min = inner.config.gather_ce_min_bytes;
-        let (min, sym) = match call.coll {
-            Collective::AllGather if in_place => (min, &call.output),
-            Collective::AllGather => (min.saturating_mul(2), &call.output),
-            // two ranks, out of place: the peer's copy engine writes its part into my output
-            Collective::ReduceScatter if n == 2 && !in_place => (min, &call.output),
-            _ => return Ok(None),
-        };
-        if total < min {
+        let min = if in_place { min } else { min.saturating_mul(2) };
+        if call.coll != Collective::AllGather || total < min {
             return Ok(None);
         }
-        let Place::Sym { buf, offset, .. } = sym.place else {
+        let Place::Sym { buf, offset, .. } = call.output.place else {
             return Ok(None);
         };
         let peers: Vec<u64> = buf.sym.addrs.iter().map(|&a| a + offset as u64).collect();
         if peers.len() != n || peers[r] != op_ {
             return Ok(None);
         }
-        let mut pieces = Vec::new();
-        if call.coll == Collective::ReduceScatter {
-            let b = call.output.bytes as u64;
-            if b % 16 != 0 || (ip + r as u64 * b) % 16 != 0 || op_ % 16 != 0 {
-                return Ok(None);
-            }
-            pieces = ce_pieces(b, CE_PIECE_BYTES);
-        }
         Ok(Some(CePlan {
             peers,
             table: buf.table(r)?,
             sym_id: buf.id,
             sym_off: offset as u64,
-            pieces,
         }))
     }
 
@@ -450,17 +421,11 @@ impl<'a> RankHandle<'a> {
         let inner = &*self.comm.inner;
         let (c, l, n) = (&inner.config, self.local, inner.ranks.n);
         let (r, b) = (l.rank, chunk as u64);
-        let rs = call.coll == Collective::ReduceScatter;
-        let threads = 512u32;
-        let max_blocks = 2 * inner.p2p.multiprocessors.max(1) as u64;
-        let blocks_for =
-            |bytes: u64| (bytes / 16).div_ceil(threads as u64).clamp(1, max_blocks) as u32;
-        let largest = plan.pieces.iter().map(|&(_, x)| x).max().unwrap_or(0);
         let choice = Choice {
             path: Path::PeerToPeer,
             algorithm: Algorithm::CopyEngine,
-            blocks: if rs { blocks_for(largest) } else { 1 },
-            threads: if rs { threads } else { 32 },
+            blocks: 1,
+            threads: 32,
             staged_chunks: 0,
         };
         let meet = l
@@ -468,20 +433,10 @@ impl<'a> RankHandle<'a> {
             .main
             .get(&(Collective::AllGather, false, DType::F32, ReduceOp::Sum))
             .ok_or_else(|| Error::invalid("op", "no all-gather kernel for the barriers"))?;
-        let landed = if rs {
-            Some(l.gather.landed.get(&(call.dtype, call.op)).ok_or_else(|| {
-                Error::invalid(
-                    "op",
-                    format!("no reduce-scatter kernel for {} {}", call.dtype, call.op),
-                )
-            })?)
-        } else {
-            None
-        };
         let sig = call_header(&[
             (chunk / call.dtype.size()) as u64,
             call.dtype.code(),
-            if rs { call.op.code() } else { 0xff },
+            0xff,
             call.coll.code(),
             // the form: 3 copy engines
             3,
@@ -502,57 +457,12 @@ impl<'a> RankHandle<'a> {
             )
         };
         let mut lane = l.ce.lock();
-        if (rs || !in_place) && lane.is_none() {
+        if !in_place && lane.is_none() {
             *lane = Some(CeLane::new(&l.device)?);
         }
         inner.ranks.next_call(l);
         let queue = || -> Result<()> {
             barrier()?;
-            if let (Some(f), Some(lane)) = (landed, lane.as_ref()) {
-                // reduce-scatter, two ranks: my input's chunk p into p's output, piece by piece,
-                // each followed by its flag (my counter after the barrier: the same on both
-                // ranks), on the second stream; each piece's reduction on the caller's stream
-                // waits for the peer's flag. No second barrier: every byte the peer writes into
-                // my output came before a flag my kernels waited for, and nobody reads my memory.
-                let t = lane.stream.as_stream_ref();
-                lane.fork.record(stream)?;
-                t.wait(&lane.fork)?;
-                let p = 1 - r;
-                let (mine, theirs) = (inner.p2p.ce_flags(r), inner.p2p.ce_flags(p));
-                for (i, &(off, len)) in plan.pieces.iter().enumerate() {
-                    // SAFETY: chunk p of my input (checked: N chunks of B bytes) into peer p's
-                    // symmetric output (B bytes at the same offset as mine, checked), the piece
-                    // within both; then 4 bytes of my pad (its first counter) into flag i of
-                    // p's flags (CE_MAX_PIECES of them, `ce_pieces` makes at most that many); a
-                    // live stream of this device.
-                    unsafe {
-                        t.copy_dtod_async(
-                            plan.peers[p] + off,
-                            ip + p as u64 * b + off,
-                            len as usize,
-                        )?;
-                        t.copy_dtod_async(theirs + 4 * i as u64, pad + OFF_CTR as u64, 4)?;
-                    }
-                    // SAFETY: the landed-piece entry (six .u64 parameters): chunk r of my input
-                    // and my output at the piece (checked, 16-byte aligned: `ce_plan`), my flag i.
-                    unsafe {
-                        f.launch_u64(
-                            &LaunchConfig::linear(blocks_for(len), threads),
-                            stream,
-                            &[
-                                pad,
-                                ip + r as u64 * b + off,
-                                op_ + off,
-                                len / 16,
-                                mine + 4 * i as u64,
-                                c.timeout_ns(),
-                            ],
-                        )
-                    }?;
-                }
-                lane.done.record(t)?;
-                return stream.wait(&lane.done);
-            }
             let lane = lane.as_ref().filter(|_| !in_place);
             if let Some(lane) = lane {
                 lane.fork.record(stream)?;
@@ -657,7 +567,7 @@ impl<'a> RankHandle<'a> {
             && total > c.one_shot_max(n);
         // copy engines: large buffers whose symmetric operand lets them (`ce_plan`)
         if !ll {
-            if let Some(plan) = self.ce_plan(&call, ip, op_, total, in_place)? {
+            if let Some(plan) = self.ce_plan(&call, op_, total, in_place)? {
                 self.check_stream(&stream)?;
                 return self.run_ce(&call, &plan, ip, op_, chunk, in_place, stream);
             }

@@ -68,8 +68,6 @@ pub(crate) struct P2p {
     _ll: Sym,
     lands: Sym,
     land_slot: usize,
-    /// The copy-engine reduce-scatter's flags: one `u32` per piece per rank (zeroed).
-    ce_flags: Sym,
     pub(crate) stage_half: usize,
     pub(crate) multiprocessors: u32,
     /// Scratch for the caller's own memory above the one-shot limit: three regions.
@@ -95,11 +93,6 @@ impl P2p {
             .max(4096)
             .next_multiple_of(4096);
         let lands = Sym::new(ranks, n * land_slot, false)?;
-        let ce_flags = Sym::new(
-            ranks,
-            4 * crate::kernels::gather::CE_MAX_PIECES as usize,
-            true,
-        )?;
         let scratch = match config.scratch_total() {
             0 => None,
             b => Some(SymBuf::new(
@@ -137,16 +130,10 @@ impl P2p {
             _ll: ll,
             lands,
             land_slot,
-            ce_flags,
             stage_half,
             multiprocessors,
             scratch,
         })
-    }
-
-    /// Rank k's copy-engine reduce-scatter flags as mapped here.
-    pub(crate) fn ce_flags(&self, k: usize) -> CUdeviceptr {
-        self.ce_flags.addrs[k]
     }
 
     /// Bytes of one of the scratch's three regions, a multiple of 16 (0: no scratch).

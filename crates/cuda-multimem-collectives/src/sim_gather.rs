@@ -7,8 +7,7 @@
 
 use super::*;
 use crate::kernels::gather::{
-    landed_entry, ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, COPY_ENTRY,
-    RING,
+    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, COPY_ENTRY, RING,
 };
 
 /// Register every entry of the three collectives.
@@ -21,11 +20,6 @@ pub(super) fn register() {
             }
         }
     }
-    for d in DType::ALL {
-        for o in Op::ALL {
-            register_kernel(&landed_entry(d, o), move |a| run_landed(d, o, a));
-        }
-    }
     register_kernel(COPY_ENTRY, |a| {
         a.jitter();
         copy(
@@ -35,48 +29,6 @@ pub(super) fn register() {
             a.u64(2)? as usize,
         )
     });
-}
-
-/// Reduce-scatter's copy-engine reduction of one landed piece: wait for the piece's flag to
-/// reach the counter of block 0 (acquire; bounded by the timeout, then `ERR_TIMEOUT`, or until
-/// the error word is set: then nothing is reduced), then `p_out = p_own (op) p_out` over the
-/// piece's vectors (16-byte aligned addresses: the kernel's rule, checked here).
-fn run_landed(d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
-    let pad = a.u64(0)? as usize;
-    let (own, out, units) = (a.u64(1)? as usize, a.u64(2)? as usize, a.u64(3)?);
-    let (flag, timeout) = (a.u64(4)? as usize, Duration::from_nanos(a.u64(5)?));
-    a.check(pad, PAD_BYTES, true)?;
-    a.check(flag, 4, false)?;
-    if (own | out) % 16 != 0 || flag % 4 != 0 {
-        return Err(KernelError::Failed(format!(
-            "misaligned: own {own:#x}, out {out:#x}, flag {flag:#x}"
-        )));
-    }
-    a.jitter();
-    let want = u32_at(pad + OFF_CTR).load(Ordering::Relaxed);
-    let err = u32_at(pad + OFF_ERR);
-    let start = Instant::now();
-    let mut spins = 0u32;
-    loop {
-        if u32_at(flag).load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0 {
-            break;
-        }
-        if err.load(Ordering::Relaxed) != 0 {
-            return Ok(());
-        }
-        if start.elapsed() >= timeout {
-            let _ = err.compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
-            return Ok(());
-        }
-        spins += 1;
-        if spins < 64 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
-    }
-    let count = units * 16 / d.size() as u64;
-    reduce_into(a, d, op, &[(own, 0), (out, 0)], &[out], 0, count)
 }
 
 /// Copy `len` bytes from `src` to `dst` (ranges checked first).

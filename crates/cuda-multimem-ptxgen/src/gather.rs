@@ -48,76 +48,7 @@ pub fn generate(c: Collective) -> String {
     if c == Collective::AllGather {
         s += &copy_kernel();
     }
-    if c == Collective::ReduceScatter {
-        s += "\n// the landed-piece kernels' go word: the flag arrived (1) or not (0)\n.shared .align 4 .u32 cmm_rs_landed_go;\n";
-        for dtype in DType::ALL {
-            for &op in c.ops() {
-                s += &landed_kernel(&Flavor { dtype, op });
-            }
-        }
-    }
     s
-}
-
-/// Reduce-scatter's copy-engine reduction of one landed piece (parameters in
-/// `kernels::gather::landed_entry`): thread 0 of each block waits for the piece's flag to
-/// reach this call's counter (the peer's copy engine sets it after the piece's data; acquire,
-/// bounded by the timeout or the error word), the block meets at `bar.sync`, then every thread
-/// of the grid reduces vectors of my chunk and the landed part (read past L1: the copy engine
-/// wrote it while this kernel ran) into my output. A block whose wait failed reduces nothing.
-fn landed_kernel(f: &Flavor) -> String {
-    let name = landed_entry(f.dtype, f.op);
-    let body = format!(
-        "\tadd.u64 %rd26, %rd2, %rd21;\n\tld.global.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{first}\tadd.u64 %rd26, %rd3, %rd21;\n\tld.global.cg.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd26];\n{rest}{out}\tst.global.v4.b32 [%rd26], {{%r30, %r31, %r32, %r33}};\n",
-        first = f.vec_in(true),
-        rest = f.vec_in(false),
-        out = f.vec_out()
-    );
-    format!(
-        r#"
-.visible .entry {name}(
-	.param .u64 p_ctx,
-	.param .u64 p_own,
-	.param .u64 p_out,
-	.param .u64 p_units,
-	.param .u64 p_flag,
-	.param .u64 p_timeout
-)
-.maxntid 1024, 1, 1
-{{
-{REGS}
-	ld.param.u64 %rd1, [p_ctx];
-	ld.param.u64 %rd2, [p_own];
-	ld.param.u64 %rd3, [p_out];
-	ld.param.u64 %rd10, [p_units];
-	ld.param.u64 %rd5, [p_flag];
-	ld.param.u64 %rd8, [p_timeout];
-	mov.u32 %r1, %tid.x;
-	mov.u32 %r2, %ctaid.x;
-	mov.u32 %r3, %ntid.x;
-	mov.u32 %r4, %nctaid.x;
-	// this call's counter (block 0's, after the first barrier): the flag's value
-	ld.global.u32 %r7, [%rd1+{OFF_CTR}];
-	setp.ne.u32 %p1, %r1, 0;
-	@%p1 bra $L_w_done;
-	st.shared.u32 [cmm_rs_landed_go], 0;
-{spin}	st.shared.u32 [cmm_rs_landed_go], 1;
-$L_w_done:
-	bar.sync 0;
-	ld.shared.u32 %r45, [cmm_rs_landed_go];
-	setp.eq.u32 %p14, %r45, 0;
-	@%p14 bra $L_exit;
-	// this thread's index in the grid (r40) and the grid's threads (r41)
-	mad.lo.u32 %r40, %r2, %r3, %r1;
-	mul.lo.u32 %r41, %r3, %r4;
-	mov.u64 %rd11, 0;
-{units}$L_exit:
-	ret;
-}}
-"#,
-        spin = sig_spin("w", "%rd5", 0, "%r7", OFF_ERR),
-        units = strided_by("lr", "%rd11", "%rd10", 4, &body, ("%r40", "%r41"))
-    )
 }
 
 /// The copy-engine all-gather's local copy, out of place ([`COPY_ENTRY`]; parameters `p_src`,

@@ -189,16 +189,6 @@ pub(crate) fn copy(st: &State, dst: usize, src: usize, len: usize) -> SimResult 
                     None => vec![a],
                 };
                 for t in targets {
-                    if n == 4 && (t | (src + done)).is_multiple_of(4) {
-                        // One aligned 4-byte word lands as one store, as the copy engines write
-                        // it (a flag that kernels poll: never half old, half new).
-                        // SAFETY: both 4-byte aligned and checked as below.
-                        let v = unsafe { std::ptr::read_volatile((src + done) as *const u32) };
-                        // SAFETY: `t` is checked, writable, aligned device memory.
-                        unsafe { &*(t as *const std::sync::atomic::AtomicU32) }
-                            .store(v, Ordering::Release);
-                        continue;
-                    }
                     // SAFETY: `t..t+n` is checked, writable device memory; the source is checked
                     // device memory or caller-provided host memory.
                     unsafe { std::ptr::copy((src + done) as *const u8, t as *mut u8, n) };

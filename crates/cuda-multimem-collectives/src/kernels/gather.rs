@@ -164,56 +164,6 @@ impl Collective {
 /// parameters: source, destination, bytes; 16-byte vectors where all three allow, else bytes).
 pub const COPY_ENTRY: &str = "cmm_ag_copy_local";
 
-/// The entry name of reduce-scatter's copy-engine reduction of one landed piece
-/// ([`crate::Algorithm::CopyEngine`], two ranks): six `.u64` parameters — `p_ctx` (this rank's
-/// pad: its counter of block 0, the error word), `p_own` (chunk r of my input, at the piece),
-/// `p_out` (my output at the piece, where the peer's copy engine put its part), `p_units`
-/// (16-byte vectors), `p_flag` (my flag of the piece, which the peer's copy engine sets to the
-/// counter after the data), `p_timeout`. Each block waits for the flag (bounded), then every
-/// thread of the grid reduces vectors i = its global index + j × the grid's threads, rank 0's
-/// first, into `p_out`.
-pub fn landed_entry(dtype: DType, op: Op) -> String {
-    format!("cmm_rs_landed_{}_{}", dtype.name(), op.name())
-}
-
-/// Flags per rank of the copy-engine reduce-scatter: the most pieces a call takes.
-pub const CE_MAX_PIECES: u64 = 64;
-
-/// The pieces (offset, bytes) a copy-engine reduce-scatter moves a chunk of `chunk` bytes in,
-/// pieces of `piece` bytes (a multiple of 16, raised so that there are at most
-/// [`CE_MAX_PIECES`]): full pieces, then a tail of halving ones (piece / 2, / 4, / 8, each at
-/// least 4 KiB, with a full piece before them), so the reduction left after the last copy is
-/// short. Offsets and sizes are multiples of 16 when `chunk` is.
-pub fn ce_pieces(chunk: u64, piece: u64) -> Vec<(u64, u64)> {
-    let piece = piece
-        .max(chunk.div_ceil(CE_MAX_PIECES - 4))
-        .next_multiple_of(16)
-        .max(16);
-    let mut tail = Vec::new();
-    let mut rest = chunk;
-    for k in 1..=3 {
-        let t = (piece >> k) & !15;
-        if t < 4096 || rest < t + piece {
-            break;
-        }
-        tail.push(t);
-        rest -= t;
-    }
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at < rest {
-        let b = piece.min(rest - at);
-        out.push((at, b));
-        at += b;
-    }
-    // piece / 2 first, piece / 8 last
-    for t in tail {
-        out.push((at, t));
-        at += t;
-    }
-    out
-}
-
 /// Rounds of a staged call, the same on every block and rank: a block owns `per` 16-byte units
 /// of a chunk (`per` = ceil(units / G) rounded up to 8) and moves [`round_share`] bytes of them
 /// per round. The counters end at c + 2R.
@@ -227,44 +177,4 @@ pub fn staged_rounds(chunk_bytes: u64, blocks: u64, slot: u64) -> u64 {
 /// 16-bit element); each travels as 8 bytes, so a slot must hold `8 × words` bytes.
 pub fn ll_words(chunk_bytes: u64) -> u64 {
     chunk_bytes.div_ceil(4)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pieces_cover_the_chunk_in_order_and_end_in_a_halving_tail() {
-        let p = 16 << 20;
-        for chunk in [
-            16,
-            4096,
-            p - 16,
-            p,
-            p + 16,
-            2 * p,
-            8 * p,
-            8 * p + 48,
-            1 << 29,
-            1 << 34,
-        ] {
-            let v = ce_pieces(chunk, p);
-            assert!(
-                v.len() as u64 <= CE_MAX_PIECES,
-                "{chunk}: {} pieces",
-                v.len()
-            );
-            let mut at = 0;
-            for &(o, b) in &v {
-                assert_eq!(o, at, "{chunk}");
-                assert!(b > 0 && b % 16 == 0, "{chunk}: {b}");
-                at += b;
-            }
-            assert_eq!(at, chunk);
-        }
-        let sizes: Vec<u64> = ce_pieces(8 * p, p).iter().map(|&(_, b)| b).collect();
-        assert_eq!(&sizes[sizes.len() - 3..], &[p / 2, p / 4, p / 8]);
-        assert!(ce_pieces(0, p).is_empty());
-        assert!(ce_pieces(64 << 10, 4096).iter().all(|&(_, b)| b == 4096));
-    }
 }

@@ -115,7 +115,7 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         last_stream: Mutex::new(None),
         calls: AtomicU64::new(0),
         norm: crate::norm::load_kernels(device)?,
-        ce: Mutex::new(None),
+        ce: Mutex::new(crate::gather::CeLane::new(device)?),
     })
 }
 

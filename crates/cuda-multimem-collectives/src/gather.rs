@@ -61,7 +61,7 @@ pub(crate) struct CeLane {
 }
 
 impl CeLane {
-    fn new(device: &Device) -> Result<CeLane> {
+    pub(crate) fn new(device: &Device) -> Result<CeLane> {
         Ok(CeLane {
             stream: Stream::new(device)?,
             fork: Event::new(device, false)?,
@@ -456,14 +456,11 @@ impl<'a> RankHandle<'a> {
                 &[pad, ip, op_, 0, plan.table, 0, sig, c.timeout_ns()],
             )
         };
-        let mut lane = l.ce.lock();
-        if !in_place && lane.is_none() {
-            *lane = Some(CeLane::new(&l.device)?);
-        }
+        let lane = l.ce.lock();
         inner.ranks.next_call(l);
         let queue = || -> Result<()> {
             barrier()?;
-            let lane = lane.as_ref().filter(|_| !in_place);
+            let lane = (!in_place).then_some(&*lane);
             if let Some(lane) = lane {
                 lane.fork.record(stream)?;
                 lane.stream.wait(&lane.fork)?;

@@ -27,9 +27,10 @@ pub(crate) struct Local {
     pub(crate) calls: AtomicU64,
     /// The fused allreduce + RMSNorm kernels of this device.
     pub(crate) norm: crate::norm::NormKernels,
-    /// The copy-engine forms' second stream and events, made on first use (held while a call
-    /// queues its work: one such call of this rank at a time).
-    pub(crate) ce: Mutex<Option<crate::gather::CeLane>>,
+    /// The copy-engine all-gather's second stream and events (held while a call queues its
+    /// work: one such call of this rank at a time). Made with the rank, not on first use: a
+    /// first use inside a graph capture would create a stream there.
+    pub(crate) ce: Mutex<crate::gather::CeLane>,
 }
 
 /// Size, local ranks, bootstrap, and the team's health.

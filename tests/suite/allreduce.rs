@@ -2203,6 +2203,8 @@ fn mp_config() -> CommConfig {
         ce_min_bytes: 0,
         timeout: Duration::from_millis(1500),
         scratch_bytes: 256 << 10,
+        // all-gathers into symmetric outputs of 512 KiB and more through the copy engines
+        gather_ce_min_bytes: 256 << 10,
         ..Default::default()
     }
 }
@@ -2287,7 +2289,8 @@ fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String
 }
 
 /// The other collectives across the two processes: reduce-scatter on symmetric buffers (a
-/// low-latency and a staged size), all-gather and broadcast on the caller's own memory, and
+/// low-latency and a staged size), all-gather and broadcast on the caller's own memory, an
+/// all-gather into a symmetric output through the copy engines, and
 /// the fused allreduce + residual add + RMSNorm (split over clusters of blocks on the GPU),
 /// each against its host reference.
 fn mp_other_collectives(
@@ -2334,6 +2337,20 @@ fn mp_other_collectives(
     let want = all_gather_reference(&refs(&inputs));
     if let Some(m) = first_mismatch(&o.to_vec().map_err(e)?, &want) {
         return Err(format!("rank {rank}, all-gather: {m}"));
+    }
+    // through the copy engines: my input into the other process's mapping of the output
+    let big = 300_001;
+    let inputs_big: Vec<Vec<bf16>> = (0..2).map(|r| data(950, r, big)).collect();
+    let ib = DeviceBuffer::from_host(device, &inputs_big[rank]).map_err(e)?;
+    let mut ob: SymmetricBuffer<bf16> = comm.alloc(2 * big).map_err(e)?;
+    let c = h.all_gather(&ib, &mut ob, stream).map_err(e)?;
+    if c.algorithm != cuda_multimem_collectives::Algorithm::CopyEngine {
+        return Err(format!("rank {rank}: symmetric all-gather ran {c}"));
+    }
+    done("copy-engine all-gather")?;
+    let want = all_gather_reference(&refs(&inputs_big));
+    if let Some(m) = first_mismatch(&ob.to_vec(rank).map_err(e)?, &want) {
+        return Err(format!("rank {rank}, copy-engine all-gather: {m}"));
     }
     let mut o = DeviceBuffer::<bf16>::zeroed(device, count).map_err(e)?;
     h.broadcast(&i, &mut o, 1, stream).map_err(e)?;

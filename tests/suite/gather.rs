@@ -484,6 +484,61 @@ fn delayed_team_ce(n: usize, seed: u64, ce_min: usize) -> (Env, Communicator) {
     (e, comm)
 }
 
+/// Queue `calls` calls of every collective and allreduce, of random kinds, sizes (`counts`),
+/// types and operand kinds on `comm`, then wait and check them all against the host
+/// references: what each call ran, in order.
+fn back_to_back(comm: &Communicator, seed: u64, calls: usize, counts: &[usize]) -> Vec<Algorithm> {
+    let n = comm.size();
+    let s = streams(comm);
+    let mut state = seed * 7919;
+    let mut rnd = |m: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % m
+    };
+    let mut pending: Vec<Box<dyn Check>> = Vec::new();
+    let mut ran = Vec::new();
+    let mut data = seed + 100;
+    for _ in 0..calls {
+        let op = ReduceOp::ALL[rnd(3) as usize];
+        let kind = match rnd(4) {
+            0 => Kind::ReduceScatter(op),
+            1 => Kind::AllGather,
+            2 => Kind::Broadcast(rnd(n as u64) as usize),
+            _ => Kind::AllReduce(op),
+        };
+        let count = counts[rnd(counts.len() as u64) as usize];
+        let mem = [Mem::Sym, Mem::SymOdd, Mem::Own][rnd(3) as usize];
+        let in_place = rnd(2) == 0;
+        let (p, a): (Box<dyn Check>, Algorithm) = match rnd(3) {
+            0 => {
+                let p = queue::<f32>(comm, &s, kind, count, mem, in_place, &mut data);
+                let a = p.choice.algorithm;
+                (Box::new(p), a)
+            }
+            1 => {
+                let p = queue::<f16>(comm, &s, kind, count, mem, in_place, &mut data);
+                let a = p.choice.algorithm;
+                (Box::new(p), a)
+            }
+            _ => {
+                let p = queue::<bf16>(comm, &s, kind, count, mem, in_place, &mut data);
+                let a = p.choice.algorithm;
+                (Box::new(p), a)
+            }
+        };
+        pending.push(p);
+        ran.push(a);
+    }
+    sync(&s);
+    comm.check().unwrap();
+    for p in &pending {
+        p.check();
+    }
+    ran
+}
+
 /// Back-to-back calls of every collective, interleaved with allreduce, of random sizes, types
 /// and operand kinds, with random per-device delays, checked only once all have run: the
 /// counters, slot parities and header parities of one call must not disturb the next.
@@ -491,44 +546,7 @@ fn delayed_team_ce(n: usize, seed: u64, ce_min: usize) -> (Env, Communicator) {
 fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_2_to_8() {
     for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {
         let (_e, comm) = delayed_team(n, seed);
-        let s = streams(&comm);
-        let mut state = seed * 7919;
-        let mut rnd = |m: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % m
-        };
-        let mut pending: Vec<Box<dyn Check>> = Vec::new();
-        let mut data = seed + 100;
-        for _ in 0..16 {
-            let op = ReduceOp::ALL[rnd(3) as usize];
-            let kind = match rnd(4) {
-                0 => Kind::ReduceScatter(op),
-                1 => Kind::AllGather,
-                2 => Kind::Broadcast(rnd(n as u64) as usize),
-                _ => Kind::AllReduce(op),
-            };
-            let count = [1usize, 5, 64, 333, 1500, 2048][rnd(6) as usize];
-            let mem = [Mem::Sym, Mem::SymOdd, Mem::Own][rnd(3) as usize];
-            let in_place = rnd(2) == 0;
-            pending.push(match rnd(3) {
-                0 => Box::new(queue::<f32>(
-                    &comm, &s, kind, count, mem, in_place, &mut data,
-                )),
-                1 => Box::new(queue::<f16>(
-                    &comm, &s, kind, count, mem, in_place, &mut data,
-                )),
-                _ => Box::new(queue::<bf16>(
-                    &comm, &s, kind, count, mem, in_place, &mut data,
-                )),
-            });
-        }
-        sync(&s);
-        comm.check().unwrap();
-        for p in &pending {
-            p.check();
-        }
+        back_to_back(&comm, seed, 16, &[1, 5, 64, 333, 1500, 2048]);
     }
 }
 
@@ -627,48 +645,9 @@ fn copy_engine_all_gather_starts_at_its_threshold_in_place_and_at_twice_it_out_o
 fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of_2_to_8() {
     for (n, seed) in [(2usize, 11u64), (3, 12), (5, 13), (8, 14)] {
         let (_e, comm) = delayed_team_ce(n, seed, 8192);
-        let s = streams(&comm);
-        let mut state = seed * 104_729;
-        let mut rnd = |m: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % m
-        };
-        let mut pending: Vec<Box<dyn Check>> = Vec::new();
-        let mut data = seed + 300;
-        let mut ce = 0;
-        for _ in 0..24 {
-            let op = ReduceOp::ALL[rnd(3) as usize];
-            let kind = match rnd(5) {
-                0 | 1 => Kind::ReduceScatter(op),
-                2 | 3 => Kind::AllGather,
-                _ => Kind::AllReduce(op),
-            };
-            let count = [64usize, 1500, 3000, 6000][rnd(4) as usize];
-            let mem = [Mem::Sym, Mem::Sym, Mem::SymOdd, Mem::Own][rnd(4) as usize];
-            let in_place = rnd(2) == 0;
-            let (p, algorithm): (Box<dyn Check>, Algorithm) = match rnd(2) {
-                0 => {
-                    let p = queue::<f32>(&comm, &s, kind, count, mem, in_place, &mut data);
-                    let a = p.choice.algorithm;
-                    (Box::new(p), a)
-                }
-                _ => {
-                    let p = queue::<bf16>(&comm, &s, kind, count, mem, in_place, &mut data);
-                    let a = p.choice.algorithm;
-                    (Box::new(p), a)
-                }
-            };
-            ce += usize::from(algorithm == Algorithm::CopyEngine);
-            pending.push(p);
-        }
-        sync(&s);
-        comm.check().unwrap();
-        for p in &pending {
-            p.check();
-        }
-        assert!(ce >= 3, "team of {n}: only {ce} copy-engine calls");
+        let ran = back_to_back(&comm, seed, 48, &[64, 1500, 3000, 6000]);
+        let ce = ran.iter().filter(|&&a| a == Algorithm::CopyEngine).count();
+        assert!(ce >= 2, "team of {n}: only {ce} copy-engine calls");
     }
 }
 
@@ -796,23 +775,11 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
 }
 
 /// A copy-engine all-gather whose peer calls something else (another size; the staged kernel,
-/// its output being its own memory) is reported by `check()` as a disagreement; one whose peer
-/// never calls, as a timeout.
+/// its output being its own memory) is reported by `check()` as a disagreement (a peer that
+/// never calls: `a_peer_that_never_calls_is_reported_as_a_timeout`).
 #[test]
-fn copy_engine_all_gathers_report_disagreeing_and_missing_peers() {
-    let team_of = |n: usize| {
-        let e = sim(SimConfig::new(n, 13000));
-        let comm = Communicator::builder(&e.driver.devices())
-            .config(CommConfig {
-                timeout: Duration::from_millis(300),
-                ..ce_config()
-            })
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap();
-        let s = streams(&comm);
-        (e, comm, s)
-    };
+fn copy_engine_all_gathers_whose_peer_calls_something_else_are_reported() {
+    let team_of = |n: usize| small_team_with(n, ce_config());
     // sizes 2000 / 4000 per rank
     {
         let (_e, comm, s) = team_of(2);
@@ -860,32 +827,9 @@ fn copy_engine_all_gathers_report_disagreeing_and_missing_peers() {
             other => panic!("copy engines / staged: got {other:?}"),
         }
     }
-    // ranks 0 and 1 call; rank 2 never does
-    for kind in [Kind::AllGather] {
-        let (_e, comm, s) = team_of(3);
-        let (il, ol) = lengths(kind, 3, 2000);
-        let input = comm.alloc::<f32>(il).unwrap();
-        let mut output = comm.alloc::<f32>(ol).unwrap();
-        for (r, st) in s.iter().enumerate().take(2) {
-            let c = call(
-                &comm,
-                r,
-                kind,
-                Some((&input).into()),
-                (&mut output).into(),
-                st,
-            )
-            .unwrap();
-            assert_eq!(c.algorithm, Algorithm::CopyEngine, "{kind:?}");
-        }
-        sync(&s);
-        match comm.check() {
-            Err(Error::Timeout { .. }) => {}
-            other => panic!("{kind:?}: expected a timeout, got {other:?}"),
-        }
-    }
 }
 
+/// A staged reduce-scatter or all-gather of several rounds, then at once a one-shot allreduce
 /// (it pushes into the staging before its first barrier), on teams of 2 and 3 with random
 /// delays before every phase B: a peer still reading my last round's sub-slot must not find
 /// the allreduce's data there. The ring's sub-slots map onto the staging parities so that a
@@ -1111,13 +1055,23 @@ fn captured_collectives_replay_with_new_inputs() {
 
 /// A simulated team of `n` with a 300 ms timeout, with or without the low-latency forms.
 fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
+    small_team_with(
+        n,
+        CommConfig {
+            gather_ll_max_bytes: if ll { 64 << 10 } else { 0 },
+            ..Default::default()
+        },
+    )
+}
+
+/// A simulated team of `n` with `config` and a 300 ms timeout.
+fn small_team_with(n: usize, config: CommConfig) -> (Env, Communicator, Vec<Stream>) {
     let e = sim(SimConfig::new(n, 13000));
     let devices = e.driver.devices();
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
             timeout: Duration::from_millis(300),
-            gather_ll_max_bytes: if ll { 64 << 10 } else { 0 },
-            ..Default::default()
+            ..config
         })
         .multicast(MulticastPolicy::Never)
         .build()
@@ -1249,16 +1203,24 @@ fn disagreements(ll: bool) {
 
 #[test]
 fn a_peer_that_never_calls_is_reported_as_a_timeout() {
-    for (kind, ll) in [
+    let ll = |on: bool| CommConfig {
+        gather_ll_max_bytes: if on { 64 << 10 } else { 0 },
+        ..Default::default()
+    };
+    let mut cases = Vec::new();
+    for kind in [
         Kind::ReduceScatter(ReduceOp::Sum),
         Kind::AllGather,
         Kind::Broadcast(0),
         Kind::Broadcast(2),
-    ]
-    .into_iter()
-    .flat_map(|k| [(k, true), (k, false)])
-    {
-        let (_e, comm, s) = small_team(3, ll);
+    ] {
+        cases.push((kind, ll(true), Algorithm::PushLl));
+        cases.push((kind, ll(false), Algorithm::PushStaged));
+    }
+    // the copy-engine all-gather: its barrier launches time out
+    cases.push((Kind::AllGather, ce_config(), Algorithm::CopyEngine));
+    for (kind, config, want) in cases {
+        let (_e, comm, s) = small_team_with(3, config);
         let (il, ol) = lengths(kind, 3, 100);
         let input = comm.alloc::<f32>(il).unwrap();
         let mut output = comm.alloc::<f32>(ol).unwrap();
@@ -1273,11 +1235,6 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
                 st,
             )
             .unwrap();
-            let want = if ll {
-                Algorithm::PushLl
-            } else {
-                Algorithm::PushStaged
-            };
             assert_eq!(c.algorithm, want, "{kind:?}");
         }
         sync(&s);
@@ -1285,7 +1242,7 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
             Err(Error::Timeout { after, .. }) => {
                 assert_eq!(after, Duration::from_millis(300), "{kind:?}")
             }
-            other => panic!("{kind:?} (low-latency: {ll}): expected a timeout, got {other:?}"),
+            other => panic!("{kind:?} ({want}): expected a timeout, got {other:?}"),
         }
     }
 }

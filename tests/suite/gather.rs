@@ -564,7 +564,8 @@ fn ce_config() -> CommConfig {
 
 /// All-gather through the copy engines equals the host reference for every type, in place and
 /// out of place, at any offset of the symmetric output; an all-gather into the caller's own
-/// memory, reduce-scatter and broadcast keep their kernels, also correct. Both drivers.
+/// memory, reduce-scatter and broadcast keep their kernels, also correct; an empty all-gather
+/// queues nothing. Both drivers.
 #[test]
 fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
     let e = env();
@@ -572,6 +573,17 @@ fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_
         return;
     };
     let s = streams(&comm);
+    // an empty all-gather queues nothing, even with the threshold at 0 bytes: rank 0 alone
+    // calls it, and no barrier waits for rank 1
+    let mut empty = comm.alloc::<f32>(4).unwrap();
+    let c = comm
+        .rank(0)
+        .unwrap()
+        .all_gather_in_place(empty.slice_mut(0..0).unwrap(), &s[0])
+        .unwrap();
+    assert_ne!(c.algorithm, Algorithm::CopyEngine);
+    sync(&s);
+    comm.check().unwrap();
     let mut seed = 23;
     let mut kinds = ReduceOp::ALL.map(Kind::ReduceScatter).to_vec();
     kinds.extend([Kind::AllGather, Kind::Broadcast(1)]);

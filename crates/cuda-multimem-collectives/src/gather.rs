@@ -382,7 +382,8 @@ impl<'a> RankHandle<'a> {
         let (n, r) = (inner.ranks.n, self.local.rank);
         let min = inner.config.gather_ce_min_bytes;
         let min = if in_place { min } else { min.saturating_mul(2) };
-        if call.coll != Collective::AllGather || total < min {
+        // an empty call queues nothing, whatever the form (as the kernels' forms)
+        if call.coll != Collective::AllGather || total == 0 || total < min {
             return Ok(None);
         }
         let Place::Sym { buf, offset, .. } = call.output.place else {

@@ -562,12 +562,13 @@ fn ce_config() -> CommConfig {
     }
 }
 
-/// All-gather through the copy engines equals the host reference for every type, in place and
-/// out of place, at any offset of the symmetric output; an all-gather into the caller's own
-/// memory, reduce-scatter and broadcast keep their kernels, also correct; an empty all-gather
+/// All-gather and broadcast through the copy engines equal the host references for every type,
+/// in place and out of place, at any offset of the symmetric output; into the caller's own
+/// memory they, and reduce-scatter, keep their kernels, also correct; an empty all-gather
 /// queues nothing. Both drivers.
 #[test]
-fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
+fn copy_engine_all_gather_and_broadcast_equal_the_host_reference_for_every_dtype_and_operand_kind()
+{
     let e = env();
     let Some(comm) = team(&e, ce_config()) else {
         return;
@@ -596,9 +597,11 @@ fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_
                         once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
                         once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
                     ] {
+                        let ce =
+                            matches!(kind, Kind::AllGather | Kind::Broadcast(_)) && mem != Mem::Own;
                         assert_eq!(
                             c.algorithm == Algorithm::CopyEngine,
-                            kind == Kind::AllGather && mem != Mem::Own,
+                            ce,
                             "{kind:?} of {count}, {mem:?}, in place {in_place}: {c}"
                         );
                     }
@@ -608,10 +611,11 @@ fn copy_engine_all_gather_equals_the_host_reference_for_every_dtype_and_operand_
     }
 }
 
-/// The copy engines take an all-gather from `gather_ce_min_bytes` of gathered output in
-/// place and from twice that out of place (the local copy's cost); below, the kernels.
+/// The copy engines take an all-gather or a broadcast from `gather_ce_min_bytes` of whole
+/// buffer, in place or not (one rule, so ranks that differ in that choose alike); below, the
+/// kernels.
 #[test]
-fn copy_engine_all_gather_starts_at_its_threshold_in_place_and_at_twice_it_out_of_place() {
+fn copy_engine_forms_start_at_their_threshold_in_place_or_not() {
     let e = env();
     let Some(comm) = team(
         &e,
@@ -624,27 +628,52 @@ fn copy_engine_all_gather_starts_at_its_threshold_in_place_and_at_twice_it_out_o
     };
     let s = streams(&comm);
     let mut seed = 5;
-    // f32 per rank: 2 x 8191 x 4 bytes is just under 64 KiB, 2 x 8192 x 4 is 64 KiB
-    for (count, in_place, ce) in [
-        (8191, true, false),
-        (8192, true, true),
-        (8192, false, false),
-        (16_383, false, false),
-        (16_384, false, true),
+    // f32: an all-gather of 2 x 8191 x 4 bytes is just under 64 KiB, of 2 x 8192 x 4 64 KiB;
+    // a broadcast of 16383 or 16384
+    for (kind, count, ce) in [
+        (Kind::AllGather, 8191, false),
+        (Kind::AllGather, 8192, true),
+        (Kind::Broadcast(1), 16_383, false),
+        (Kind::Broadcast(1), 16_384, true),
     ] {
-        let c = once::<f32>(
-            &comm,
-            &s,
-            Kind::AllGather,
-            count,
-            Mem::Sym,
-            in_place,
-            &mut seed,
-        );
+        for in_place in [false, true] {
+            let c = once::<f32>(&comm, &s, kind, count, Mem::Sym, in_place, &mut seed);
+            assert_eq!(
+                c.algorithm == Algorithm::CopyEngine,
+                ce,
+                "{kind:?} of {count}, in place {in_place}: {c}"
+            );
+        }
+    }
+    // rank 0 in place, rank 1 out of place: the same form, correct results
+    let count = 8192;
+    let input = comm.alloc::<f32>(count).unwrap();
+    let mut output = comm.alloc::<f32>(2 * count).unwrap();
+    let ins: Vec<Vec<f32>> = (0..2).map(|_| random_input(count, &mut seed)).collect();
+    output.write(0, 0, &ins[0]).unwrap();
+    input.write(1, 0, &ins[1]).unwrap();
+    let c0 = comm
+        .rank(0)
+        .unwrap()
+        .all_gather_in_place(&mut output, &s[0])
+        .unwrap();
+    let c1 = comm
+        .rank(1)
+        .unwrap()
+        .all_gather(&input, &mut output, &s[1])
+        .unwrap();
+    assert_eq!(
+        (c0.algorithm, c1.algorithm),
+        (Algorithm::CopyEngine, Algorithm::CopyEngine)
+    );
+    sync(&s);
+    comm.check().unwrap();
+    let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+    for r in 0..2 {
         assert_eq!(
-            c.algorithm == Algorithm::CopyEngine,
-            ce,
-            "{count} per rank, in place {in_place}: {c}"
+            output.to_vec(r).unwrap(),
+            all_gather_reference(&refs),
+            "rank {r}"
         );
     }
 }
@@ -737,6 +766,7 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
     let mut rs_out = comm.alloc::<f32>(count).unwrap();
     let mut ag_out = comm.alloc::<bf16>(n * count).unwrap();
     let mut ag_in_place = comm.alloc::<f32>(n * count).unwrap();
+    let mut bc = comm.alloc::<f16>(count).unwrap();
     let mut ag_ins: Vec<DeviceBuffer<bf16>> = (0..n)
         .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), count).unwrap())
         .collect();
@@ -752,6 +782,7 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
         for c in [
             h.all_gather(&ag_ins[r], &mut ag_out, st).unwrap(),
             h.all_gather_in_place(&mut ag_in_place, st).unwrap(),
+            h.broadcast_in_place(&mut bc, 1, st).unwrap(),
         ] {
             assert_eq!(c.algorithm, Algorithm::CopyEngine);
         }
@@ -762,7 +793,9 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
         let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
         let ags: Vec<Vec<bf16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
         let aps: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        let bcs: Vec<Vec<f16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
         for r in 0..n {
+            bc.write(r, 0, &bcs[r]).unwrap();
             rs_in.write(r, 0, &ins[r]).unwrap();
             ag_ins[r].copy_from_host(0, &ags[r]).unwrap();
             ag_in_place.write(r, r * count, &aps[r]).unwrap();
@@ -782,15 +815,16 @@ fn captured_copy_engine_calls_replay_with_new_inputs() {
             assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
             assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
             assert_eq!(ag_in_place.to_vec(r).unwrap(), all_gather_reference(&apr));
+            assert_eq!(bc.to_vec(r).unwrap(), bcs[1], "replay {replay} rank {r}");
         }
     }
 }
 
-/// A copy-engine all-gather whose peer calls something else (another size; the staged kernel,
-/// its output being its own memory) is reported by `check()` as a disagreement (a peer that
-/// never calls: `a_peer_that_never_calls_is_reported_as_a_timeout`).
+/// A copy-engine call whose peer calls something else (another size; another broadcast root;
+/// the staged kernel, its output being its own memory) is reported by `check()` as a
+/// disagreement (a peer that never calls: `a_peer_that_never_calls_is_reported_as_a_timeout`).
 #[test]
-fn copy_engine_all_gathers_whose_peer_calls_something_else_are_reported() {
+fn copy_engine_calls_whose_peer_calls_something_else_are_reported() {
     let team_of = |n: usize| small_team_with(n, ce_config());
     // sizes 2000 / 4000 per rank
     {
@@ -813,6 +847,24 @@ fn copy_engine_all_gathers_whose_peer_calls_something_else_are_reported() {
         match comm.check() {
             Err(Error::RanksDisagree { .. }) => {}
             other => panic!("all-gather sizes 2000 / 4000: got {other:?}"),
+        }
+    }
+    // broadcasts through the copy engines from roots 0 / 1
+    {
+        let (_e, comm, s) = team_of(2);
+        let mut buf = comm.alloc::<f32>(8000).unwrap();
+        for (r, root) in [(0usize, 0usize), (1, 1)] {
+            let c = comm
+                .rank(r)
+                .unwrap()
+                .broadcast_in_place(&mut buf, root, &s[r])
+                .unwrap();
+            assert_eq!(c.algorithm, Algorithm::CopyEngine);
+        }
+        sync(&s);
+        match comm.check() {
+            Err(Error::RanksDisagree { .. }) => {}
+            other => panic!("broadcast roots 0 / 1: got {other:?}"),
         }
     }
     // rank 0's all-gather through the copy engines, rank 1's staged (own output)
@@ -1229,8 +1281,11 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
         cases.push((kind, ll(true), Algorithm::PushLl));
         cases.push((kind, ll(false), Algorithm::PushStaged));
     }
-    // the copy-engine all-gather: its barrier launches time out
-    cases.push((Kind::AllGather, ce_config(), Algorithm::CopyEngine));
+    // the copy-engine forms: their barrier launches time out (the missing rank as a
+    // broadcast's root, too)
+    for kind in [Kind::AllGather, Kind::Broadcast(0), Kind::Broadcast(2)] {
+        cases.push((kind, ce_config(), Algorithm::CopyEngine));
+    }
     for (kind, config, want) in cases {
         let (_e, comm, s) = small_team_with(3, config);
         let (il, ol) = lengths(kind, 3, 100);

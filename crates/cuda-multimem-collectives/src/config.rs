@@ -39,15 +39,17 @@ pub struct CommConfig {
     /// 3.8 µs from 64 to 256 KiB where the staged kernel's one round took about 7 µs, behind
     /// NCCL's 6.1 at 128 KiB (docs/perf.md, session 4). 0 turns them off. At most 16 MiB.
     pub gather_ll_max_bytes: usize,
-    /// All-gathers into a symmetric output move their data through the copy engines
-    /// ([`Algorithm::CopyEngine`]) when the gathered output is at least this many bytes in
-    /// place, twice that out of place (the low-latency forms take precedence up to
+    /// All-gathers and broadcasts into a symmetric output move their data through the copy
+    /// engines ([`Algorithm::CopyEngine`]) when the whole buffer (the gathered output, the
+    /// message) is at least this many bytes (the low-latency forms take precedence up to
     /// `gather_ll_max_bytes`). The copy engines move about 7 % more over NVLink than kernel
     /// stores (2 x H200: 392 against 365 GB/s each way with both directions busy) but cost
-    /// about 28 µs more per call (two barrier launches around the copies; out of place, 7 µs
-    /// more for the local copy beside them): default 256 MiB, from where they won on 2 x H200
-    /// (in place 360.6-363.5 against 357-359 GB/s busbw at 256 MiB; out of place 370 against
-    /// 361 at 512 MiB; docs/perf.md). `usize::MAX` turns it off.
+    /// about 28 µs more per call (two barrier launches around the copies; out of place, about
+    /// 7 µs more for the local copy beside them). Default 512 MiB, from where they won on
+    /// 2 x H200 in place and out of place (all-gather 370 against 361 GB/s busbw out of place,
+    /// 375 against 363 in place; at 256 MiB they won in place, 361–363 against 358–359, and
+    /// lost out of place, 354 against 357–358; docs/perf.md). One rule for in place and out of
+    /// place, so ranks that differ in that still choose alike. `usize::MAX` turns it off.
     pub gather_ce_min_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
@@ -87,7 +89,7 @@ impl Default for CommConfig {
         CommConfig {
             ll_max_bytes: 64 << 10,
             gather_ll_max_bytes: 1 << 20,
-            gather_ce_min_bytes: 256 << 20,
+            gather_ce_min_bytes: 512 << 20,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,

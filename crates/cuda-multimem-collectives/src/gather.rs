@@ -366,24 +366,19 @@ impl<'a> RankHandle<'a> {
     }
 
     /// The copy-engine form's plan where it applies (see [`Algorithm::CopyEngine`]): an
-    /// all-gather whose gathered output is symmetric and at least `gather_ce_min_bytes` (in
-    /// place; out of place twice that: the local copy beside the peer copies costs about 7 µs
-    /// on 2 x H200, where the copy engines win from 256 MiB in place and from 512 MiB out of
-    /// place, docs/perf.md). Every rank that makes the same call with operands of the same
-    /// kind makes the same choice (the call header tells the others apart).
-    fn ce_plan(
-        &self,
-        call: &Call<'_>,
-        op_: u64,
-        total: usize,
-        in_place: bool,
-    ) -> Result<Option<CePlan>> {
+    /// all-gather or a broadcast whose output is symmetric and whose whole buffer (the
+    /// gathered output, the message) is at least `gather_ce_min_bytes`. The rule reads nothing
+    /// but the call and the output's kind, so every rank that makes the same call with an
+    /// output of the same kind makes the same choice — in place on one rank and out of place on
+    /// another included (the call header tells the others apart).
+    fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Result<Option<CePlan>> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
-        let min = inner.config.gather_ce_min_bytes;
-        let min = if in_place { min } else { min.saturating_mul(2) };
         // an empty call queues nothing, whatever the form (as the kernels' forms)
-        if call.coll != Collective::AllGather || total == 0 || total < min {
+        if call.coll == Collective::ReduceScatter
+            || total == 0
+            || total < inner.config.gather_ce_min_bytes
+        {
             return Ok(None);
         }
         let Place::Sym { buf, offset, .. } = call.output.place else {
@@ -401,13 +396,14 @@ impl<'a> RankHandle<'a> {
         }))
     }
 
-    /// Queue a copy-engine all-gather (`plan` from [`Self::ce_plan`]): a barrier with the call
-    /// header (every peer is in this call, done with what its stream did with its output
-    /// before); my input into chunk r of every peer's output by `cuMemcpyDtoDAsync` on the
-    /// caller's stream and, out of place, into my own on the rank's second stream (forked after
+    /// Queue a copy-engine all-gather or broadcast (`plan` from [`Self::ce_plan`]): a barrier
+    /// with the call header (every peer is in this call, done with what its stream did with its
+    /// output before); my input (all-gather: every rank; broadcast: the root) into my chunk r
+    /// (broadcast: the whole) of every peer's output by `cuMemcpyDtoDAsync` on the caller's
+    /// stream and, out of place, into my own output on the rank's second stream (forked after
     /// the barrier, joined back after the peer copies); a barrier (every peer's copies into my
     /// output are complete). Memory-ordering argument: docs/design/collectives.md
-    /// "Copy-engine all-gather".
+    /// "Copy-engine all-gather and broadcast".
     #[allow(clippy::too_many_arguments)]
     fn run_ce(
         &self,
@@ -422,6 +418,13 @@ impl<'a> RankHandle<'a> {
         let inner = &*self.comm.inner;
         let (c, l, n) = (&inner.config, self.local, inner.ranks.n);
         let (r, b) = (l.rank, chunk as u64);
+        // where my data goes in every output (all-gather: chunk r; broadcast: the output), and
+        // whether I send at all (a broadcast's non-roots only meet)
+        let at = match call.coll {
+            Collective::AllGather => r as u64 * b,
+            _ => 0,
+        };
+        let sends = call.coll == Collective::AllGather || r == call.root;
         let choice = Choice {
             path: Path::PeerToPeer,
             algorithm: Algorithm::CopyEngine,
@@ -441,7 +444,7 @@ impl<'a> RankHandle<'a> {
             call.coll.code(),
             // the form: 3 copy engines
             3,
-            0,
+            call.root as u64,
             plan.sym_id,
             plan.sym_off,
             choice.blocks as u64,
@@ -461,7 +464,7 @@ impl<'a> RankHandle<'a> {
         inner.ranks.next_call(l);
         let queue = || -> Result<()> {
             barrier()?;
-            let lane = (!in_place).then_some(&*lane);
+            let lane = (sends && !in_place).then_some(&*lane);
             if let Some(lane) = lane {
                 lane.fork.record(stream)?;
                 lane.stream.wait(&lane.fork)?;
@@ -470,21 +473,22 @@ impl<'a> RankHandle<'a> {
                     .clamp(1, 2 * inner.p2p.multiprocessors.max(1) as u64)
                     as u32;
                 // SAFETY: the local-copy entry (three .u64 parameters: source, destination,
-                // bytes): my input into chunk r of my output, both checked; a live stream of
-                // this device.
+                // bytes): my input into chunk r of my output (broadcast: the output), both
+                // checked; a live stream of this device.
                 unsafe {
                     l.gather.copy.launch_u64(
                         &LaunchConfig::linear(blocks, 512),
                         &lane.stream,
-                        &[ip, op_ + r as u64 * b, b],
+                        &[ip, op_ + at, b],
                     )
                 }?;
                 lane.done.record(&lane.stream)?;
             }
-            for k in (1..n).map(|j| (r + j) % n) {
-                // SAFETY: my input (checked) into chunk r of peer k's symmetric output (same
-                // size and offset as mine, checked: it holds N chunks).
-                unsafe { stream.copy_dtod_async(plan.peers[k] + r as u64 * b, ip, chunk) }?;
+            for k in (1..n).map(|j| (r + j) % n).filter(|_| sends) {
+                // SAFETY: my input (checked) into chunk r (broadcast: all) of peer k's symmetric
+                // output (same size and offset as mine, checked: it holds N chunks, or the
+                // message).
+                unsafe { stream.copy_dtod_async(plan.peers[k] + at, ip, chunk) }?;
             }
             if let Some(lane) = lane {
                 stream.wait(&lane.done)?;
@@ -565,7 +569,7 @@ impl<'a> RankHandle<'a> {
             && total > c.one_shot_max(n);
         // copy engines: large buffers whose symmetric operand lets them (`ce_plan`)
         if !ll {
-            if let Some(plan) = self.ce_plan(&call, op_, total, in_place)? {
+            if let Some(plan) = self.ce_plan(&call, op_, total)? {
                 self.check_stream(&stream)?;
                 return self.run_ce(&call, &plan, ip, op_, chunk, in_place, stream);
             }

@@ -254,10 +254,11 @@ pub enum Algorithm {
     /// low-latency slots, the receivers poll the data, no barrier. Serves every operand kind
     /// and alignment with no copies outside the kernel. See `docs/design/collectives.md`.
     PushLl,
-    /// All-gather of large buffers (from [`crate::CommConfig::gather_ce_min_bytes`]) into a
-    /// symmetric output, through the copy engines: a barrier launch, every rank's input copied
-    /// into chunk r of every peer's output by `cuMemcpyDtoDAsync` (the local copy, out of place,
-    /// on a second stream of the rank), a barrier launch. See `docs/design/collectives.md`.
+    /// All-gather and broadcast of large buffers (from
+    /// [`crate::CommConfig::gather_ce_min_bytes`]) into a symmetric output, through the copy
+    /// engines: a barrier launch, every sender's input copied into its place in every peer's
+    /// output by `cuMemcpyDtoDAsync` (the local copy, out of place, by a kernel on a second
+    /// stream of the rank), a barrier launch. See `docs/design/collectives.md`.
     CopyEngine,
 }
 

@@ -132,8 +132,8 @@ struct Args {
     /// never).
     #[arg(long)]
     ll_max: Option<usize>,
-    /// CommConfig::gather_ce_min_bytes (whole buffers from it go through the copy engines where
-    /// the operands allow; a value above every size: never).
+    /// CommConfig::gather_ce_min_bytes and broadcast_ce_min_bytes (whole buffers from it go
+    /// through the copy engines where the operands allow; a value above every size: never).
     #[arg(long)]
     ce_min: Option<usize>,
     /// Symmetric operands only: call the in-place forms on the output (all-gather, broadcast)
@@ -158,6 +158,7 @@ impl Args {
         }
         if let Some(v) = self.ce_min {
             c.gather_ce_min_bytes = v;
+            c.broadcast_ce_min_bytes = v;
         }
         c
     }

@@ -476,6 +476,7 @@ fn delayed_team_ce(n: usize, seed: u64, ce_min: usize) -> (Env, Communicator) {
             max_blocks: 3,
             timeout: Duration::from_secs(20),
             gather_ce_min_bytes: ce_min,
+            broadcast_ce_min_bytes: ce_min,
             ..Default::default()
         })
         .multicast(MulticastPolicy::Never)
@@ -550,11 +551,12 @@ fn back_to_back_collectives_interleaved_with_allreduce_stay_correct_on_teams_of_
     }
 }
 
-/// The copy-engine all-gather at every size (`gather_ce_min_bytes` 0, no low-latency forms;
-/// 4 KiB staging slots for the calls that keep their kernels: many rounds).
+/// The copy-engine all-gather and broadcast at every size (their thresholds 0, no low-latency
+/// forms; 4 KiB staging slots for the calls that keep their kernels: many rounds).
 fn ce_config() -> CommConfig {
     CommConfig {
         gather_ce_min_bytes: 0,
+        broadcast_ce_min_bytes: 0,
         gather_ll_max_bytes: 0,
         stage_bytes: Some(4096),
         max_blocks: 4,
@@ -611,9 +613,9 @@ fn copy_engine_all_gather_and_broadcast_equal_the_host_reference_for_every_dtype
     }
 }
 
-/// The copy engines take an all-gather or a broadcast from `gather_ce_min_bytes` of whole
-/// buffer, in place or not (one rule, so ranks that differ in that choose alike); below, the
-/// kernels.
+/// The copy engines take an all-gather or a broadcast from `gather_ce_min_bytes` /
+/// `broadcast_ce_min_bytes` of whole buffer, in place or not (one rule, so ranks that differ in
+/// that choose alike); below, the kernels.
 #[test]
 fn copy_engine_forms_start_at_their_threshold_in_place_or_not() {
     let e = env();
@@ -621,6 +623,7 @@ fn copy_engine_forms_start_at_their_threshold_in_place_or_not() {
         &e,
         CommConfig {
             gather_ce_min_bytes: 64 << 10,
+            broadcast_ce_min_bytes: 64 << 10,
             ..ce_config()
         },
     ) else {

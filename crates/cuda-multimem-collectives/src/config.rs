@@ -39,18 +39,24 @@ pub struct CommConfig {
     /// 3.8 µs from 64 to 256 KiB where the staged kernel's one round took about 7 µs, behind
     /// NCCL's 6.1 at 128 KiB (docs/perf.md, session 4). 0 turns them off. At most 16 MiB.
     pub gather_ll_max_bytes: usize,
-    /// All-gathers and broadcasts into a symmetric output move their data through the copy
-    /// engines ([`Algorithm::CopyEngine`]) when the whole buffer (the gathered output, the
-    /// message) is at least this many bytes (the low-latency forms take precedence up to
-    /// `gather_ll_max_bytes`). The copy engines move about 7 % more over NVLink than kernel
-    /// stores (2 x H200: 392 against 365 GB/s each way with both directions busy) but cost
-    /// about 28 µs more per call (two barrier launches around the copies; out of place, about
-    /// 7 µs more for the local copy beside them). Default 512 MiB, from where they won on
-    /// 2 x H200 in place and out of place (all-gather 370 against 361 GB/s busbw out of place,
-    /// 375 against 363 in place; at 256 MiB they won in place, 361–363 against 358–359, and
-    /// lost out of place, 354 against 357–358; docs/perf.md). One rule for in place and out of
-    /// place, so ranks that differ in that still choose alike. `usize::MAX` turns it off.
+    /// All-gathers into a symmetric output move their data through the copy engines
+    /// ([`Algorithm::CopyEngine`]) when the gathered output is at least this many bytes (the
+    /// low-latency forms take precedence up to `gather_ll_max_bytes`). The copy engines move
+    /// about 7 % more over NVLink than kernel stores (2 x H200: 392 against 365 GB/s each way
+    /// with both directions busy) but cost about 28 µs more per call (two barrier launches
+    /// around the copies; out of place, about 7 µs more for the local copy beside them).
+    /// Default 512 MiB, from where they won on 2 x H200 in place and out of place (370 against
+    /// 361 GB/s busbw out of place, 375 against 363 in place; at 256 MiB they won in place,
+    /// 361–363 against 358–359, and lost out of place, 354 against 357–358; docs/perf.md). One
+    /// rule for in place and out of place, so ranks that differ in that still choose alike.
+    /// `usize::MAX` turns it off.
     pub gather_ce_min_bytes: usize,
+    /// Broadcasts into a symmetric output move their data through the copy engines when the
+    /// message is at least this many bytes: only the root sends, so the copy engines' one-way
+    /// rate counts (2 x H200: 366 against 364 GB/s at 128 MiB, 381 against 367 at 256 MiB, 392
+    /// against 369 at 1 GiB; 341 against 357 at 64 MiB; docs/perf.md). Default 128 MiB;
+    /// `usize::MAX` turns it off.
+    pub broadcast_ce_min_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
     /// allow it; docs/design/rmsnorm.md); the low-latency slots are sized for the larger of
@@ -90,6 +96,7 @@ impl Default for CommConfig {
             ll_max_bytes: 64 << 10,
             gather_ll_max_bytes: 1 << 20,
             gather_ce_min_bytes: 512 << 20,
+            broadcast_ce_min_bytes: 128 << 20,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,
             push_threads: 1024,
@@ -276,6 +283,7 @@ impl CommConfig {
             self.norm_ll_max_bytes as u64,
             self.gather_ll_max_bytes as u64,
             self.gather_ce_min_bytes as u64,
+            self.broadcast_ce_min_bytes as u64,
             self.timeout_ns(),
             multiprocessors as u64,
         ] {

@@ -367,18 +367,21 @@ impl<'a> RankHandle<'a> {
 
     /// The copy-engine form's plan where it applies (see [`Algorithm::CopyEngine`]): an
     /// all-gather or a broadcast whose output is symmetric and whose whole buffer (the
-    /// gathered output, the message) is at least `gather_ce_min_bytes`. The rule reads nothing
+    /// gathered output, the message) is at least `gather_ce_min_bytes` (broadcast:
+    /// `broadcast_ce_min_bytes`). The rule reads nothing
     /// but the call and the output's kind, so every rank that makes the same call with an
     /// output of the same kind makes the same choice — in place on one rank and out of place on
     /// another included (the call header tells the others apart).
     fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Result<Option<CePlan>> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
+        let min = match call.coll {
+            Collective::AllGather => inner.config.gather_ce_min_bytes,
+            Collective::Broadcast => inner.config.broadcast_ce_min_bytes,
+            Collective::ReduceScatter => return Ok(None),
+        };
         // an empty call queues nothing, whatever the form (as the kernels' forms)
-        if call.coll == Collective::ReduceScatter
-            || total == 0
-            || total < inner.config.gather_ce_min_bytes
-        {
+        if total == 0 || total < min {
             return Ok(None);
         }
         let Place::Sym { buf, offset, .. } = call.output.place else {

@@ -255,7 +255,8 @@ pub enum Algorithm {
     /// and alignment with no copies outside the kernel. See `docs/design/collectives.md`.
     PushLl,
     /// All-gather and broadcast of large buffers (from
-    /// [`crate::CommConfig::gather_ce_min_bytes`]) into a symmetric output, through the copy
+    /// [`crate::CommConfig::gather_ce_min_bytes`] and
+    /// [`crate::CommConfig::broadcast_ce_min_bytes`]) into a symmetric output, through the copy
     /// engines: a barrier launch, every sender's input copied into its place in every peer's
     /// output by `cuMemcpyDtoDAsync` (the local copy, out of place, by a kernel on a second
     /// stream of the rank), a barrier launch. See `docs/design/collectives.md`.

@@ -11,7 +11,7 @@ use cuda_multimem::{
 };
 
 use crate::comm::RankHandle;
-use crate::kernels::gather::{ll_words, staged_max_blocks, Collective, COPY_ENTRY};
+use crate::kernels::gather::{ll_words, staged_max_blocks, Collective, COPY_ENTRY, MEET_ENTRY};
 use crate::kernels::{call_header, MAX_BLOCKS};
 use crate::operand::{Dst, Operand, Place, Src};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
@@ -22,12 +22,14 @@ use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 pub(crate) struct Kernels {
     main: HashMap<(Collective, bool, DType, ReduceOp), Function>,
     copy: Function,
+    meet: Function,
 }
 
 /// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
 pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
     let mut functions = HashMap::new();
     let mut copy = None;
+    let mut meet = None;
     for c in Collective::ALL {
         let text = c
             .load_text()
@@ -41,11 +43,13 @@ pub(crate) fn load_kernels(device: &Device) -> Result<Kernels> {
         }
         if c == Collective::AllGather {
             copy = Some(m.function(COPY_ENTRY)?);
+            meet = Some(m.function(MEET_ENTRY)?);
         }
     }
     Ok(Kernels {
         main: functions,
         copy: copy.expect("all-gather is one of Collective::ALL"),
+        meet: meet.expect("all-gather is one of Collective::ALL"),
     })
 }
 
@@ -74,8 +78,6 @@ impl CeLane {
 struct CePlan {
     /// Rank k's address of the output (at the operand's offset).
     peers: Vec<u64>,
-    /// This rank's device table of the output's addresses (the barriers' kernel reads its entry).
-    table: u64,
     /// The symmetric buffer's id and the operand's offset (for the call header).
     sym_id: u64,
     sym_off: u64,
@@ -372,31 +374,30 @@ impl<'a> RankHandle<'a> {
     /// but the call and the output's kind, so every rank that makes the same call with an
     /// output of the same kind makes the same choice — in place on one rank and out of place on
     /// another included (the call header tells the others apart).
-    fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Result<Option<CePlan>> {
+    fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Option<CePlan> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
         let min = match call.coll {
             Collective::AllGather => inner.config.gather_ce_min_bytes,
             Collective::Broadcast => inner.config.broadcast_ce_min_bytes,
-            Collective::ReduceScatter => return Ok(None),
+            Collective::ReduceScatter => return None,
         };
         // an empty call queues nothing, whatever the form (as the kernels' forms)
         if total == 0 || total < min {
-            return Ok(None);
+            return None;
         }
         let Place::Sym { buf, offset, .. } = call.output.place else {
-            return Ok(None);
+            return None;
         };
         let peers: Vec<u64> = buf.sym.addrs.iter().map(|&a| a + offset as u64).collect();
         if peers.len() != n || peers[r] != op_ {
-            return Ok(None);
+            return None;
         }
-        Ok(Some(CePlan {
+        Some(CePlan {
             peers,
-            table: buf.table(r)?,
             sym_id: buf.id,
             sym_off: offset as u64,
-        }))
+        })
     }
 
     /// Queue a copy-engine all-gather or broadcast (`plan` from [`Self::ce_plan`]): a barrier
@@ -435,11 +436,6 @@ impl<'a> RankHandle<'a> {
             threads: 32,
             staged_chunks: 0,
         };
-        let meet = l
-            .gather
-            .main
-            .get(&(Collective::AllGather, false, DType::F32, ReduceOp::Sum))
-            .ok_or_else(|| Error::invalid("op", "no all-gather kernel for the barriers"))?;
         let sig = call_header(&[
             (chunk / call.dtype.size()) as u64,
             call.dtype.code(),
@@ -453,14 +449,14 @@ impl<'a> RankHandle<'a> {
             choice.blocks as u64,
         ]);
         let pad = inner.p2p.pads.addrs[r];
-        // SAFETY: the direct all-gather entry (eight .u64 parameters) with no elements: its two
-        // barriers and counters only; it reads this rank's entry of the output's table (a live
-        // table of N addresses) and touches no data. A live stream of this device.
+        // SAFETY: the barrier entry (three .u64 parameters: this rank's pad, the header, the
+        // timeout; one block): a barrier and the counters, no data. A live stream of this
+        // device.
         let barrier = || unsafe {
-            meet.launch_u64(
+            l.gather.meet.launch_u64(
                 &LaunchConfig::linear(1, 32),
                 stream,
-                &[pad, ip, op_, 0, plan.table, 0, sig, c.timeout_ns()],
+                &[pad, sig, c.timeout_ns()],
             )
         };
         let lane = l.ce.lock();
@@ -572,7 +568,7 @@ impl<'a> RankHandle<'a> {
             && total > c.one_shot_max(n);
         // copy engines: large buffers whose symmetric operand lets them (`ce_plan`)
         if !ll {
-            if let Some(plan) = self.ce_plan(&call, op_, total)? {
+            if let Some(plan) = self.ce_plan(&call, op_, total) {
                 self.check_stream(&stream)?;
                 return self.run_ce(&call, &plan, ip, op_, chunk, in_place, stream);
             }

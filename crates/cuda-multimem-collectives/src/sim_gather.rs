@@ -7,7 +7,7 @@
 
 use super::*;
 use crate::kernels::gather::{
-    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, COPY_ENTRY, RING,
+    ll_words, round_share, staged_rounds, sub_slot_bytes, Collective, COPY_ENTRY, MEET_ENTRY, RING,
 };
 
 /// Register every entry of the three collectives.
@@ -20,6 +20,7 @@ pub(super) fn register() {
             }
         }
     }
+    register_kernel(MEET_ENTRY, run_meet);
     register_kernel(COPY_ENTRY, |a| {
         a.jitter();
         copy(
@@ -29,6 +30,41 @@ pub(super) fn register() {
             a.u64(2)? as usize,
         )
     });
+}
+
+/// The copy-engine forms' barrier launch: block 0's barrier(c + 1) with the call header, then
+/// every counter c + 2 (one block: its replicas are every slot).
+fn run_meet(a: &LaunchArgs) -> Result<(), KernelError> {
+    let pad = a.u64(0)? as usize;
+    a.check(pad, PAD_BYTES, true)?;
+    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
+    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
+    if n == 0 || n > MAX_RANKS || rank >= n || a.grid.0 != 1 {
+        return Err(KernelError::Failed(format!(
+            "bad pad or grid: rank {rank} of {n}, {} blocks",
+            a.grid.0
+        )));
+    }
+    let pads: Vec<usize> = (0..n)
+        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
+        .collect();
+    for &p in &pads {
+        a.check(p, PAD_BYTES, true)?;
+    }
+    let cx = Ctx {
+        pad,
+        rank,
+        n,
+        pads,
+        timeout: Duration::from_nanos(a.u64(2)?),
+        sig: a.u64(1)?,
+    };
+    let cnt = u32_at(pad + OFF_CTR).load(Ordering::Relaxed);
+    cx.barrier(a, 0, cnt.wrapping_add(1), Some((cnt >> 1) & 1));
+    for j in 0..MAX_BLOCKS {
+        u32_at(pad + OFF_CTR + 4 * j).store(cnt.wrapping_add(2), Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Copy `len` bytes from `src` to `dst` (ranges checked first).

@@ -47,7 +47,44 @@ pub fn generate(c: Collective) -> String {
     }
     if c == Collective::AllGather {
         s += &copy_kernel();
+        s += &meet_kernel();
     }
+    s
+}
+
+/// The copy-engine forms' barrier launch ([`MEET_ENTRY`]; parameters `p_ctx`, `p_sig`,
+/// `p_timeout`; one block): barrier(c + 1) with the call header, counters c + 2 — the
+/// direct kernel's first barrier and its counter rule, without data.
+fn meet_kernel() -> String {
+    let mut s = format!(
+        r#"
+.visible .entry {MEET_ENTRY}(
+	.param .u64 p_ctx,
+	.param .u64 p_sig,
+	.param .u64 p_timeout
+)
+{{
+{REGS}
+	ld.param.u64 %rd1, [p_ctx];
+	ld.param.u64 %rd7, [p_sig];
+	ld.param.u64 %rd8, [p_timeout];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r3, %ntid.x;
+	mov.u32 %r4, %nctaid.x;
+	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
+	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
+	// this block's barrier counter c and the header parity (c >> 1) & 1
+	mul.wide.u32 %rd9, %r2, 4;
+	add.u64 %rd9, %rd1, %rd9;
+	ld.global.u32 %r7, [%rd9+{OFF_CTR}];
+	shr.u32 %r8, %r7, 1;
+	and.b32 %r8, %r8, 1;
+	add.u32 %r12, %r7, 1;
+"#
+    );
+    s += &barrier("m", "%r12", true);
+    s += &epilogue();
     s
 }
 

@@ -164,6 +164,11 @@ impl Collective {
 /// parameters: source, destination, bytes; 16-byte vectors where all three allow, else bytes).
 pub const COPY_ENTRY: &str = "cmm_ag_copy_local";
 
+/// The entry, in all-gather's file, of the copy-engine forms' barrier launch (three `.u64`
+/// parameters: the pad, the call header, the timeout; one block): barrier(c + 1) with the
+/// header, counters c + 2.
+pub const MEET_ENTRY: &str = "cmm_ce_meet";
+
 /// Rounds of a staged call, the same on every block and rank: a block owns `per` 16-byte units
 /// of a chunk (`per` = ceil(units / G) rounded up to 8) and moves [`round_share`] bytes of them
 /// per round. The counters end at c + 2R.

@@ -43,18 +43,16 @@ pub struct CommConfig {
     /// ([`Algorithm::CopyEngine`]) when the gathered output is at least this many bytes (the
     /// low-latency forms take precedence up to `gather_ll_max_bytes`). The copy engines move
     /// about 7 % more over NVLink than kernel stores (2 x H200: 392 against 365 GB/s each way
-    /// with both directions busy) but cost about 28 µs more per call (two barrier launches
-    /// around the copies; out of place, about 7 µs more for the local copy beside them).
-    /// Default 512 MiB, from where they won on 2 x H200 in place and out of place (370 against
-    /// 361 GB/s busbw out of place, 375 against 363 in place; at 256 MiB they won in place,
-    /// 361–363 against 358–359, and lost out of place, 354 against 357–358; docs/perf.md). One
-    /// rule for in place and out of place, so ranks that differ in that still choose alike.
-    /// `usize::MAX` turns it off.
+    /// with both directions busy) but cost more per call (two barrier launches around the
+    /// copies; out of place, the local copy beside them). Default 256 MiB, from where they won
+    /// on 2 x H200 in place and out of place (360.8 against 357.6 GB/s busbw out of place at
+    /// 256 MiB, 368.1 in place; 376.3 at 512 MiB; docs/perf.md). One rule for in place and out
+    /// of place, so ranks that differ in that still choose alike. `usize::MAX` turns it off.
     pub gather_ce_min_bytes: usize,
     /// Broadcasts into a symmetric output move their data through the copy engines when the
     /// message is at least this many bytes: only the root sends, so the copy engines' one-way
-    /// rate counts (2 x H200: 366 against 364 GB/s at 128 MiB, 381 against 367 at 256 MiB, 392
-    /// against 369 at 1 GiB; 341 against 357 at 64 MiB; docs/perf.md). Default 128 MiB;
+    /// rate counts (2 x H200: 372 against 364 GB/s at 128 MiB, 384 against 367 at 256 MiB, 394
+    /// against 369 at 1 GiB; 354 against 357 at 64 MiB; docs/perf.md). Default 128 MiB;
     /// `usize::MAX` turns it off.
     pub broadcast_ce_min_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
@@ -95,7 +93,7 @@ impl Default for CommConfig {
         CommConfig {
             ll_max_bytes: 64 << 10,
             gather_ll_max_bytes: 1 << 20,
-            gather_ce_min_bytes: 512 << 20,
+            gather_ce_min_bytes: 256 << 20,
             broadcast_ce_min_bytes: 128 << 20,
             norm_ll_max_bytes: 256 << 10,
             stage_bytes: None,

@@ -143,6 +143,37 @@ struct Ctx {
 }
 
 impl Ctx {
+    /// The barrier context of the rank whose pad is at `pad` (checked: its rank, team size and
+    /// every rank's pad), with the call header and the timeout in nanoseconds from the launch
+    /// parameters `sig` and `timeout`.
+    fn from_pad(
+        a: &LaunchArgs,
+        pad: usize,
+        sig: usize,
+        timeout: usize,
+    ) -> Result<Ctx, KernelError> {
+        a.check(pad, PAD_BYTES, true)?;
+        let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
+        let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
+        if n == 0 || n > MAX_RANKS || rank >= n {
+            return Err(KernelError::Failed(format!("bad pad: rank {rank} of {n}")));
+        }
+        let pads: Vec<usize> = (0..n)
+            .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
+            .collect();
+        for &p in &pads {
+            a.check(p, PAD_BYTES, true)?;
+        }
+        Ok(Ctx {
+            pad,
+            rank,
+            n,
+            pads,
+            timeout: Duration::from_nanos(a.u64(timeout)?),
+            sig: a.u64(sig)?,
+        })
+    }
+
     fn err(&self) -> &AtomicU32 {
         u32_at(self.pad + OFF_ERR)
     }
@@ -220,26 +251,8 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
     let pad = a.u64(0)? as usize;
     let (inp, out, count) = (a.u64(1)? as usize, a.u64(2)? as usize, a.u64(3)?);
     let (in_tab, out_tab) = (a.u64(4)? as usize, a.u64(5)? as usize);
-    a.check(pad, PAD_BYTES, true)?;
-    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
-    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
-    if n == 0 || n > MAX_RANKS || rank >= n {
-        return Err(KernelError::Failed(format!("bad pad: rank {rank} of {n}")));
-    }
-    let pads: Vec<usize> = (0..n)
-        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
-        .collect();
-    for &p in &pads {
-        a.check(p, PAD_BYTES, true)?;
-    }
-    let cx = Ctx {
-        pad,
-        rank,
-        n,
-        pads,
-        timeout: Duration::from_nanos(a.u64(7)?),
-        sig: a.u64(6)?,
-    };
+    let cx = Ctx::from_pad(a, pad, 6, 7)?;
+    let (rank, n) = (cx.rank, cx.n);
     let g = a.grid.0 as u64;
     if g as usize > MAX_BLOCKS {
         return Err(KernelError::Failed(format!("grid of {g} blocks")));

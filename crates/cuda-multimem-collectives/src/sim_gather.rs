@@ -36,29 +36,13 @@ pub(super) fn register() {
 /// every counter c + 2 (one block: its replicas are every slot).
 fn run_meet(a: &LaunchArgs) -> Result<(), KernelError> {
     let pad = a.u64(0)? as usize;
-    a.check(pad, PAD_BYTES, true)?;
-    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
-    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
-    if n == 0 || n > MAX_RANKS || rank >= n || a.grid.0 != 1 {
+    if a.grid.0 != 1 {
         return Err(KernelError::Failed(format!(
-            "bad pad or grid: rank {rank} of {n}, {} blocks",
+            "a grid of {} blocks",
             a.grid.0
         )));
     }
-    let pads: Vec<usize> = (0..n)
-        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
-        .collect();
-    for &p in &pads {
-        a.check(p, PAD_BYTES, true)?;
-    }
-    let cx = Ctx {
-        pad,
-        rank,
-        n,
-        pads,
-        timeout: Duration::from_nanos(a.u64(2)?),
-        sig: a.u64(1)?,
-    };
+    let cx = Ctx::from_pad(a, pad, 1, 2)?;
     let cnt = u32_at(pad + OFF_CTR).load(Ordering::Relaxed);
     cx.barrier(a, 0, cnt.wrapping_add(1), Some((cnt >> 1) & 1));
     for j in 0..MAX_BLOCKS {
@@ -91,28 +75,11 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
     let pad = a.u64(0)? as usize;
     let (inp, out, count) = (a.u64(1)? as usize, a.u64(2)? as usize, a.u64(3)?);
     let (out_tab, root) = (a.u64(4)? as usize, a.u64(5)? as usize);
-    a.check(pad, PAD_BYTES, true)?;
-    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
-    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
-    if n == 0 || n > MAX_RANKS || rank >= n || root >= n {
-        return Err(KernelError::Failed(format!(
-            "bad pad or root: rank {rank} of {n}, root {root}"
-        )));
+    let cx = Ctx::from_pad(a, pad, 6, 7)?;
+    let (rank, n) = (cx.rank, cx.n);
+    if root >= n {
+        return Err(KernelError::Failed(format!("root {root} of {n}")));
     }
-    let pads: Vec<usize> = (0..n)
-        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
-        .collect();
-    for &p in &pads {
-        a.check(p, PAD_BYTES, true)?;
-    }
-    let cx = Ctx {
-        pad,
-        rank,
-        n,
-        pads,
-        timeout: Duration::from_nanos(a.u64(7)?),
-        sig: a.u64(6)?,
-    };
     let g = a.grid.0 as u64;
     if g as usize > MAX_BLOCKS {
         return Err(KernelError::Failed(format!("grid of {g} blocks")));

@@ -6,7 +6,6 @@
 //! the simulator's `out` is what the GPU computes, bit for bit.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
@@ -187,26 +186,8 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     );
     let (rows, hidden) = (a.u64(5)? as usize, a.u64(6)? as usize);
     let eps = f32::from_bits(a.u64(9)? as u32);
-    a.check(pad, PAD_BYTES, true)?;
-    let rank = u32_at(pad + OFF_RANK).load(Ordering::Relaxed) as usize;
-    let n = u32_at(pad + OFF_NRANKS).load(Ordering::Relaxed) as usize;
-    if n == 0 || n > MAX_RANKS || rank >= n {
-        return Err(KernelError::Failed(format!("bad pad: rank {rank} of {n}")));
-    }
-    let pads: Vec<usize> = (0..n)
-        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
-        .collect();
-    for &p in &pads {
-        a.check(p, PAD_BYTES, true)?;
-    }
-    let cx = Ctx {
-        pad,
-        rank,
-        n,
-        pads,
-        timeout: Duration::from_nanos(a.u64(8)?),
-        sig: a.u64(7)?,
-    };
+    let cx = Ctx::from_pad(a, pad, 7, 8)?;
+    let (rank, n) = (cx.rank, cx.n);
     let g = a.grid.0 as usize;
     if g > MAX_BLOCKS {
         return Err(KernelError::Failed(format!("grid of {g} blocks")));

@@ -16,7 +16,7 @@ use cuda_multimem_collectives::DType;
 
 use super::{
     barrier, epilogue, epilogue_to, parity_slots, sig_spin, strided, strided_by, Addr, Flavor,
-    BLOCK_RANGE, REGS,
+    BLOCK_RANGE, IDS, REGS,
 };
 
 const HEADER: &str = "//
@@ -68,16 +68,7 @@ fn meet_kernel() -> String {
 	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd7, [p_sig];
 	ld.param.u64 %rd8, [p_timeout];
-	mov.u32 %r1, %tid.x;
-	mov.u32 %r2, %ctaid.x;
-	mov.u32 %r3, %ntid.x;
-	mov.u32 %r4, %nctaid.x;
-	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
-	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
-	// this block's barrier counter c and the header parity (c >> 1) & 1
-	mul.wide.u32 %rd9, %r2, 4;
-	add.u64 %rd9, %rd1, %rd9;
-	ld.global.u32 %r7, [%rd9+{OFF_CTR}];
+{IDS}	// header parity = (c >> 1) & 1
 	shr.u32 %r8, %r7, 1;
 	and.b32 %r8, %r8, 1;
 	add.u32 %r12, %r7, 1;
@@ -324,17 +315,7 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	ld.param.u64 %rd6, [p_root];
 	ld.param.u64 %rd7, [p_sig];
 	ld.param.u64 %rd8, [p_timeout];
-	mov.u32 %r1, %tid.x;
-	mov.u32 %r2, %ctaid.x;
-	mov.u32 %r3, %ntid.x;
-	mov.u32 %r4, %nctaid.x;
-	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
-	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
-	// this block's barrier counter c (only this block writes it, after its last barrier)
-	mul.wide.u32 %rd9, %r2, 4;
-	add.u64 %rd9, %rd1, %rd9;
-	ld.global.u32 %r7, [%rd9+{OFF_CTR}];
-	// header parity = (c >> 1) & 1
+{IDS}	// header parity = (c >> 1) & 1
 	shr.u32 %r8, %r7, 1;
 	and.b32 %r8, %r8, 1;
 	// chunk bytes B (rd19); the work is split in 16-byte units of it (rd10) on every rank,

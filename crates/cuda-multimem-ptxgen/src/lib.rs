@@ -195,17 +195,7 @@ fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
 	ld.param.u64 %rd6, [p_out_tab];
 	ld.param.u64 %rd7, [p_sig];
 	ld.param.u64 %rd8, [p_timeout];
-	mov.u32 %r1, %tid.x;
-	mov.u32 %r2, %ctaid.x;
-	mov.u32 %r3, %ntid.x;
-	mov.u32 %r4, %nctaid.x;
-	ld.global.u32 %r5, [%rd1+{OFF_RANK}];
-	ld.global.u32 %r6, [%rd1+{OFF_NRANKS}];
-	// this block's barrier counter c (only this block writes it, after its last barrier)
-	mul.wide.u32 %rd9, %r2, 4;
-	add.u64 %rd9, %rd1, %rd9;
-	ld.global.u32 %r7, [%rd9+{OFF_CTR}];
-	// 16-byte vectors when in and out are 16-byte aligned, else scalars
+{IDS}	// 16-byte vectors when in and out are 16-byte aligned, else scalars
 	or.b64 %rd9, %rd2, %rd3;
 	and.b64 %rd9, %rd9, 15;
 	setp.eq.u64 %p9, %rd9, 0;
@@ -225,6 +215,22 @@ pub(crate) const REGS: &str = "\t.reg .pred %p<24>;
 \t.reg .b64 %rd<80>;
 \t.reg .f32 %f<24>;
 ";
+
+/// Thread, block and grid ids (r1–r4), this rank and the team size from the pad in %rd1 (r5,
+/// r6), and this block's barrier counter c (r7), as every kernel with barriers starts.
+pub(crate) const IDS: &str = concat!(
+    "\tmov.u32 %r1, %tid.x;\n",
+    "\tmov.u32 %r2, %ctaid.x;\n",
+    "\tmov.u32 %r3, %ntid.x;\n",
+    "\tmov.u32 %r4, %nctaid.x;\n",
+    "\tld.global.u32 %r5, [%rd1+0];\n",
+    "\tld.global.u32 %r6, [%rd1+4];\n",
+    "\t// this block's barrier counter c (only this block writes it, after its last barrier)\n",
+    "\tmul.wide.u32 %rd9, %r2, 4;\n",
+    "\tadd.u64 %rd9, %rd1, %rd9;\n",
+    "\tld.global.u32 %r7, [%rd9+256];\n",
+);
+const _: () = assert!(OFF_RANK == 0 && OFF_NRANKS == 4 && OFF_CTR == 256);
 
 /// This block's units [rd11, rd12) of rd10 units: per = ceil(units / nblocks) rounded up to 8
 /// (rd14; with 16-byte vectors every block starts on a 128-byte line); rd13 = nblocks, rd15 =

@@ -750,20 +750,32 @@ fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
     }
 }
 
-/// Copy-engine all-gathers captured in a graph (out of place: the fork onto the rank's second
+/// Copy-engine all-gathers and a broadcast captured in a graph (out of place: the fork onto the rank's second
 /// stream and the join inside the capture) replay correctly with new inputs, between staged
 /// reduce-scatters.
 #[test]
 fn captured_copy_engine_calls_replay_with_new_inputs() {
     let e = sim(SimConfig::new(3, 13000));
-    let devices = e.driver.devices();
-    let n = 3;
-    let comm = Communicator::builder(&devices)
+    let comm = Communicator::builder(&e.driver.devices())
         .config(ce_config())
         .multicast(MulticastPolicy::Never)
         .build()
         .unwrap();
-    let s = streams(&comm);
+    captured_copy_engine_calls(&comm);
+}
+
+/// The same on the chosen driver's first two devices (real GPUs under `test-hw`).
+#[test]
+fn captured_copy_engine_calls_replay_with_new_inputs_on_two_devices() {
+    let e = env();
+    if let Some(comm) = team(&e, ce_config()) {
+        captured_copy_engine_calls(&comm);
+    }
+}
+
+fn captured_copy_engine_calls(comm: &Communicator) {
+    let n = comm.size();
+    let s = streams(comm);
     let count = 5000;
     let rs_in = comm.alloc::<f32>(n * count).unwrap();
     let mut rs_out = comm.alloc::<f32>(count).unwrap();

@@ -128,6 +128,14 @@ fn reduce_into(
     Ok(())
 }
 
+/// The kernels' epilogue: block `b`'s barrier counter and its replicas `b`, `b + g`, `b + 2g`,
+/// ... below `MAX_BLOCKS` in the pad at `pad` become `v` (every slot, for one block).
+fn set_counters(pad: usize, b: usize, g: usize, v: u32) {
+    for j in (b..MAX_BLOCKS).step_by(g.max(1)) {
+        u32_at(pad + OFF_CTR + 4 * j).store(v, Ordering::Relaxed);
+    }
+}
+
 /// Sources indexed like the message itself (base 0), for [`reduce_into`].
 fn unbased(xs: &[usize]) -> Vec<(usize, u64)> {
     xs.iter().map(|&x| (x, 0)).collect()
@@ -465,11 +473,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                 cx.barrier(a, b as usize, c.wrapping_add(2), None);
             }
         }
-        let mut j = b as usize;
-        while j < MAX_BLOCKS {
-            u32_at(pad + OFF_CTR + 4 * j).store(final_ctr, Ordering::Relaxed);
-            j += g as usize;
-        }
+        set_counters(pad, b as usize, g as usize, final_ctr);
     }
     Ok(())
 }
@@ -564,11 +568,7 @@ fn run_ll(
                 unsafe { std::ptr::write_volatile((out + 4 * w as usize) as *mut u32, word) };
             }
         }
-        let mut j = b as usize;
-        while j < MAX_BLOCKS {
-            u32_at(pad + OFF_CTR + 4 * j).store(c.wrapping_add(2), Ordering::Relaxed);
-            j += g as usize;
-        }
+        set_counters(pad, b as usize, g as usize, c.wrapping_add(2));
     }
     Ok(())
 }

@@ -45,9 +45,7 @@ fn run_meet(a: &LaunchArgs) -> Result<(), KernelError> {
     let cx = Ctx::from_pad(a, pad, 1, 2)?;
     let cnt = u32_at(pad + OFF_CTR).load(Ordering::Relaxed);
     cx.barrier(a, 0, cnt.wrapping_add(1), Some((cnt >> 1) & 1));
-    for j in 0..MAX_BLOCKS {
-        u32_at(pad + OFF_CTR + 4 * j).store(cnt.wrapping_add(2), Ordering::Relaxed);
-    }
+    set_counters(pad, 0, 1, cnt.wrapping_add(2));
     Ok(())
 }
 
@@ -206,11 +204,7 @@ fn run(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelErro
             // c + 2R: the next call's first sub-slot has the other parity than my last round's
             final_ctr = cnt.wrapping_add(2 * rounds as u32);
         }
-        let mut j = b as usize;
-        while j < MAX_BLOCKS {
-            u32_at(pad + OFF_CTR + 4 * j).store(final_ctr, Ordering::Relaxed);
-            j += g as usize;
-        }
+        set_counters(pad, b as usize, g as usize, final_ctr);
     }
     Ok(())
 }
@@ -466,11 +460,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                 }
             }
         }
-        let mut j = b as usize;
-        while j < MAX_BLOCKS {
-            u32_at(pad + OFF_CTR + 4 * j).store(cnt.wrapping_add(2), Ordering::Relaxed);
-            j += g as usize;
-        }
+        set_counters(pad, b as usize, g as usize, cnt.wrapping_add(2));
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
-use super::{ld, st, u32_at, u64_at, Ctx};
+use super::{ld, set_counters, st, u32_at, u64_at, Ctx};
 use crate::kernels::norm::{ll_row_bytes, part_rows, unfused_entry, NormKernel, SPLIT};
 use crate::kernels::*;
 use crate::DType;
@@ -310,11 +310,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
             }
         }
         let fin = c.wrapping_add(k.counter_step());
-        let mut j = b;
-        while j < MAX_BLOCKS {
-            u32_at(pad + OFF_CTR + 4 * j).store(fin, Ordering::Relaxed);
-            j += g;
-        }
+        set_counters(pad, b, g, fin);
     }
     Ok(())
 }

@@ -112,6 +112,33 @@ struct Call<'o> {
     root: usize,
 }
 
+/// The call-header form code of the copy-engine forms (the kernels': 0 staged, 1 direct,
+/// 2 low-latency).
+const FORM_CE: u64 = 3;
+
+impl Call<'_> {
+    /// The header every rank of the call compares: what, how much (`count` elements per
+    /// chunk), which form, which symmetric operand (its id and offset; (0, 0) for none), the
+    /// launch's blocks.
+    fn header(&self, count: u64, form: u64, (sym_id, sym_off): (u64, u64), blocks: u32) -> u64 {
+        call_header(&[
+            count,
+            self.dtype.code(),
+            if self.coll.reduces() {
+                self.op.code()
+            } else {
+                0xff
+            },
+            self.coll.code(),
+            form,
+            self.root as u64,
+            sym_id,
+            sym_off,
+            blocks as u64,
+        ])
+    }
+}
+
 impl<'a> RankHandle<'a> {
     /// Reduce-scatter: `input` holds N chunks of `count` elements (N the team size), `output`
     /// `count` elements; rank r's output becomes the reduction with `op` of chunk r of every
@@ -370,10 +397,10 @@ impl<'a> RankHandle<'a> {
     /// The copy-engine form's plan where it applies (see [`Algorithm::CopyEngine`]): an
     /// all-gather or a broadcast whose output is symmetric and whose whole buffer (the
     /// gathered output, the message) is at least `gather_ce_min_bytes` (broadcast:
-    /// `broadcast_ce_min_bytes`). The rule reads nothing
-    /// but the call and the output's kind, so every rank that makes the same call with an
-    /// output of the same kind makes the same choice — in place on one rank and out of place on
-    /// another included (the call header tells the others apart).
+    /// `broadcast_ce_min_bytes`). The rule reads nothing but the call and the output's kind, so
+    /// every rank that makes the same call with an output of the same kind makes the same
+    /// choice — in place on one rank and out of place on another included (the call header
+    /// tells the others apart).
     fn ce_plan(&self, call: &Call<'_>, op_: u64, total: usize) -> Option<CePlan> {
         let inner = &*self.comm.inner;
         let (n, r) = (inner.ranks.n, self.local.rank);
@@ -436,18 +463,12 @@ impl<'a> RankHandle<'a> {
             threads: 32,
             staged_chunks: 0,
         };
-        let sig = call_header(&[
+        let sig = call.header(
             (chunk / call.dtype.size()) as u64,
-            call.dtype.code(),
-            0xff,
-            call.coll.code(),
-            // the form: 3 copy engines
-            3,
-            call.root as u64,
-            plan.sym_id,
-            plan.sym_off,
-            choice.blocks as u64,
-        ]);
+            FORM_CE,
+            (plan.sym_id, plan.sym_off),
+            choice.blocks,
+        );
         let pad = inner.p2p.pads.addrs[r];
         // SAFETY: the barrier entry (three .u64 parameters: this rank's pad, the header, the
         // timeout; one block): a barrier and the counters, no data. A live stream of this
@@ -605,22 +626,9 @@ impl<'a> RankHandle<'a> {
             (true, Place::Sym { buf, offset, .. }) => (buf.table(l.rank)?, buf.id, offset as u64),
             _ => (0, 0, 0),
         };
-        let sig = call_header(&[
-            count,
-            call.dtype.code(),
-            if call.coll.reduces() {
-                call.op.code()
-            } else {
-                0xff
-            },
-            call.coll.code(),
-            // the form: 0 staged, 1 direct, 2 low-latency (whose flags fold this header)
-            if ll { 2 } else { direct as u64 },
-            call.root as u64,
-            out_id,
-            out_off,
-            choice.blocks as u64,
-        ]);
+        // the form: 0 staged, 1 direct, 2 low-latency (whose flags fold this header)
+        let form = if ll { 2 } else { direct as u64 };
+        let sig = call.header(count, form, (out_id, out_off), choice.blocks);
         // SAFETY: a function of this device's module whose entry takes these eight .u64
         // parameters (pad, in, out, count, out_tab, root, header, timeout); the operands were
         // checked to lie inside their buffers (input and output lengths in the collective's

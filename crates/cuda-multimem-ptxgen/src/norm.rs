@@ -25,8 +25,11 @@ const HEADER: &str = "//
 // per-warp partial sums of squares of the row a block normalises: two buffers of 32, the
 // rows of a block alternate between them
 .shared .align 4 .f32 cmm_norm_red[64];
-// the split form: this block's partial sum of squares, read by the blocks of its cluster
-.shared .align 4 .f32 cmm_norm_part;
+// the split form: the partial sums of squares of the blocks of this block's cluster, slot s
+// written by the block of slice s (`st.async` into every block of the cluster), two buffers
+// of SPLIT alternating by row like cmm_norm_red; one mbarrier per buffer counts their bytes
+.shared .align 16 .f32 cmm_norm_part[16];
+.shared .align 8 .b64 cmm_norm_mbar[2];
 ";
 
 const REGS: &str = "\t.reg .pred %p<32>;
@@ -297,8 +300,8 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
 /// rank whatever its unit mode (a barrier form reads what the peers' same block pushed): per =
 /// `split_units(ceil(row bytes / 16))` 16-byte units, slice s = bytes [s·per·16, min((s+1)·per·16,
 /// row bytes)), which replace the row's units [0, units) (rd19, rd10) in this rank's units
-/// (16-byte vectors when p9, else elements); p26 again for the slice; p27 (a cluster barrier
-/// wait is pending) starts false.
+/// (16-byte vectors when p9, else elements); p26 again for the slice; the partials' mbarriers
+/// initialised and the block's arrival at the cluster barrier [`CLUSTER_READY`] waits for.
 fn split_slice(f: &Flavor) -> String {
     format!(
         "\t// ---- split: row = cluster, slice = this block's rank in it (bytes, then my units)
@@ -324,7 +327,18 @@ fn split_slice(f: &Flavor) -> String {
 \tshr.b64 %rd10, %rd28, %r26;
 \tsub.u64 %rd28, %rd10, %rd19;
 \tsetp.le.u64 %p26, %rd28, %rd76;
-\tsetp.ne.u32 %p27, %r1, %r1;
+\t// the partials' mbarriers (one arrival each: thread 0's, with the bytes it expects), made
+\t// visible to the cluster before any block sends into them: arrive now, wait once the
+\t// block's data went out (CLUSTER_READY); r27 = the two mbarriers' phase parities
+\tsetp.ne.u32 %p28, %r1, 0;
+\t@%p28 bra $L_mb_ready;
+\tmov.u32 %r28, cmm_norm_mbar;
+\tmbarrier.init.shared::cta.b64 [%r28], 1;
+\tmbarrier.init.shared::cta.b64 [%r28+8], 1;
+\tfence.mbarrier_init.release.cluster;
+$L_mb_ready:
+\tbarrier.cluster.arrive.relaxed.aligned;
+\tmov.u32 %r27, 0;
 ",
         es = f.es_log2(),
         sm1 = SPLIT - 1,
@@ -347,33 +361,69 @@ fn one_shot_prologue(whole: NormKernel, cut: NormKernel, f: &Flavor, split: bool
     }
 }
 
-/// The split forms' last cluster wait: no block leaves while a block of its cluster may still
-/// read its partial.
-const CLUSTER_EXIT: &str =
-    "\t@!%p27 bra $L_cl_done;\n\tbarrier.cluster.wait.aligned;\n$L_cl_done:\n";
+/// The split forms' wait for the cluster's arrivals at the start (so for its mbarriers'
+/// initialisation), after the block's own sends or pushes and before its first
+/// [`cluster_sum`]: off the critical path, which waits for the peers' data first.
+const CLUSTER_READY: &str = "\tbarrier.cluster.wait.aligned;\n";
 
-/// The split form: the row's sum of squares from the cluster's partials. Thread 0 stores
-/// this block's (every thread's %f20) to `cmm_norm_part`; a cluster barrier (release,
-/// acquire) makes every block's visible; every thread adds the SPLIT partials in slice order
-/// through distributed shared memory (`mapa`), then arrives (relaxed) at the next cluster
-/// barrier, whose wait comes before the partial is written again (the next row) or the block
-/// exits (p27: an arrival is pending).
+/// The split form: the row's sum of squares from the cluster's partials. Threads t < SPLIT
+/// send this block's partial (every thread's %f20) into slot s (this block's slice) of buffer
+/// r63 of block t of the cluster with `st.async`, which counts its 4 bytes on block t's
+/// mbarrier r63; thread 0 arrives on its own mbarrier expecting SPLIT × 4 bytes; every thread
+/// waits for that phase (the bytes `st.async` counted on it are visible after it) and
+/// adds the SPLIT partials in slice order from its own shared memory. No cluster barrier per
+/// row and no fence on the critical path (the earlier form's `barrier.cluster.arrive.release`
+/// was a GPU-scope fence behind the row's residual_out stores). Buffer r63 is written again
+/// two rows later: a block sends row i + 2's partial only after its row i + 1 phase completed,
+/// which needs our row i + 1 partial, sent after we read row i's. Every block of a cluster
+/// runs the same rows, so every phase completes; a block that timed out earlier still gets
+/// here (the waits give up, they do not leave).
 fn cluster_sum(label: &str) -> String {
-    let mut s = format!(
-        "\t// ---- the row's sum: the cluster's {SPLIT} partials in slice order\n\t@!%p27 bra $L_{label}_nowait;\n\tbarrier.cluster.wait.aligned;\n$L_{label}_nowait:\n\tmov.u32 %r25, cmm_norm_part;\n\tsetp.ne.u32 %p23, %r1, 0;\n\t@!%p23 st.shared.f32 [%r25], %f20;\n\tbarrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n"
-    );
-    for k in 0..SPLIT {
-        s += &format!(
-            "\tmapa.shared::cluster.u32 %r26, %r25, {k};\n\tld.shared::cluster.f32 %f21, [%r26];\n"
-        );
-        s += if k == 0 {
-            "\tmov.f32 %f20, %f21;\n"
-        } else {
-            "\tadd.rn.f32 %f20, %f20, %f21;\n"
-        };
-    }
-    s += "\tbarrier.cluster.arrive.relaxed.aligned;\n\tsetp.eq.u32 %p27, %r1, %r1;\n";
-    s
+    format!(
+        r#"	// ---- the row's sum: every block's partial into slot s of every block, in slice order
+	mov.u32 %r28, cmm_norm_mbar;
+	shl.b32 %r29, %r63, 3;
+	add.u32 %r28, %r28, %r29;
+	mov.u32 %r29, cmm_norm_part;
+	shl.b32 %r48, %r63, {blog};
+	add.u32 %r29, %r29, %r48;
+	setp.ge.u32 %p28, %r1, {SPLIT};
+	@%p28 bra $L_{label}_sent;
+	shl.b32 %r48, %r24, 2;
+	add.u32 %r48, %r29, %r48;
+	mapa.shared::cluster.u32 %r48, %r48, %r1;
+	mapa.shared::cluster.u32 %r49, %r28, %r1;
+	mov.b32 %r58, %f20;
+	st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%r48], %r58, [%r49];
+$L_{label}_sent:
+	setp.ne.u32 %p28, %r1, 0;
+	@!%p28 mbarrier.arrive.expect_tx.shared::cta.b64 %rd79, [%r28], {bytes};
+	shr.b32 %r48, %r27, %r63;
+	and.b32 %r48, %r48, 1;
+$L_{label}_wait:
+	mbarrier.try_wait.parity.shared::cta.b64 %p28, [%r28], %r48;
+	@!%p28 bra $L_{label}_wait;
+	shl.b32 %r48, 1, %r63;
+	xor.b32 %r27, %r27, %r48;
+"#,
+        blog = (SPLIT * 4).trailing_zeros(),
+        bytes = SPLIT * 4,
+    ) + &(0..SPLIT.div_ceil(4))
+        .map(|v| {
+            let f = 30 + 4 * v;
+            format!(
+                "\tld.shared.v4.f32 {{%f{f}, %f{}, %f{}, %f{}}}, [%r29+{}];\n",
+                f + 1,
+                f + 2,
+                f + 3,
+                16 * v
+            )
+        })
+        .collect::<String>()
+        + "\tmov.f32 %f20, %f30;\n"
+        + &(1..SPLIT)
+            .map(|k| format!("\tadd.rn.f32 %f20, %f20, %f{};\n", 30 + k))
+            .collect::<String>()
 }
 
 /// The block's sum of squares of the row (every thread's %f20): a butterfly within each warp,
@@ -643,6 +693,9 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
     let body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tmul.lo.u64 %rd52, %rd50, %rd65;\n\tadd.u64 %rd57, %rd2, %rd51;\n\tadd.u64 %rd58, %rd31, %rd52;\n".to_string()
         + &vector_or_scalar("ls", f, &v, &sc);
     s += &rows("la", "%rd6", &body);
+    if split {
+        s += CLUSTER_READY;
+    }
     // phase B: poll my slots for my rows, then the barrier one-shot's arithmetic. Rows of x
     // may be rows of out (out == x): every thread's sends precede the block's first bar.sync
     // (in block_rstd), every store to out follows it.
@@ -652,9 +705,6 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
     body += &block_rstd("br", split);
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
-    if split {
-        s += CLUSTER_EXIT;
-    }
     // Every warp has read the block's counter before thread 0 overwrites it (a block without
     // rows passes no other bar.sync).
     s += "\tbar.sync 0;\n\tadd.u32 %r9, %r7, 2;\n";
@@ -670,6 +720,9 @@ fn one_shot(f: &Flavor, split: bool) -> String {
     let body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tadd.u64 %rd57, %rd2, %rd51;\n\tadd.u64 %rd58, %rd31, %rd51;\n".to_string()
         + &copy_row("pa", f, "%rd57", Dst::All("%rd34", "%rd58"), false);
     s += &rows("pa", "%rd6", &body);
+    if split {
+        s += CLUSTER_READY;
+    }
     s += "\tadd.u32 %r12, %r7, 1;\n";
     s += &barrier("b1", "%r12", true);
     // phase B: every row of my block from my own slots
@@ -680,9 +733,6 @@ fn one_shot(f: &Flavor, split: bool) -> String {
     body += &block_rstd("br", split);
     body += &pass2("p2", f, None);
     s += &rows("pb", "%rd6", &body);
-    if split {
-        s += CLUSTER_EXIT;
-    }
     s += "\tadd.u32 %r9, %r7, 2;\n";
     s += &epilogue_to("%r9");
     s

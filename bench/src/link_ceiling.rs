@@ -9,7 +9,9 @@
 //! kernels walk them), `sm4` (the same, four loads in flight per thread), `bulk` (thread 0 of
 //! each block moves 32 KiB chunks with `cp.async.bulk` through shared memory). Each mode runs
 //! one way (device 0 writes to device 1) and both ways (each device writes to the other), timed
-//! with CUDA events on each device (the slower device counts), median of the runs.
+//! with CUDA events on each device (the slower device counts), median of the runs. Then both
+//! movers at once, both ways: a fraction of the bytes by the copy engines on a second stream,
+//! the rest by `sm` beside it.
 
 use std::ffi::c_void;
 use std::process::ExitCode;
@@ -384,6 +386,60 @@ fn run() -> Res<()> {
                 bytes as f64 / t / 1e9
             );
         }
+    }
+    // Copy engines and kernel stores at once, both ways: the first 1/8, 1/4, 3/8 or 1/2 of the
+    // bytes by `cuMemcpyDtoDAsync` on a second stream, the rest by `sm` beside it (what a
+    // transfer that splits its bytes between the two movers could reach).
+    let side: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
+    let fork: Vec<(Event, Event)> = devices
+        .iter()
+        .map(|d| Ok((Event::new(d, false)?, Event::new(d, false)?)))
+        .collect::<Res<_>>()?;
+    for eighths in [1usize, 2, 3, 4] {
+        let ce_bytes = (bytes / 8 * eighths) & !((1 << 16) - 1);
+        let mut times = Vec::new();
+        for rep in 0..runs + 1 {
+            for r in 0..2 {
+                let src = buf.device_ptr(r)?;
+                let dst = buf.device_ptr(1 - r)? + bytes as u64;
+                ev[r].0.record(&streams[r])?;
+                fork[r].0.record(&streams[r])?;
+                side[r].wait(&fork[r].0)?;
+                copy(
+                    &driver, &devices[r], &ks[r], Mode::Ce, &side[r], dst, src, ce_bytes, sms,
+                )?;
+                fork[r].1.record(&side[r])?;
+                copy(
+                    &driver,
+                    &devices[r],
+                    &ks[r],
+                    Mode::Sm,
+                    &streams[r],
+                    dst + ce_bytes as u64,
+                    src + ce_bytes as u64,
+                    bytes - ce_bytes,
+                    sms,
+                )?;
+                streams[r].wait(&fork[r].1)?;
+                ev[r].1.record(&streams[r])?;
+            }
+            let mut t = 0f64;
+            for r in 0..2 {
+                streams[r].synchronize()?;
+                t = t.max(ev[r].1.elapsed_since(&ev[r].0)?.as_secs_f64());
+            }
+            if rep > 0 {
+                times.push(t);
+            }
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        let t = times[times.len() / 2];
+        let name = format!("ce{eighths}/8+sm");
+        println!("{name:>6} {:>10} {:>12.1}", "both", bytes as f64 / t / 1e9);
+        println!(
+            "RESULT {{\"mode\":\"{name}\",\"direction\":\"both\",\"bytes\":{bytes},\"gbps\":{:.2}}}",
+            bytes as f64 / t / 1e9
+        );
     }
     // every mode must move the bytes intact (a wrong kernel shows here, not as a speed)
     let pattern: Vec<u8> = (0..1usize << 20).map(|i| (i * 131 % 251) as u8).collect();

@@ -406,7 +406,15 @@ fn run() -> Res<()> {
                 fork[r].0.record(&streams[r])?;
                 side[r].wait(&fork[r].0)?;
                 copy(
-                    &driver, &devices[r], &ks[r], Mode::Ce, &side[r], dst, src, ce_bytes, sms,
+                    &driver,
+                    &devices[r],
+                    &ks[r],
+                    Mode::Ce,
+                    &side[r],
+                    dst,
+                    src,
+                    ce_bytes,
+                    sms,
                 )?;
                 fork[r].1.record(&side[r])?;
                 copy(

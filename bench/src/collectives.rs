@@ -128,8 +128,8 @@ struct Args {
     /// outputs above it).
     #[arg(long)]
     one_shot_max: Option<usize>,
-    /// CommConfig::gather_ll_max_bytes (whole buffers up to it run the low-latency forms; 0:
-    /// never).
+    /// CommConfig::gather_ll_max_bytes and broadcast_ll_max_bytes (whole buffers up to it run
+    /// the low-latency forms; 0: never).
     #[arg(long)]
     ll_max: Option<usize>,
     /// CommConfig::gather_ce_min_bytes and broadcast_ce_min_bytes (whole buffers from it go
@@ -155,6 +155,7 @@ impl Args {
         c.one_shot_max_bytes = self.one_shot_max.or(c.one_shot_max_bytes);
         if let Some(v) = self.ll_max {
             c.gather_ll_max_bytes = v;
+            c.broadcast_ll_max_bytes = v;
         }
         if let Some(v) = self.ce_min {
             c.gather_ce_min_bytes = v;

@@ -302,6 +302,7 @@ fn sweep(comm: &Communicator, kinds: &[Kind], sizes: &[usize], expect: Algorithm
 fn staged_only() -> CommConfig {
     CommConfig {
         gather_ll_max_bytes: 0,
+        broadcast_ll_max_bytes: 0,
         ..Default::default()
     }
 }
@@ -346,6 +347,7 @@ fn direct_stores_and_staged_rounds_equal_the_host_reference() {
         stage_bytes: Some(4096),
         max_blocks: 4,
         gather_ll_max_bytes: 0,
+        broadcast_ll_max_bytes: 0,
         ..Default::default()
     };
     let Some(comm) = team(&e, config) else {
@@ -412,9 +414,10 @@ fn small_messages_run_one_low_latency_launch_with_few_threads() {
     }
 }
 
-/// The low-latency forms take whole buffers (reduce-scatter's input, all-gather's output,
-/// broadcast's message) up to `gather_ll_max_bytes`, whatever the operands' alignment; one element
-/// more runs the staged kernel (or the direct one, symmetric outputs above the one-shot limit).
+/// The low-latency forms take whole buffers (reduce-scatter's input, all-gather's output) up to
+/// `gather_ll_max_bytes` and broadcast messages up to `broadcast_ll_max_bytes` (a smaller
+/// limit here, so a broadcast just above it is still within the other), whatever the operands'
+/// alignment; one element more runs the staged kernel.
 #[test]
 fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
     let e = env();
@@ -422,6 +425,7 @@ fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
         &e,
         CommConfig {
             gather_ll_max_bytes: 8192,
+            broadcast_ll_max_bytes: 4096,
             ..Default::default()
         },
     ) else {
@@ -434,12 +438,9 @@ fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
         Kind::AllGather,
         Kind::Broadcast(1),
     ] {
-        // whole buffer of 8192 bytes: 4096 bf16, 2048 per rank (broadcast: 4096)
-        let at = if kind == Kind::Broadcast(1) {
-            4096
-        } else {
-            2048
-        };
+        // whole buffer of 8192 bytes: 4096 bf16, 2048 per rank; broadcast, its own limit:
+        // 4096 bytes, 2048 bf16 (one more is within the others' limit, not within its own)
+        let at = 2048;
         for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
             for in_place in [false, true] {
                 let c = once::<bf16>(&comm, &s, kind, at, mem, in_place, &mut seed);
@@ -471,6 +472,7 @@ fn delayed_team_ce(n: usize, seed: u64, ce_min: usize) -> (Env, Communicator) {
         .config(CommConfig {
             ll_max_bytes: 2048,
             gather_ll_max_bytes: 2048,
+            broadcast_ll_max_bytes: 2048,
             one_shot_max_bytes: Some(4096),
             stage_bytes: Some(4096),
             max_blocks: 3,
@@ -558,6 +560,7 @@ fn ce_config() -> CommConfig {
         gather_ce_min_bytes: 0,
         broadcast_ce_min_bytes: 0,
         gather_ll_max_bytes: 0,
+        broadcast_ll_max_bytes: 0,
         stage_bytes: Some(4096),
         max_blocks: 4,
         ..Default::default()
@@ -1035,6 +1038,7 @@ fn captured_collectives_replay_with_new_inputs() {
         .config(CommConfig {
             ll_max_bytes: 1024,
             gather_ll_max_bytes: 1024,
+            broadcast_ll_max_bytes: 1024,
             one_shot_max_bytes: Some(4096),
             stage_bytes: Some(4096),
             max_blocks: 2,
@@ -1138,6 +1142,7 @@ fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
         n,
         CommConfig {
             gather_ll_max_bytes: if ll { 64 << 10 } else { 0 },
+            broadcast_ll_max_bytes: if ll { 64 << 10 } else { 0 },
             ..Default::default()
         },
     )
@@ -1284,6 +1289,7 @@ fn disagreements(ll: bool) {
 fn a_peer_that_never_calls_is_reported_as_a_timeout() {
     let ll = |on: bool| CommConfig {
         gather_ll_max_bytes: if on { 64 << 10 } else { 0 },
+        broadcast_ll_max_bytes: if on { 64 << 10 } else { 0 },
         ..Default::default()
     };
     let mut cases = Vec::new();

@@ -30,15 +30,24 @@ pub struct CommConfig {
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
     pub max_blocks: u32,
     /// Allreduces up to this many bytes use the low-latency one-shot (when not forced); also
-    /// sizes the low-latency staging (2 x N slots of 2 x the largest of this,
-    /// `gather_ll_max_bytes` and `norm_ll_max_bytes` per rank). 0 turns it off. At most 16 MiB.
+    /// sizes the low-latency staging (2 x N slots of 2 x the largest of this, half of
+    /// `gather_ll_max_bytes`, `broadcast_ll_max_bytes` and `norm_ll_max_bytes` per rank). 0
+    /// turns it off. At most 16 MiB.
     pub ll_max_bytes: usize,
-    /// Reduce-scatter, all-gather and broadcast whose whole buffer (the scattered input, the
-    /// gathered output, the message) is at most this many bytes use their low-latency forms
-    /// ([`Algorithm::PushLl`]). Default 1 MiB: on 2 x H200 the low-latency forms took 3.2 to
-    /// 3.8 µs from 64 to 256 KiB where the staged kernel's one round took about 7 µs, behind
-    /// NCCL's 6.1 at 128 KiB (docs/perf.md, session 4). 0 turns them off. At most 16 MiB.
+    /// Reduce-scatters and all-gathers whose whole buffer (the scattered input, the gathered
+    /// output) is at most this many bytes use their low-latency forms ([`Algorithm::PushLl`])
+    /// when the rank's part fits a low-latency slot (always, from 2 ranks). Default 2 MiB: on
+    /// 2 x H200 the low-latency forms took 3.2 to 3.8 µs from 64 to 256 KiB where the staged
+    /// kernel's one round took about 7 µs, behind NCCL's 6.1 at 128 KiB (docs/perf.md, session
+    /// 4), and at 2 MiB 9.1 against 10.0 µs (all-gather) and 9.5 against 9.7 (reduce-scatter),
+    /// at 4 MiB 16.1 against 13.4 and 17.3 against 13.0 (session 7). 0 turns them off. At most
+    /// 16 MiB.
     pub gather_ll_max_bytes: usize,
+    /// Broadcasts of at most this many bytes use their low-latency form (the root sends the
+    /// whole message, as two stored bytes per byte, to every peer). Default 1 MiB: on 2 x H200
+    /// the low-latency broadcast took 7.5 against 7.5 µs at 1 MiB and 13.3 against 12.1 at
+    /// 2 MiB (docs/perf.md, session 7). 0 turns it off. At most 16 MiB.
+    pub broadcast_ll_max_bytes: usize,
     /// All-gathers into a symmetric output move their data through the copy engines
     /// ([`Algorithm::CopyEngine`]) when the gathered output is at least this many bytes (the
     /// low-latency forms take precedence up to `gather_ll_max_bytes`). The copy engines move
@@ -57,8 +66,8 @@ pub struct CommConfig {
     pub broadcast_ce_min_bytes: usize,
     /// Fused allreduce + residual add + RMSNorm calls of up to this many bytes (tokens ×
     /// hidden × element size) use its low-latency one-shot (when not forced and the operands
-    /// allow it; docs/design/rmsnorm.md); the low-latency slots are sized for the larger of
-    /// this, `ll_max_bytes` and `gather_ll_max_bytes`. Default 256 KiB: 16 tokens of hidden 8192 in bf16. 0 turns it
+    /// allow it; docs/design/rmsnorm.md); the low-latency slots are sized for it too (see
+    /// `ll_max_bytes`). Default 256 KiB: 16 tokens of hidden 8192 in bf16. 0 turns it
     /// off. At most 16 MiB.
     pub norm_ll_max_bytes: usize,
     /// Threads per block of the write-only two-shot ([`Algorithm::TwoShotPush`]), which runs
@@ -92,7 +101,8 @@ impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
             ll_max_bytes: 64 << 10,
-            gather_ll_max_bytes: 1 << 20,
+            gather_ll_max_bytes: 2 << 20,
+            broadcast_ll_max_bytes: 1 << 20,
             gather_ce_min_bytes: 256 << 20,
             broadcast_ce_min_bytes: 128 << 20,
             norm_ll_max_bytes: 256 << 10,
@@ -140,11 +150,15 @@ impl CommConfig {
     }
 
     /// Bytes of one low-latency staging slot: two stored bytes per data byte of the largest
-    /// low-latency limit (allreduce, reduce-scatter/all-gather/broadcast, norm).
+    /// part a rank sends a peer under the low-latency limits: the whole message of an
+    /// allreduce, a broadcast or a norm, half the whole buffer of a reduce-scatter or an
+    /// all-gather (a rank's part, from 2 ranks; a call whose part does not fit a slot runs
+    /// another form).
     pub(crate) fn ll_slot_bytes(&self) -> usize {
         (2 * self
             .ll_max_bytes
-            .max(self.gather_ll_max_bytes)
+            .max(self.gather_ll_max_bytes.div_ceil(2))
+            .max(self.broadcast_ll_max_bytes)
             .max(self.norm_ll_max_bytes))
         .max(4096)
         .next_multiple_of(4096)
@@ -185,6 +199,12 @@ impl CommConfig {
         at_most(
             "config.gather_ll_max_bytes",
             self.gather_ll_max_bytes,
+            16 << 20,
+            "16 MiB",
+        )?;
+        at_most(
+            "config.broadcast_ll_max_bytes",
+            self.broadcast_ll_max_bytes,
             16 << 20,
             "16 MiB",
         )?;
@@ -280,6 +300,7 @@ impl CommConfig {
             self.multimem_capacity as u64,
             self.norm_ll_max_bytes as u64,
             self.gather_ll_max_bytes as u64,
+            self.broadcast_ll_max_bytes as u64,
             self.gather_ce_min_bytes as u64,
             self.broadcast_ce_min_bytes as u64,
             self.timeout_ns(),
@@ -321,6 +342,13 @@ mod tests {
             ),
             (
                 CommConfig {
+                    broadcast_ll_max_bytes: usize::MAX,
+                    ..Default::default()
+                },
+                "config.broadcast_ll_max_bytes",
+            ),
+            (
+                CommConfig {
                     scratch_bytes: usize::MAX,
                     ..Default::default()
                 },
@@ -358,10 +386,13 @@ mod tests {
             multimem_capacity: 16 << 30,
             ll_max_bytes: 16 << 20,
             gather_ll_max_bytes: 16 << 20,
+            broadcast_ll_max_bytes: 16 << 20,
             norm_ll_max_bytes: 16 << 20,
             ..Default::default()
         };
         c.validate().unwrap();
+        // the defaults' low-latency slot: 2 MiB (a 1 MiB broadcast, a 2 MiB all-gather's part)
+        assert_eq!(CommConfig::default().ll_slot_bytes(), 2 << 20);
         for n in 2..=8 {
             assert!(c.stage_slot_bytes(n) <= (1 << 30) + 4096);
             assert!(2 * n * c.stage_slot_bytes(n) < usize::MAX / 4);

@@ -575,12 +575,17 @@ impl<'a> RankHandle<'a> {
                 c, l.rank, call.coll, call.dtype, call.op, call.root, ip, op_, chunk, stream,
             );
         }
-        // low-latency: the whole buffer up to `gather_ll_max_bytes` (each rank then sends at
-        // most (N - 1) x 2 x that / N), and
-        // a chunk that fits a low-latency slot as 8-byte (flag, word) pairs. Size only: the
-        // kernel serves any alignment, so every rank making the same call makes this choice.
-        let ll = total <= c.gather_ll_max_bytes
-            && ll_words(chunk as u64).saturating_mul(8) <= c.ll_slot_bytes() as u64;
+        // low-latency: the whole buffer up to `gather_ll_max_bytes` (broadcast:
+        // `broadcast_ll_max_bytes`), and a chunk that fits a low-latency slot as 8-byte (flag,
+        // word) pairs. Size only: the kernel serves any alignment, so every rank making the
+        // same call makes this choice.
+        let ll_max = if call.coll == Collective::Broadcast {
+            c.broadcast_ll_max_bytes
+        } else {
+            c.gather_ll_max_bytes
+        };
+        let ll =
+            total <= ll_max && ll_words(chunk as u64).saturating_mul(8) <= c.ll_slot_bytes() as u64;
         // direct: the output is symmetric (every rank's mapped here) and the message is above
         // the one-shot limit, where saving the local copy beats saving a barrier
         let direct = !ll

@@ -249,8 +249,8 @@ pub enum Algorithm {
     /// ([`crate::CommConfig::one_shot_max_bytes`]) when the output is symmetric.
     PushDirect,
     /// Reduce-scatter, all-gather and broadcast with the low-latency protocol (small messages,
-    /// up to [`crate::CommConfig::gather_ll_max_bytes`] of the whole gathered, scattered or broadcast
-    /// buffer): the data travel with the call's flag in 8-byte stores into the receivers'
+    /// up to [`crate::CommConfig::gather_ll_max_bytes`] of the whole gathered or scattered
+    /// buffer, [`crate::CommConfig::broadcast_ll_max_bytes`] of a broadcast): the data travel with the call's flag in 8-byte stores into the receivers'
     /// low-latency slots, the receivers poll the data, no barrier. Serves every operand kind
     /// and alignment with no copies outside the kernel. See `docs/design/collectives.md`.
     PushLl,

@@ -2203,8 +2203,10 @@ fn mp_config() -> CommConfig {
         ce_min_bytes: 0,
         timeout: Duration::from_millis(1500),
         scratch_bytes: 256 << 10,
-        // all-gathers into symmetric outputs of 512 KiB and more through the copy engines
+        // all-gathers into symmetric outputs of 512 KiB and more through the copy engines (the
+        // low-latency forms, which come first, up to 512 KiB)
         gather_ce_min_bytes: 256 << 10,
+        gather_ll_max_bytes: 512 << 10,
         ..Default::default()
     }
 }

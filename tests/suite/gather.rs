@@ -1285,6 +1285,59 @@ fn disagreements(ll: bool) {
     });
 }
 
+/// Dropping the buffers and the communicator while their calls are still queued (an error path
+/// that returns before synchronising) must not unmap memory under the running kernels and
+/// copies: the streams finish without an error and a new team on the same devices computes
+/// correctly (on a GPU a kernel touching unmapped memory poisons the context for good).
+#[test]
+fn dropping_buffers_and_the_team_with_calls_in_flight_leaves_the_devices_healthy() {
+    let e = env();
+    let big = if e.driver.is_simulated() {
+        1 << 14
+    } else {
+        8 << 20
+    };
+    {
+        let Some(comm) = team(&e, CommConfig::default()) else {
+            return;
+        };
+        let s = streams(&comm);
+        let mut seed = 77;
+        let mut pending = Vec::new();
+        for kind in [
+            Kind::AllGather,
+            Kind::ReduceScatter(ReduceOp::Sum),
+            Kind::Broadcast(1),
+            Kind::AllReduce(ReduceOp::Sum),
+        ] {
+            for mem in [Mem::Sym, Mem::Own] {
+                pending.push(queue::<bf16>(&comm, &s, kind, big, mem, false, &mut seed));
+            }
+        }
+        drop(pending);
+        drop(comm);
+        for st in &s {
+            st.synchronize()
+                .expect("the queued calls ran to the end on mapped memory");
+        }
+    }
+    let Some(comm) = team(&e, CommConfig::default()) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 78;
+    once::<f32>(&comm, &s, Kind::AllGather, 4096, Mem::Sym, false, &mut seed);
+    once::<bf16>(
+        &comm,
+        &s,
+        Kind::ReduceScatter(ReduceOp::Sum),
+        1 << 20,
+        Mem::Sym,
+        false,
+        &mut seed,
+    );
+}
+
 #[test]
 fn a_peer_that_never_calls_is_reported_as_a_timeout() {
     let ll = |on: bool| CommConfig {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cuda_multimem::sys::CUdeviceptr;
 use cuda_multimem::vmm::{Access, HandleTypes, Location, Mapping, PhysicalAllocation};
-use cuda_multimem::{DeviceBuffer, DeviceRepr, Error, Result};
+use cuda_multimem::{Device, DeviceBuffer, DeviceRepr, Error, Result};
 
 use crate::ranks::Ranks;
 
@@ -21,6 +21,22 @@ pub(crate) struct Sym {
     pub(crate) bytes: usize,
     /// (rank, its mapping in this process).
     maps: Vec<(usize, Mapping)>,
+    /// The devices of this process's ranks: their queued work may still use the mappings.
+    devices: Vec<Device>,
+}
+
+impl Drop for Sym {
+    /// Wait for the work queued on this process's devices before the mappings go: a kernel or
+    /// copy of a collective still in flight (the caller dropped the communicator or a buffer
+    /// without synchronising, e.g. on an error path) would otherwise touch unmapped memory,
+    /// and `cuMemUnmap`, unlike `cuMemFree`, does not wait for the device. Bounded by the
+    /// collectives' own waits (each gives up after the configured timeout), as freeing a
+    /// `DeviceBuffer` is.
+    fn drop(&mut self) {
+        for d in &self.devices {
+            let _ = d.synchronize();
+        }
+    }
 }
 
 impl Sym {
@@ -106,7 +122,13 @@ impl Sym {
                 }
             }
         }
-        let sym = Sym { addrs, bytes, maps };
+        let devices = ranks.locals.iter().map(|l| l.device.clone()).collect();
+        let sym = Sym {
+            addrs,
+            bytes,
+            maps,
+            devices,
+        };
         if zero {
             for l in &ranks.locals {
                 l.device.bind()?;

@@ -68,6 +68,14 @@ impl Device {
         unsafe { cu!(self.driver, cuCtxSetCurrent(ctx)) }
     }
 
+    /// Wait for all work queued on this device's primary context (`cuCtxSynchronize`), binding
+    /// it first.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the device's primary context is current; the call only waits.
+        unsafe { cu!(self.driver, cuCtxSynchronize_v2000()) }
+    }
+
     /// Copy `data` from host memory to `dst` and return once it is in device memory.
     ///
     /// A plain `cuMemcpyHtoD` from pageable memory returns once the data are staged, before the

@@ -284,6 +284,44 @@ fn copy(
     Ok(())
 }
 
+/// The median over `runs` (after one warm-up) of the slower rank's time for what `queue(r)`
+/// puts on rank r's stream, between two events on that stream.
+fn median_time(
+    runs: usize,
+    ranks: &[usize],
+    streams: &[Stream],
+    ev: &[(Event, Event)],
+    mut queue: impl FnMut(usize) -> Res<()>,
+) -> Res<f64> {
+    let mut times = Vec::new();
+    for rep in 0..runs + 1 {
+        for &r in ranks {
+            ev[r].0.record(&streams[r])?;
+            queue(r)?;
+            ev[r].1.record(&streams[r])?;
+        }
+        let mut t = 0f64;
+        for &r in ranks {
+            streams[r].synchronize()?;
+            t = t.max(ev[r].1.elapsed_since(&ev[r].0)?.as_secs_f64());
+        }
+        if rep > 0 {
+            times.push(t);
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// One line of the table and its RESULT line.
+fn report(name: &str, dir: &str, bytes: usize, t: f64) {
+    let gbps = bytes as f64 / t / 1e9;
+    println!("{name:>6} {dir:>10} {gbps:>12.1}");
+    println!(
+        "RESULT {{\"mode\":\"{name}\",\"direction\":\"{dir}\",\"bytes\":{bytes},\"gbps\":{gbps:.2}}}"
+    );
+}
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -343,48 +381,28 @@ fn run() -> Res<()> {
     for mode in [Mode::Ce, Mode::Sm, Mode::Sm4, Mode::Bulk] {
         for both in [false, true] {
             let ranks: &[usize] = if both { &[0, 1] } else { &[0] };
-            let mut times = Vec::new();
-            for rep in 0..runs + 1 {
-                for &r in ranks {
-                    let src = buf.device_ptr(r)?;
-                    let dst = buf.device_ptr(1 - r)? + bytes as u64;
-                    ev[r].0.record(&streams[r])?;
-                    copy(
-                        &driver,
-                        &devices[r],
-                        &ks[r],
-                        mode,
-                        &streams[r],
-                        dst,
-                        src,
-                        bytes,
-                        sms,
-                    )?;
-                    ev[r].1.record(&streams[r])?;
-                }
-                let mut t = 0f64;
-                for &r in ranks {
-                    streams[r].synchronize()?;
-                    t = t.max(ev[r].1.elapsed_since(&ev[r].0)?.as_secs_f64());
-                }
-                if rep > 0 {
-                    times.push(t);
-                }
-            }
-            times.sort_by(|a, b| a.total_cmp(b));
-            let t = times[times.len() / 2];
+            let t = median_time(runs, ranks, &streams, &ev, |r| {
+                let src = buf.device_ptr(r)?;
+                let dst = buf.device_ptr(1 - r)? + bytes as u64;
+                copy(
+                    &driver,
+                    &devices[r],
+                    &ks[r],
+                    mode,
+                    &streams[r],
+                    dst,
+                    src,
+                    bytes,
+                    sms,
+                )
+            })?;
             let name = match mode {
                 Mode::Ce => "ce",
                 Mode::Sm => "sm",
                 Mode::Sm4 => "sm4",
                 Mode::Bulk => "bulk",
             };
-            let dir = if both { "both" } else { "one" };
-            println!("{name:>6} {dir:>10} {:>12.1}", bytes as f64 / t / 1e9);
-            println!(
-                "RESULT {{\"mode\":\"{name}\",\"direction\":\"{dir}\",\"bytes\":{bytes},\"gbps\":{:.2}}}",
-                bytes as f64 / t / 1e9
-            );
+            report(name, if both { "both" } else { "one" }, bytes, t);
         }
     }
     // Copy engines and kernel stores at once, both ways: the first 1/8, 1/4, 3/8 or 1/2 of the
@@ -397,57 +415,38 @@ fn run() -> Res<()> {
         .collect::<Res<_>>()?;
     for eighths in [1usize, 2, 3, 4] {
         let ce_bytes = (bytes / 8 * eighths) & !((1 << 16) - 1);
-        let mut times = Vec::new();
-        for rep in 0..runs + 1 {
-            for r in 0..2 {
-                let src = buf.device_ptr(r)?;
-                let dst = buf.device_ptr(1 - r)? + bytes as u64;
-                ev[r].0.record(&streams[r])?;
-                fork[r].0.record(&streams[r])?;
-                side[r].wait(&fork[r].0)?;
-                copy(
-                    &driver,
-                    &devices[r],
-                    &ks[r],
-                    Mode::Ce,
-                    &side[r],
-                    dst,
-                    src,
-                    ce_bytes,
-                    sms,
-                )?;
-                fork[r].1.record(&side[r])?;
-                copy(
-                    &driver,
-                    &devices[r],
-                    &ks[r],
-                    Mode::Sm,
-                    &streams[r],
-                    dst + ce_bytes as u64,
-                    src + ce_bytes as u64,
-                    bytes - ce_bytes,
-                    sms,
-                )?;
-                streams[r].wait(&fork[r].1)?;
-                ev[r].1.record(&streams[r])?;
-            }
-            let mut t = 0f64;
-            for r in 0..2 {
-                streams[r].synchronize()?;
-                t = t.max(ev[r].1.elapsed_since(&ev[r].0)?.as_secs_f64());
-            }
-            if rep > 0 {
-                times.push(t);
-            }
-        }
-        times.sort_by(|a, b| a.total_cmp(b));
-        let t = times[times.len() / 2];
-        let name = format!("ce{eighths}/8+sm");
-        println!("{name:>6} {:>10} {:>12.1}", "both", bytes as f64 / t / 1e9);
-        println!(
-            "RESULT {{\"mode\":\"{name}\",\"direction\":\"both\",\"bytes\":{bytes},\"gbps\":{:.2}}}",
-            bytes as f64 / t / 1e9
-        );
+        let t = median_time(runs, &[0, 1], &streams, &ev, |r| {
+            let src = buf.device_ptr(r)?;
+            let dst = buf.device_ptr(1 - r)? + bytes as u64;
+            fork[r].0.record(&streams[r])?;
+            side[r].wait(&fork[r].0)?;
+            copy(
+                &driver,
+                &devices[r],
+                &ks[r],
+                Mode::Ce,
+                &side[r],
+                dst,
+                src,
+                ce_bytes,
+                sms,
+            )?;
+            fork[r].1.record(&side[r])?;
+            copy(
+                &driver,
+                &devices[r],
+                &ks[r],
+                Mode::Sm,
+                &streams[r],
+                dst + ce_bytes as u64,
+                src + ce_bytes as u64,
+                bytes - ce_bytes,
+                sms,
+            )?;
+            streams[r].wait(&fork[r].1)?;
+            Ok(())
+        })?;
+        report(&format!("ce{eighths}/8+sm"), "both", bytes, t);
     }
     // every mode must move the bytes intact (a wrong kernel shows here, not as a speed)
     let pattern: Vec<u8> = (0..1usize << 20).map(|i| (i * 131 % 251) as u8).collect();

@@ -1,5 +1,6 @@
-"""torch symmetric-memory allreduce reference (one_shot_all_reduce, two_shot_all_reduce_), printed in
-the RESULT schema of bench/native/nccl_ref.c, measured the same way.
+"""torch symmetric-memory references (one_shot_all_reduce, two_shot_all_reduce_ and the reduce-scatter
+reduce_scatter_out, which needs no multicast either), printed in the RESULT schema of
+bench/native/nccl_ref.c, measured the same way.
 
 One process per GPU (torch.multiprocessing), the CUDA symmetric-memory backend with NVLink
 multicast off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0). For each size and kind:
@@ -11,11 +12,14 @@ multicast off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0). For each
     time per call = elapsed / (K*R), max over ranks;
   * "single": a graph of one call with external event-record nodes around it, launched right
     after a host barrier (shared memory, spinning), S times; median per rank, max over ranks.
-two_shot_all_reduce_ works in place: its timed buffer holds zeros (repeated sums of data would
-overflow; the kernels do the same work on any values).
+two_shot_all_reduce_ works in place and reduce_scatter_out changes its input too: their timed
+buffers hold zeros (repeated sums of data would overflow; the kernels do the same work on any
+values). The reduce-scatter (kind reduce_scatter, sum, the whole input of B bytes scattered in N
+parts, busbw = B / t x (N - 1) / N) is checked against the rank's part of the same reference.
 
   python3 bench/scripts/torch_symm_mem.py [--nranks N] [--min-bytes B] [--max-bytes B]
-      [--sizes a,b] [--kinds one_shot,two_shot] [--dtype bf16|f32] [--mode pipelined|single|both]
+      [--sizes a,b] [--kinds one_shot,two_shot,reduce_scatter] [--dtype bf16|f32]
+      [--mode pipelined|single|both]
       [--graph-calls K] [--iters R] [--warmup W] [--single-reps S]
 Rank 0 prints `RESULT {json}` and `CHECK {json}` lines and a summary table last.
 """
@@ -37,7 +41,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-IMPL = {"one_shot": "torch-symm-mem-one-shot", "two_shot": "torch-symm-mem-two-shot"}
+IMPL = {"one_shot": "torch-symm-mem-one-shot", "two_shot": "torch-symm-mem-two-shot",
+        "reduce_scatter": "torch-symm-mem-reduce-scatter"}
+BENCH = {"one_shot": "allreduce", "two_shot": "allreduce", "reduce_scatter": "reduce_scatter"}
 
 
 def parse_size(s):
@@ -139,7 +145,7 @@ def run(rank, n, a, port, shared):
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     for k in kinds:
         if k not in IMPL:
-            raise SystemExit(f"unknown kind {k} (one_shot, two_shot)")
+            raise SystemExit(f"unknown kind {k} (one_shot, two_shot, reduce_scatter)")
     sizes = [parse_size(s) for s in a.sizes.split(",") if s] if a.sizes else []
     if not sizes:
         b = a.min_bytes
@@ -194,8 +200,20 @@ def run(rank, n, a, port, shared):
 
         k_, r_, w_, s_ = plan(a, nbytes)
         row = {"bytes": nbytes}
+        part = cnt // n
         for kind in kinds:
-            if kind == "one_shot":
+            check = err_of
+            if kind == "reduce_scatter":
+                rs_out = out_full[:part]
+                lo, hi = rank * part, (rank + 1) * part
+
+                def call():
+                    ops.reduce_scatter_out(x, gname, False, rs_out)
+                result = rs_out
+
+                def check(y, ref=ref[lo:hi], mag=mag[lo:hi]):
+                    return err_of(y, ref, mag)
+            elif kind == "one_shot":
                 def call():
                     if has_out:
                         ops.one_shot_all_reduce_out(x, "sum", gname, out)
@@ -222,9 +240,9 @@ def run(rank, n, a, port, shared):
                     print(f"# {IMPL[kind]}: {nbytes} bytes failed on some rank; skipped", flush=True)
                 row[kind] = ({}, False)
                 continue
-            err = err_of(result)
-            if kind == "two_shot":
-                x.zero_()  # in place: keep the timed sums finite
+            err = check(result)
+            if kind in ("two_shot", "reduce_scatter"):
+                x.zero_()  # changed in place: keep the timed sums finite
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -281,21 +299,22 @@ def run(rank, n, a, port, shared):
                 times["single"] = mx(statistics.median(ts))
                 del g
             if rank == 0:
-                print("CHECK " + json.dumps({"bench": "allreduce", "impl": IMPL[kind], "dtype": a.dtype, "ranks": n,
+                print("CHECK " + json.dumps({"bench": BENCH[kind], "impl": IMPL[kind], "dtype": a.dtype, "ranks": n,
                                              "bytes": nbytes, "max_rel_err": err if math.isfinite(err) else None,
                                              "tolerance": tol, "correct": correct}), flush=True)
                 for m in modes:
                     t = times[m]
                     alg = nbytes / (t * 1e-6) / 1e9 if t > 0 else 0.0
+                    factor = (2 if BENCH[kind] == "allreduce" else 1) * (n - 1) / n
                     print("RESULT " + json.dumps({
-                        "bench": "allreduce", "impl": IMPL[kind], "operand": "-", "dtype": a.dtype, "op": "sum",
+                        "bench": BENCH[kind], "impl": IMPL[kind], "operand": "-", "dtype": a.dtype, "op": "sum",
                         "ranks": n, "bytes": nbytes, "mode": m, "time_us": round(t, 3), "algbw_gbs": round(alg, 3),
-                        "busbw_gbs": round(alg * 2 * (n - 1) / n, 3), "correct": correct}), flush=True)
+                        "busbw_gbs": round(alg * factor, 3), "correct": correct}), flush=True)
             row[kind] = (times, correct)
         summary.append(row)
         del ref, mag
     if rank == 0:
-        print(f"\n# torch symm_mem allreduce, {n} ranks, {a.dtype}, per-call µs (pipelined / single)")
+        print(f"\n# torch symm_mem, {n} ranks, {a.dtype}, per-call µs (pipelined / single)")
         print(f"{'bytes':>10} | " + " | ".join(f"{k:>22}" for k in kinds))
         for row in summary:
             cells = []

@@ -267,17 +267,22 @@ fn machine_name(ranks: u32) -> String {
 /// the nccl-tests style table and write the charts beside the log (`hw-logs/charts/`).
 pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     let b = bundle_dir()?;
-    // (binary, the collectives NCCL measures beside it, torch symm_mem too)
+    // (binary, the collectives NCCL measures beside it, what torch symm_mem measures beside it:
+    // the operations it has without multicast)
     let (bin, nccl_colls, torch) = match what {
-        "memory" => ("bench-memory", None, false),
-        "allreduce" => ("bench-allreduce", Some("allreduce"), true),
+        "memory" => ("bench-memory", None, None),
+        "allreduce" => (
+            "bench-allreduce",
+            Some("allreduce"),
+            Some("one_shot,two_shot"),
+        ),
         "collectives" => (
             "bench-collectives",
             Some("reduce_scatter,all_gather,broadcast"),
-            false,
+            Some("reduce_scatter"),
         ),
-        "norm" => ("bench-norm", None, false),
-        "hier" => ("bench-hier", None, false),
+        "norm" => ("bench-norm", None, None),
+        "hier" => ("bench-hier", None, None),
         other => {
             return Err(format!(
                 "unknown benchmark `{other}` (memory, allreduce, collectives, norm, hier)"
@@ -316,10 +321,11 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
                 false,
             ));
         }
-        if torch {
+        if let Some(kinds) = torch {
             let mut torch = Command::new(&python);
             torch
                 .arg(b.join("scripts/torch_symm_mem.py"))
+                .args(["--kinds", kinds])
                 .args(reference_args(args))
                 .env("NCCL_NVLS_ENABLE", "0")
                 .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -23,13 +23,15 @@ use crate::Result;
 /// Our implementation's name in `impl`.
 pub const OURS: &str = "cuda-multimem";
 /// The references whose faster time per size is "best reference": NCCL one process per GPU with
-/// plain buffers and with symmetric windows, and torch symm_mem where it has the operation.
-pub const REFERENCES: [&str; 5] = [
+/// plain buffers and with symmetric windows, torch symm_mem where it has the operation, and for
+/// the fused norm torch's NCCL allreduce then add + rms_norm.
+pub const REFERENCES: [&str; 6] = [
     "nccl-plain",
     "nccl-symmetric",
     "torch-symm-mem-one-shot",
     "torch-symm-mem-two-shot",
     "torch-symm-mem-reduce-scatter",
+    "torch-nccl-unfused",
 ];
 
 /// One measurement.

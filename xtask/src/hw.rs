@@ -267,21 +267,35 @@ fn machine_name(ranks: u32) -> String {
 /// the nccl-tests style table and write the charts beside the log (`hw-logs/charts/`).
 pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
     let b = bundle_dir()?;
-    // (binary, the collectives NCCL measures beside it, what torch symm_mem measures beside it:
-    // the operations it has without multicast)
-    let (bin, nccl_colls, torch) = match what {
+    // (binary, the collectives NCCL measures beside it, the torch script and its arguments:
+    // torch symm_mem's operations that need no multicast; for the norm, NCCL's allreduce then
+    // add + rms_norm as an engine runs it without the fusion)
+    let (bin, nccl_colls, torch): (_, _, Option<(&str, Vec<String>)>) = match what {
         "memory" => ("bench-memory", None, None),
         "allreduce" => (
             "bench-allreduce",
             Some("allreduce"),
-            Some("one_shot,two_shot"),
+            Some((
+                "torch_symm_mem.py",
+                vec!["--kinds".into(), "one_shot,two_shot".into()],
+            )),
         ),
         "collectives" => (
             "bench-collectives",
             Some("reduce_scatter,all_gather,broadcast"),
-            Some("reduce_scatter"),
+            Some((
+                "torch_symm_mem.py",
+                vec!["--kinds".into(), "reduce_scatter".into()],
+            )),
         ),
-        "norm" => ("bench-norm", None, None),
+        "norm" => (
+            "bench-norm",
+            None,
+            Some((
+                "torch_norm_ref.py",
+                pass_through(args, &["--tokens", "--hidden"]),
+            )),
+        ),
         "hier" => ("bench-hier", None, None),
         other => {
             return Err(format!(
@@ -321,12 +335,16 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
                 false,
             ));
         }
-        if let Some(kinds) = torch {
+        if let Some((script, script_args)) = torch {
             let mut torch = Command::new(&python);
             torch
-                .arg(b.join("scripts/torch_symm_mem.py"))
-                .args(["--kinds", kinds])
-                .args(reference_args(args))
+                .arg(b.join("scripts").join(script))
+                .args(script_args)
+                .args(if script == "torch_symm_mem.py" {
+                    reference_args(args)
+                } else {
+                    Vec::new()
+                })
                 .env("NCCL_NVLS_ENABLE", "0")
                 .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
                 .env("PYTHONUNBUFFERED", "1");
@@ -386,11 +404,12 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
 
 /// The size arguments of ours that the references take too (`--sizes`, `--min-bytes`,
 /// `--max-bytes`), so every implementation measures the same sizes.
-fn reference_args(args: &[String]) -> Vec<String> {
+/// The arguments among `keys` (each with its value, or as `key=value`) out of `args`.
+fn pass_through(args: &[String], keys: &[&str]) -> Vec<String> {
     let mut v = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        for k in ["--sizes", "--min-bytes", "--max-bytes"] {
+        for k in keys {
             if a == k {
                 if let Some(x) = it.next() {
                     v.push(a.clone());
@@ -402,6 +421,10 @@ fn reference_args(args: &[String]) -> Vec<String> {
         }
     }
     v
+}
+
+fn reference_args(args: &[String]) -> Vec<String> {
+    pass_through(args, &["--sizes", "--min-bytes", "--max-bytes"])
 }
 
 /// Entry point of `cargo xtask ptx-check`: assemble every kernel with ptxas for sm_90.

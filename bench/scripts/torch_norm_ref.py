@@ -1,0 +1,203 @@
+"""torch reference for the fused allreduce + residual add + RMSNorm: what an engine runs today
+without the fusion, NCCL's allreduce (torch.distributed, in place) then `x + residual` and
+`torch.nn.functional.rms_norm(...) * weight`, graph-captured; printed in the RESULT schema of
+bench-norm (bench "allreduce_rmsnorm", impl "torch-nccl-unfused"), measured the same way as
+bench/scripts/torch_symm_mem.py (its host barrier and its choice of K, R, W, S).
+
+One process per GPU (torch.multiprocessing), NCCL with NVLink multicast off (NCCL_NVLS_ENABLE=0).
+For each token count (hidden 8192, bf16 by default):
+  * correctness: every rank regenerates every rank's x from the same seeds; residual_out is
+    compared with the f32 sum in rank order plus the residual, out with the RMSNorm of that in
+    f32, relative to the magnitudes (tolerance 2e-2: NCCL's bf16 sum rounds per step);
+  * "pipelined": K calls captured into one CUDA graph, replayed R times between two events,
+    time per call = elapsed / (K*R), max over ranks; the timed x holds zeros (repeated in-place
+    sums of data would overflow; the kernels do the same work on any values);
+  * "single": a graph of one call between external event-record nodes, launched right after a
+    host barrier, S times; median per rank, max over ranks.
+
+  python3 bench/scripts/torch_norm_ref.py [--nranks N] [--tokens 1,8,16,128,1024] [--hidden H]
+      [--eps E] [--mode pipelined|single|both]
+Rank 0 prints `RESULT {json}` and `CHECK {json}` lines and a summary table last.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from torch_symm_mem import Barrier, plan  # noqa: E402
+
+IMPL = "torch-nccl-unfused"
+
+
+def args_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nranks", type=int, default=None)
+    p.add_argument("--tokens", default="1,8,16,128,1024")
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--eps", type=float, default=1e-6)
+    p.add_argument("--mode", choices=["pipelined", "single", "both"], default="both")
+    p.add_argument("--graph-calls", type=int, default=0)
+    p.add_argument("--iters", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=-1)
+    p.add_argument("--single-reps", type=int, default=0)
+    p.add_argument("--seed", type=int, default=4321)
+    p.add_argument("--port", type=int, default=0)
+    return p
+
+
+def worker(rank, n, a, port, shared):
+    try:
+        run(rank, n, a, port, shared)
+    except BaseException:
+        shared[n] = 1 + rank
+        raise
+
+
+def run(rank, n, a, port, shared):
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, device_id=dev)
+    barrier = Barrier(shared, rank, n)
+    h = a.hidden
+    modes = ["pipelined", "single"] if a.mode == "both" else [a.mode]
+    tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
+    tol = 2e-2
+    if rank == 0:
+        print(f"# torch_norm_ref.py: torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+              f"{n} ranks, {torch.cuda.get_device_name(dev)}, hidden {h}, bf16", flush=True)
+
+    def mx(v):
+        t = torch.tensor([v], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    summary = []
+    for t in tokens:
+        shape = (t, h)
+        gen = lambda s: torch.Generator(device=dev).manual_seed(a.seed * 1000003 + t * 7 + s)  # noqa: E731
+        xs = [torch.randn(shape, generator=gen(q), device=dev, dtype=torch.float32).to(torch.bfloat16) for q in range(n)]
+        r0 = torch.randn(shape, generator=gen(100), device=dev, dtype=torch.float32).to(torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(h, generator=gen(200), device=dev, dtype=torch.float32)).to(torch.bfloat16)
+        x = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        res = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+
+        def call():
+            dist.all_reduce(x)
+            torch.add(x, r0, out=res)
+            out.copy_(F.rms_norm(res, (h,), weight=w, eps=a.eps))
+
+        # correctness, against f32 in rank order
+        x.copy_(xs[rank])
+        torch.cuda.synchronize()
+        barrier("data")
+        call()
+        torch.cuda.synchronize()
+        s = torch.zeros(shape, dtype=torch.float32, device=dev)
+        mag = torch.zeros(shape, dtype=torch.float32, device=dev)
+        for q in range(n):
+            s += xs[q].float()
+            mag += xs[q].float().abs()
+        s += r0.float()
+        mag += r0.float().abs()
+        e_res = ((res.float() - s).abs() / mag.clamp(min=1e-30)).max().item()
+        rr = res.float()
+        ref_out = rr * torch.rsqrt(rr.pow(2).mean(-1, keepdim=True) + a.eps) * w.float()
+        e_out = ((out.float() - ref_out).abs() / (ref_out.abs() + 1e-2)).max().item()
+        err = mx(max(e_res, e_out))
+        correct = err <= tol
+        k_, r_, w_, s_ = plan(a, max(1, t * h * 2))
+        x.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        times = {}
+        if "pipelined" in modes:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(k_):
+                    call()
+            for _ in range(w_):
+                g.replay()
+            torch.cuda.synchronize()
+            barrier("pipelined")
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(r_):
+                g.replay()
+            e1.record()
+            e1.synchronize()
+            times["pipelined"] = mx(e0.elapsed_time(e1) * 1e3 / (k_ * r_))
+            del g
+        if "single" in modes:
+            g = torch.cuda.CUDAGraph()
+            s0 = torch.cuda.Event(enable_timing=True, external=True)
+            s1 = torch.cuda.Event(enable_timing=True, external=True)
+            with torch.cuda.graph(g):
+                s0.record()
+                call()
+                s1.record()
+            g.replay()
+            g.replay()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(s_):
+                barrier("single")
+                g.replay()
+                s1.synchronize()
+                ts.append(s0.elapsed_time(s1) * 1e3)
+            times["single"] = mx(statistics.median(ts))
+            del g
+        nbytes = t * h * 2
+        if rank == 0:
+            print("CHECK " + json.dumps({"bench": "allreduce_rmsnorm", "impl": IMPL, "dtype": "bf16", "ranks": n,
+                                         "bytes": nbytes, "tokens": t, "max_rel_err": err if math.isfinite(err) else None,
+                                         "tolerance": tol, "correct": correct}), flush=True)
+            for m in modes:
+                tm = times[m]
+                alg = nbytes / (tm * 1e-6) / 1e9 if tm > 0 else 0.0
+                print("RESULT " + json.dumps({
+                    "bench": "allreduce_rmsnorm", "impl": IMPL, "operand": "-", "dtype": "bf16", "op": "sum",
+                    "ranks": n, "bytes": nbytes, "tokens": t, "hidden": h, "mode": m, "time_us": round(tm, 3),
+                    "algbw_gbs": round(alg, 3), "busbw_gbs": round(alg * 2 * (n - 1) / n, 3),
+                    "correct": correct}), flush=True)
+        summary.append((t, times, correct))
+    if rank == 0:
+        print(f"\n# {IMPL}, {n} ranks, hidden {h}, bf16, per-call µs (pipelined / single)")
+        for t, times, ok in summary:
+            print(f"{t:>6} tokens | {times.get('pipelined', float('nan')):9.2f} {times.get('single', float('nan')):9.2f} "
+                  f"{'ok' if ok else 'WRONG'}")
+        sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    a = args_parser().parse_args()
+    n = a.nranks or torch.cuda.device_count()
+    if n < 2:
+        print("SKIPPED: torch_norm_ref.py needs 2 GPUs", file=sys.stderr)
+        return 0
+    ctx = mp.get_context("spawn")
+    shared = ctx.RawArray("q", n + 1)
+    port = a.port or 29600 + os.getpid() % 1000 + 23
+    mp.spawn(worker, args=(n, a, port, shared), nprocs=n, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

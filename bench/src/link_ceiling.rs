@@ -11,13 +11,14 @@
 //! one way (device 0 writes to device 1) and both ways (each device writes to the other), timed
 //! with CUDA events on each device (the slower device counts), median of the runs. Then both
 //! movers at once, both ways: a fraction of the bytes by the copy engines on a second stream,
-//! the rest by `sm` beside it.
+//! the rest by `sm` beside it. Last (`ce-rs`), a two-rank reduce-scatter whose transfer is all
+//! copy engines, in pieces with a flag copy each, the receiver adding each piece as it lands.
 
 use std::ffi::c_void;
 use std::process::ExitCode;
 
 use cuda_multimem::sys as cuda_multimem_sys;
-use cuda_multimem::{Device, Driver, Event, Stream};
+use cuda_multimem::{Device, DeviceBuffer, Driver, Event, Stream};
 use cuda_multimem_collectives::{Communicator, SymmetricBuffer};
 use cuda_multimem_sys::{CUfunction, CUmodule, CUresult};
 
@@ -187,6 +188,76 @@ END:
 DONE:
 	ret;
 }
+
+// The receiving side of a reduce-scatter whose data arrive by copy engine in pieces, each
+// followed by a 4-byte flag copy (value = epoch): for piece i in order, thread 0 of every
+// block waits for flags[i] == epoch (at most 2^28 polls), then the grid adds the piece,
+// out = mine + landing, as 4 x u32 per 16-byte unit
+.visible .entry ce_rs_reduce(.param .u64 p_flags, .param .u64 p_n, .param .u64 p_epoch,
+	.param .u64 p_land, .param .u64 p_mine, .param .u64 p_out, .param .u64 p_units)
+{
+	.reg .pred %p<8>;
+	.reg .b32 %r<40>;
+	.reg .b64 %rd<40>;
+	ld.param.u64 %rd1, [p_flags];
+	ld.param.u64 %rd2, [p_n];
+	ld.param.u64 %rd3, [p_epoch];
+	ld.param.u64 %rd4, [p_land];
+	ld.param.u64 %rd5, [p_mine];
+	ld.param.u64 %rd6, [p_out];
+	ld.param.u64 %rd7, [p_units];
+	cvt.u32.u64 %r5, %rd3;
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.x;
+	mov.u32 %r3, %ntid.x;
+	mov.u32 %r4, %nctaid.x;
+	mul.wide.u32 %rd8, %r2, %r3;
+	cvt.u64.u32 %rd9, %r1;
+	add.u64 %rd8, %rd8, %rd9;
+	mul.wide.u32 %rd9, %r3, %r4;
+	mov.u64 %rd10, 0;
+PIECE:
+	setp.ge.u64 %p1, %rd10, %rd2;
+	@%p1 bra FIN;
+	setp.ne.u32 %p2, %r1, 0;
+	@%p2 bra SPUN;
+	shl.b64 %rd11, %rd10, 2;
+	add.u64 %rd11, %rd1, %rd11;
+	mov.u32 %r10, 0;
+SPIN:
+	ld.acquire.sys.global.u32 %r11, [%rd11];
+	setp.eq.u32 %p3, %r11, %r5;
+	@%p3 bra SPUN;
+	add.u32 %r10, %r10, 1;
+	setp.lt.u32 %p4, %r10, 268435456;
+	@%p4 bra SPIN;
+SPUN:
+	bar.sync 0;
+	mul.lo.u64 %rd12, %rd10, %rd7;
+	mov.u64 %rd13, %rd8;
+UNITS:
+	setp.ge.u64 %p5, %rd13, %rd7;
+	@%p5 bra NEXT;
+	add.u64 %rd15, %rd12, %rd13;
+	shl.b64 %rd15, %rd15, 4;
+	add.u64 %rd16, %rd4, %rd15;
+	ld.global.cg.v4.u32 {%r20, %r21, %r22, %r23}, [%rd16];
+	add.u64 %rd17, %rd5, %rd15;
+	ld.global.v4.u32 {%r24, %r25, %r26, %r27}, [%rd17];
+	add.u32 %r20, %r20, %r24;
+	add.u32 %r21, %r21, %r25;
+	add.u32 %r22, %r22, %r26;
+	add.u32 %r23, %r23, %r27;
+	add.u64 %rd18, %rd6, %rd15;
+	st.global.v4.u32 [%rd18], {%r20, %r21, %r22, %r23};
+	add.u64 %rd13, %rd13, %rd9;
+	bra.uni UNITS;
+NEXT:
+	add.u64 %rd10, %rd10, 1;
+	bra.uni PIECE;
+FIN:
+	ret;
+}
 "#;
 
 struct Kernels {
@@ -194,6 +265,7 @@ struct Kernels {
     sm: CUfunction,
     sm4: CUfunction,
     bulk: CUfunction,
+    reduce: CUfunction,
 }
 
 fn load(driver: &Driver, d: &Device) -> Res<Kernels> {
@@ -220,6 +292,7 @@ fn load(driver: &Driver, d: &Device) -> Res<Kernels> {
         sm: f("sm_copy")?,
         sm4: f("sm_copy4")?,
         bulk: f("bulk_copy")?,
+        reduce: f("ce_rs_reduce")?,
     })
 }
 
@@ -320,6 +393,199 @@ fn report(name: &str, dir: &str, bytes: usize, t: f64) {
     println!(
         "RESULT {{\"mode\":\"{name}\",\"direction\":\"{dir}\",\"bytes\":{bytes},\"gbps\":{gbps:.2}}}"
     );
+}
+
+fn check(rc: CUresult, what: &str) -> Res<()> {
+    if rc != CUresult::CUDA_SUCCESS {
+        return Err(format!("{what}: {rc}").into());
+    }
+    Ok(())
+}
+
+/// A two-rank reduce-scatter of `bytes` per direction whose transfer is all copy engines: each
+/// rank copies its part for the peer into the peer's landing area in pieces, alternating
+/// between `lanes` streams, each piece followed by a 4-byte flag copy (a copy engine starts it
+/// only once the piece completed); the peer's `ce_rs_reduce` adds each piece as its flag
+/// arrives. Times the whole call (GB/s = busbw of a reduce-scatter of 2 x `bytes`), checks one
+/// call's result on rank 0.
+#[allow(clippy::too_many_arguments)]
+fn ce_pieces(
+    driver: &Driver,
+    comm: &Communicator,
+    devices: &[Device],
+    ks: &[Kernels],
+    streams: &[Stream],
+    side: &[Stream],
+    ev: &[(Event, Event)],
+    bytes: usize,
+    runs: usize,
+    sms: u32,
+) -> Res<()> {
+    let max_pieces = 64usize;
+    // each rank: [my part for the peer | landing | my own part]
+    let buf: SymmetricBuffer<u8> = comm.alloc(3 * bytes)?;
+    let flags: SymmetricBuffer<u32> = comm.alloc(max_pieces)?;
+    let out: Vec<DeviceBuffer<u8>> = devices
+        .iter()
+        .map(|d| DeviceBuffer::zeroed(d, bytes))
+        .collect::<Result<_, _>>()?;
+    let flag_src: Vec<DeviceBuffer<u32>> = devices
+        .iter()
+        .map(|d| DeviceBuffer::zeroed(d, 1))
+        .collect::<Result<_, _>>()?;
+    let side2: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
+    let mk = |d: &Device| Ok((Event::new(d, false)?, Event::new(d, false)?));
+    let fork: Vec<(Event, Event)> = devices.iter().map(mk).collect::<Res<_>>()?;
+    let join2: Vec<(Event, Event)> = devices.iter().map(mk).collect::<Res<_>>()?;
+    // data: words w of rank r's part for the peer = 3w + r, of its own part = 5w + 7r
+    let words = 1usize << 18;
+    for r in 0..2 {
+        let a: Vec<u32> = (0..words as u32).map(|w| 3 * w + r as u32).collect();
+        let m: Vec<u32> = (0..words as u32).map(|w| 5 * w + 7 * r as u32).collect();
+        let ab: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mb: Vec<u8> = m.iter().flat_map(|x| x.to_le_bytes()).collect();
+        buf.write(r, 0, &ab)?;
+        buf.write(r, 2 * bytes, &mb)?;
+    }
+    let mut epoch = 0u32;
+    for lanes in [1usize, 2] {
+        for piece_mib in [4usize, 8, 16, 32] {
+            let piece = piece_mib << 20;
+            if piece > bytes || !bytes.is_multiple_of(piece) || bytes / piece > max_pieces {
+                continue;
+            }
+            let n = bytes / piece;
+            let mut times = Vec::new();
+            for rep in 0..runs + 2 {
+                epoch += 1;
+                for r in 0..2 {
+                    let d = &devices[r];
+                    d.bind()?;
+                    let base = buf.device_ptr(r)?;
+                    let peer_land = buf.device_ptr(1 - r)? + bytes as u64;
+                    let peer_flags = flags.device_ptr(1 - r)?;
+                    let src_flag = flag_src[r].device_ptr();
+                    // SAFETY: a live 4-byte allocation of this device; live stream.
+                    check(
+                        unsafe {
+                            driver.sys().cuMemsetD32Async_v3020()?(
+                                src_flag,
+                                epoch,
+                                1,
+                                streams[r].raw(),
+                            )
+                        },
+                        "cuMemsetD32Async",
+                    )?;
+                    ev[r].0.record(&streams[r])?;
+                    fork[r].0.record(&streams[r])?;
+                    let lane = |i: usize| {
+                        if i.is_multiple_of(lanes) {
+                            &side[r]
+                        } else {
+                            &side2[r]
+                        }
+                    };
+                    side[r].wait(&fork[r].0)?;
+                    side2[r].wait(&fork[r].0)?;
+                    for i in 0..n {
+                        let l = lane(i);
+                        let off = (i * piece) as u64;
+                        // SAFETY: ranges inside live allocations mapped for this device.
+                        unsafe {
+                            check(
+                                driver.sys().cuMemcpyDtoDAsync()?(
+                                    peer_land + off,
+                                    base + off,
+                                    piece,
+                                    l.raw(),
+                                ),
+                                "piece copy",
+                            )?;
+                            check(
+                                driver.sys().cuMemcpyDtoDAsync()?(
+                                    peer_flags + 4 * i as u64,
+                                    src_flag,
+                                    4,
+                                    l.raw(),
+                                ),
+                                "flag copy",
+                            )?;
+                        }
+                    }
+                    fork[r].1.record(&side[r])?;
+                    join2[r].1.record(&side2[r])?;
+                    let (mut fl, mut nn, mut ep) = (flags.device_ptr(r)?, n as u64, epoch as u64);
+                    let (mut land, mut mine, mut o, mut units) = (
+                        base + bytes as u64,
+                        base + 2 * bytes as u64,
+                        out[r].device_ptr(),
+                        (piece / 16) as u64,
+                    );
+                    let mut p: [*mut c_void; 7] = [
+                        &mut fl as *mut _ as *mut c_void,
+                        &mut nn as *mut _ as *mut c_void,
+                        &mut ep as *mut _ as *mut c_void,
+                        &mut land as *mut _ as *mut c_void,
+                        &mut mine as *mut _ as *mut c_void,
+                        &mut o as *mut _ as *mut c_void,
+                        &mut units as *mut _ as *mut c_void,
+                    ];
+                    // SAFETY: the module's ce_rs_reduce, seven u64 parameters pointing at live
+                    // locals, every address inside live allocations of this device; live stream.
+                    check(
+                        unsafe {
+                            driver.sys().cuLaunchKernel()?(
+                                ks[r].reduce,
+                                sms,
+                                1,
+                                1,
+                                512,
+                                1,
+                                1,
+                                0,
+                                streams[r].raw(),
+                                p.as_mut_ptr(),
+                                std::ptr::null_mut(),
+                            )
+                        },
+                        "ce_rs_reduce",
+                    )?;
+                    streams[r].wait(&fork[r].1)?;
+                    streams[r].wait(&join2[r].1)?;
+                    ev[r].1.record(&streams[r])?;
+                }
+                let mut t = 0f64;
+                for r in 0..2 {
+                    streams[r].synchronize()?;
+                    t = t.max(ev[r].1.elapsed_since(&ev[r].0)?.as_secs_f64());
+                }
+                if rep == 0 {
+                    // rank 0's output: the peer's part for it plus its own
+                    let mut got = vec![0u8; 4 * words];
+                    out[0].copy_to_host(0, &mut got[..])?;
+                    let ok = got.chunks(4).enumerate().all(|(w, c)| {
+                        let v = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                        let w = w as u32;
+                        v == (3 * w + 1).wrapping_add(5 * w)
+                    });
+                    if !ok {
+                        return Err(format!(
+                            "ce pieces ({lanes} lanes, {piece_mib} MiB): wrong result"
+                        )
+                        .into());
+                    }
+                }
+                if rep > 1 {
+                    times.push(t);
+                }
+            }
+            times.sort_by(|a, b| a.total_cmp(b));
+            let t = times[times.len() / 2];
+            report(&format!("ce-rs {lanes}x{piece_mib}M"), "both", bytes, t);
+        }
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -448,6 +714,9 @@ fn run() -> Res<()> {
         })?;
         report(&format!("ce{eighths}/8+sm"), "both", bytes, t);
     }
+    ce_pieces(
+        &driver, &comm, devices, &ks, &streams, &side, &ev, bytes, runs, sms,
+    )?;
     // every mode must move the bytes intact (a wrong kernel shows here, not as a speed)
     let pattern: Vec<u8> = (0..1usize << 20).map(|i| (i * 131 % 251) as u8).collect();
     buf.write(0, 0, &pattern)?;

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -31,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_symm_mem import Barrier, plan  # noqa: E402
+from torch_symm_mem import (  # noqa: E402
+    Barrier, external_events, plan, spawn, time_pipelined, time_single, warm)
 
 IMPL = "torch-nccl-unfused"
 
@@ -55,14 +54,6 @@ def args_parser():
     return p
 
 
-def worker(rank, n, a, port, shared):
-    try:
-        run(rank, n, a, port, shared)
-    except BaseException:
-        shared[n] = 1 + rank
-        raise
-
-
 def run(rank, n, a, port, shared):
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -72,6 +63,7 @@ def run(rank, n, a, port, shared):
     modes = ["pipelined", "single"] if a.mode == "both" else [a.mode]
     tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     tol = 2e-2
+    external = external_events()
     if rank == 0:
         print(f"# torch_norm_ref.py: torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
               f"{n} ranks, {torch.cuda.get_device_name(dev)}, hidden {h}, bf16", flush=True)
@@ -118,50 +110,12 @@ def run(rank, n, a, port, shared):
         correct = err <= tol
         k_, r_, w_, s_ = plan(a, max(1, t * h * 2))
         x.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        warm(call)
         times = {}
         if "pipelined" in modes:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(k_):
-                    call()
-            for _ in range(w_):
-                g.replay()
-            torch.cuda.synchronize()
-            barrier("pipelined")
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(r_):
-                g.replay()
-            e1.record()
-            e1.synchronize()
-            times["pipelined"] = mx(e0.elapsed_time(e1) * 1e3 / (k_ * r_))
-            del g
+            times["pipelined"] = mx(time_pipelined(call, k_, r_, w_, barrier))
         if "single" in modes:
-            g = torch.cuda.CUDAGraph()
-            s0 = torch.cuda.Event(enable_timing=True, external=True)
-            s1 = torch.cuda.Event(enable_timing=True, external=True)
-            with torch.cuda.graph(g):
-                s0.record()
-                call()
-                s1.record()
-            g.replay()
-            g.replay()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(s_):
-                barrier("single")
-                g.replay()
-                s1.synchronize()
-                ts.append(s0.elapsed_time(s1) * 1e3)
-            times["single"] = mx(statistics.median(ts))
-            del g
+            times["single"] = mx(time_single(call, s_, barrier, external))
         nbytes = t * h * 2
         if rank == 0:
             print("CHECK " + json.dumps({"bench": "allreduce_rmsnorm", "impl": IMPL, "dtype": "bf16", "ranks": n,
@@ -187,16 +141,7 @@ def run(rank, n, a, port, shared):
 
 
 def main():
-    a = args_parser().parse_args()
-    n = a.nranks or torch.cuda.device_count()
-    if n < 2:
-        print("SKIPPED: torch_norm_ref.py needs 2 GPUs", file=sys.stderr)
-        return 0
-    ctx = mp.get_context("spawn")
-    shared = ctx.RawArray("q", n + 1)
-    port = a.port or 29600 + os.getpid() % 1000 + 23
-    mp.spawn(worker, args=(n, a, port, shared), nprocs=n, join=True)
-    return 0
+    return spawn(run, args_parser().parse_args(), "torch_norm_ref.py", 29623)
 
 
 if __name__ == "__main__":

@@ -117,12 +117,95 @@ class Barrier:
                     raise SystemExit(f"torch_symm_mem.py rank {self.rank}: barrier {what} timed out")
 
 
-def worker(rank, n, a, port, shared):
+def warm(call):
+    """Two calls on a side stream (what a capture needs before it), then wait for them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def time_pipelined(call, k, r, w, barrier):
+    """µs per call on this rank: K calls captured into one graph, replayed R times after W."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(k):
+            call()
+    for _ in range(w):
+        g.replay()
+    torch.cuda.synchronize()
+    barrier("pipelined")
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(r):
+        g.replay()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / (k * r)
+
+
+def time_single(call, s, barrier, external):
+    """Median µs on this rank of a graph of one call (between event-record nodes when the torch
+    has external events) launched right after a host barrier, S times."""
+    g = torch.cuda.CUDAGraph()
+    s0 = torch.cuda.Event(enable_timing=True, external=True) if external else torch.cuda.Event(enable_timing=True)
+    s1 = torch.cuda.Event(enable_timing=True, external=True) if external else torch.cuda.Event(enable_timing=True)
+    with torch.cuda.graph(g):
+        if external:
+            s0.record()
+        call()
+        if external:
+            s1.record()
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(s):
+        barrier("single")
+        if not external:
+            s0.record()
+        g.replay()
+        if not external:
+            s1.record()
+        s1.synchronize()
+        ts.append(s0.elapsed_time(s1) * 1e3)
+    return statistics.median(ts)
+
+
+def external_events():
+    """Whether this torch records events as graph nodes (`external=True`)."""
+    try:
+        torch.cuda.Event(enable_timing=True, external=True)
+        return True
+    except TypeError:
+        return False
+
+
+def worker(rank, run, n, a, port, shared):
+    """One rank: `run(rank, n, a, port, shared)`; a failure raises the shared flag the host
+    barriers watch, so the other ranks stop instead of waiting out their bound."""
     try:
         run(rank, n, a, port, shared)
     except BaseException:
         shared[n] = 1 + rank
         raise
+
+
+def spawn(run, a, name, port_base):
+    """Run `run` on every GPU (or `--nranks`), one process each; 0 (and a SKIPPED line) with
+    fewer than 2 GPUs."""
+    n = a.nranks or torch.cuda.device_count()
+    if n < 2:
+        print(f"SKIPPED: {name} needs 2 GPUs", file=sys.stderr)
+        return 0
+    ctx = mp.get_context("spawn")
+    shared = ctx.RawArray("q", n + 1)  # epochs, then a failure flag
+    port = a.port or port_base + os.getpid() % 1000
+    mp.spawn(worker, args=(run, n, a, port, shared), nprocs=n, join=True)
+    return 0
 
 
 def run(rank, n, a, port, shared):
@@ -159,11 +242,7 @@ def run(rank, n, a, port, shared):
     ops = torch.ops.symm_mem
     has_out = hasattr(ops, "one_shot_all_reduce_out")
     modes = ["pipelined", "single"] if a.mode == "both" else [a.mode]
-    try:
-        torch.cuda.Event(enable_timing=True, external=True)
-        external = True
-    except TypeError:
-        external = False
+    external = external_events()
     if rank == 0:
         print(f"# torch_symm_mem.py: torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
               f"{n} ranks, {torch.cuda.get_device_name(dev)}, {a.dtype}, one_shot_all_reduce_out: {has_out}, "
@@ -202,7 +281,6 @@ def run(rank, n, a, port, shared):
         row = {"bytes": nbytes}
         part = cnt // n
         for kind in kinds:
-            check = err_of
             if kind == "reduce_scatter":
                 rs_out = out_full[:part]
                 lo, hi = rank * part, (rank + 1) * part
@@ -220,10 +298,12 @@ def run(rank, n, a, port, shared):
                     else:
                         out.copy_(ops.one_shot_all_reduce(x, "sum", gname))
                 result = out
+                check = err_of
             else:
                 def call():
                     ops.two_shot_all_reduce_(x, "sum", gname)
                 result = x
+                check = err_of
             x.copy_(mine)
             out.fill_(float("nan"))
             torch.cuda.synchronize()
@@ -243,61 +323,17 @@ def run(rank, n, a, port, shared):
             err = check(result)
             if kind in ("two_shot", "reduce_scatter"):
                 x.zero_()  # changed in place: keep the timed sums finite
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                call()
-                call()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
+            warm(call)
             times = {}
             if "pipelined" in modes:
                 if kind == "one_shot":
                     out.fill_(float("nan"))
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(k_):
-                        call()
-                for _ in range(w_):
-                    g.replay()
-                torch.cuda.synchronize()
-                barrier("pipelined")
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(r_):
-                    g.replay()
-                e1.record()
-                e1.synchronize()
-                times["pipelined"] = mx(e0.elapsed_time(e1) * 1e3 / (k_ * r_))
+                times["pipelined"] = mx(time_pipelined(call, k_, r_, w_, barrier))
                 if kind == "one_shot":
                     err = max(err, err_of(out))
-                del g
             correct = err <= tol
             if "single" in modes:
-                g = torch.cuda.CUDAGraph()
-                s0 = torch.cuda.Event(enable_timing=True, external=True) if external else torch.cuda.Event(enable_timing=True)
-                s1 = torch.cuda.Event(enable_timing=True, external=True) if external else torch.cuda.Event(enable_timing=True)
-                with torch.cuda.graph(g):
-                    if external:
-                        s0.record()
-                    call()
-                    if external:
-                        s1.record()
-                g.replay()
-                g.replay()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(s_):
-                    barrier("single")
-                    if not external:
-                        s0.record()
-                    g.replay()
-                    if not external:
-                        s1.record()
-                    s1.synchronize()
-                    ts.append(s0.elapsed_time(s1) * 1e3)
-                times["single"] = mx(statistics.median(ts))
-                del g
+                times["single"] = mx(time_single(call, s_, barrier, external))
             if rank == 0:
                 print("CHECK " + json.dumps({"bench": BENCH[kind], "impl": IMPL[kind], "dtype": a.dtype, "ranks": n,
                                              "bytes": nbytes, "max_rel_err": err if math.isfinite(err) else None,
@@ -328,16 +364,7 @@ def run(rank, n, a, port, shared):
 
 
 def main():
-    a = args_parser().parse_args()
-    n = a.nranks or torch.cuda.device_count()
-    if n < 2:
-        print("SKIPPED: torch_symm_mem.py needs 2 GPUs", file=sys.stderr)
-        return 0
-    ctx = mp.get_context("spawn")
-    shared = ctx.RawArray("q", n + 1)  # epochs, then a failure flag
-    port = a.port or 29500 + os.getpid() % 1000 + 17
-    mp.spawn(worker, args=(n, a, port, shared), nprocs=n, join=True)
-    return 0
+    return spawn(run, args_parser().parse_args(), "torch_symm_mem.py", 29517)
 
 
 if __name__ == "__main__":

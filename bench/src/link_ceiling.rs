@@ -404,9 +404,9 @@ fn check(rc: CUresult, what: &str) -> Res<()> {
 
 /// A two-rank reduce-scatter of `bytes` per direction whose transfer is all copy engines: each
 /// rank copies its part for the peer into the peer's landing area in pieces, alternating
-/// between `lanes` streams, each piece followed by a 4-byte flag copy (a copy engine starts it
-/// only once the piece completed); the peer's `ce_rs_reduce` adds each piece as its flag
-/// arrives. Times the whole call (GB/s = busbw of a reduce-scatter of 2 x `bytes`), checks one
+/// between `lanes` streams, each piece followed by a 4-byte flag, written by a copy (`c`: a copy
+/// engine starts it only once the piece completed) or by `cuStreamWriteValue32` (`w`); the
+/// peer's `ce_rs_reduce` adds each piece as its flag arrives. Times the whole call (GB/s = busbw of a reduce-scatter of 2 x `bytes`), checks one
 /// call's result on rank 0.
 #[allow(clippy::too_many_arguments)]
 fn ce_pieces(
@@ -448,7 +448,7 @@ fn ce_pieces(
         buf.write(r, 2 * bytes, &mb)?;
     }
     let mut epoch = 0u32;
-    for lanes in [1usize, 2] {
+    for (by_write, lanes) in [(false, 1usize), (false, 2), (true, 1), (true, 2)] {
         for piece_mib in [4usize, 8, 16, 32] {
             let piece = piece_mib << 20;
             if piece > bytes || !bytes.is_multiple_of(piece) || bytes / piece > max_pieces {
@@ -502,15 +502,27 @@ fn ce_pieces(
                                 ),
                                 "piece copy",
                             )?;
-                            check(
-                                driver.sys().cuMemcpyDtoDAsync()?(
-                                    peer_flags + 4 * i as u64,
-                                    src_flag,
-                                    4,
-                                    l.raw(),
-                                ),
-                                "flag copy",
-                            )?;
+                            if by_write {
+                                check(
+                                    driver.sys().cuStreamWriteValue32()?(
+                                        l.raw(),
+                                        peer_flags + 4 * i as u64,
+                                        epoch,
+                                        0,
+                                    ),
+                                    "flag write",
+                                )?;
+                            } else {
+                                check(
+                                    driver.sys().cuMemcpyDtoDAsync()?(
+                                        peer_flags + 4 * i as u64,
+                                        src_flag,
+                                        4,
+                                        l.raw(),
+                                    ),
+                                    "flag copy",
+                                )?;
+                            }
                         }
                     }
                     fork[r].1.record(&side[r])?;
@@ -571,7 +583,7 @@ fn ce_pieces(
                     });
                     if !ok {
                         return Err(format!(
-                            "ce pieces ({lanes} lanes, {piece_mib} MiB): wrong result"
+                            "ce pieces ({lanes} lanes, {piece_mib} MiB, flag by write: {by_write}): wrong result"
                         )
                         .into());
                     }
@@ -582,7 +594,13 @@ fn ce_pieces(
             }
             times.sort_by(|a, b| a.total_cmp(b));
             let t = times[times.len() / 2];
-            report(&format!("ce-rs {lanes}x{piece_mib}M"), "both", bytes, t);
+            let flag = if by_write { "w" } else { "c" };
+            report(
+                &format!("ce-rs {lanes}x{piece_mib}M{flag}"),
+                "both",
+                bytes,
+                t,
+            );
         }
     }
     Ok(())

@@ -7,7 +7,8 @@
 
 use std::sync::Once;
 
-use cuda_multimem::{Driver, DRIVER_ENV};
+use cuda_multimem::{DeviceBuffer, DeviceRepr, Driver, DRIVER_ENV};
+use cuda_multimem_collectives::Communicator;
 use cuda_multimem_sim::{SimConfig, Simulator};
 
 /// The default simulated machine when `CUDA_MULTIMEM_DRIVER` is unset.
@@ -190,4 +191,12 @@ pub fn first_beyond_sum_tolerance(
         (g.is_nan() != w.is_nan() || (g - w).abs() > tol)
             .then(|| format!("element {i}: got {g} want {w} (tolerance {tol})"))
     })
+}
+
+/// One zeroed `DeviceBuffer` of `count` elements on each rank's device of `comm`, by rank (the
+/// caller's own memory, as operands of the collectives).
+pub fn zeroed_per_rank<T: DeviceRepr>(comm: &Communicator, count: usize) -> Vec<DeviceBuffer<T>> {
+    (0..comm.size())
+        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), count).unwrap())
+        .collect()
 }

@@ -14,7 +14,7 @@ use cuda_multimem_collectives::{
     ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{env, sim, sim_delayed, skip, Env};
+use cuda_multimem_tests::{env, sim, sim_delayed, skip, zeroed_per_rank, Env};
 
 /// What a case calls.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -785,9 +785,7 @@ fn captured_copy_engine_calls(comm: &Communicator) {
     let mut ag_out = comm.alloc::<bf16>(n * count).unwrap();
     let mut ag_in_place = comm.alloc::<f32>(n * count).unwrap();
     let mut bc = comm.alloc::<f16>(count).unwrap();
-    let mut ag_ins: Vec<DeviceBuffer<bf16>> = (0..n)
-        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), count).unwrap())
-        .collect();
+    let mut ag_ins: Vec<DeviceBuffer<bf16>> = zeroed_per_rank(comm, count);
     let mut execs = Vec::new();
     for (r, st) in s.iter().enumerate() {
         let h = comm.rank(r).unwrap();
@@ -861,11 +859,7 @@ fn copy_engine_calls_whose_peer_calls_something_else_are_reported() {
                 .unwrap();
             assert_eq!(c.algorithm, Algorithm::CopyEngine);
         }
-        sync(&s);
-        match comm.check() {
-            Err(Error::RanksDisagree { .. }) => {}
-            other => panic!("all-gather sizes 2000 / 4000: got {other:?}"),
-        }
+        expect_reported_disagreement(&comm, &s, "all-gather sizes 2000 / 4000");
     }
     // broadcasts through the copy engines from roots 0 / 1
     {
@@ -879,11 +873,7 @@ fn copy_engine_calls_whose_peer_calls_something_else_are_reported() {
                 .unwrap();
             assert_eq!(c.algorithm, Algorithm::CopyEngine);
         }
-        sync(&s);
-        match comm.check() {
-            Err(Error::RanksDisagree { .. }) => {}
-            other => panic!("broadcast roots 0 / 1: got {other:?}"),
-        }
+        expect_reported_disagreement(&comm, &s, "broadcast roots 0 / 1");
     }
     // rank 0's all-gather through the copy engines, rank 1's staged (own output)
     {
@@ -903,11 +893,16 @@ fn copy_engine_calls_whose_peer_calls_something_else_are_reported() {
             .unwrap();
         assert_eq!(c0.algorithm, Algorithm::CopyEngine);
         assert_eq!(c1.algorithm, Algorithm::PushStaged);
-        sync(&s);
-        match comm.check() {
-            Err(Error::RanksDisagree { .. }) => {}
-            other => panic!("copy engines / staged: got {other:?}"),
-        }
+        expect_reported_disagreement(&comm, &s, "copy engines / staged");
+    }
+}
+
+/// Wait for the team's calls, then expect `check()` to report ranks that disagree.
+fn expect_reported_disagreement(comm: &Communicator, s: &[Stream], what: &str) {
+    sync(s);
+    match comm.check() {
+        Err(Error::RanksDisagree { .. }) => {}
+        other => panic!("{what}: got {other:?}"),
     }
 }
 

@@ -14,7 +14,7 @@ use cuda_multimem_collectives::{
     Path, ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{sim, sim_delayed, skip, Env};
+use cuda_multimem_tests::{sim, sim_delayed, skip, zeroed_per_rank, Env};
 
 /// A team of 3 with the multimem path forced where rank 2 never calls. Rank 0 queues two calls
 /// and runs them to the end (timed out) before rank 1, slower, queues its two. The arrival words
@@ -675,12 +675,8 @@ fn captured_multimem_collectives_replay_with_new_inputs() {
     let mut rs_out = comm.alloc::<f16>(rs_count).unwrap();
     let mut ag = comm.alloc::<f32>(n * ag_count).unwrap();
     let mut sum = comm.alloc::<f32>(n * sum_count).unwrap();
-    let mut bc_in: Vec<DeviceBuffer<f32>> = (0..n)
-        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), bc_count).unwrap())
-        .collect();
-    let mut bc_out: Vec<DeviceBuffer<f32>> = (0..n)
-        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), bc_count).unwrap())
-        .collect();
+    let mut bc_in: Vec<DeviceBuffer<f32>> = zeroed_per_rank(&comm, bc_count);
+    let mut bc_out: Vec<DeviceBuffer<f32>> = zeroed_per_rank(&comm, bc_count);
     let mut execs = Vec::new();
     for (r, st) in s.iter().enumerate() {
         let h = comm.rank(r).unwrap();

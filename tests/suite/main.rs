@@ -7,6 +7,8 @@ mod device;
 mod endpoint;
 mod gather;
 mod hier;
+mod hostile_collectives;
+mod hostile_safe;
 mod loader;
 mod managed;
 mod multicast;

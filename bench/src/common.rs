@@ -66,7 +66,9 @@ pub fn pipelined_by_graph(
         let called = (0..iters).try_for_each(|_| call(r));
         let g = s.end_capture()?;
         called?;
-        execs.push(g.instantiate()?);
+        // SAFETY: what `call` captured is the caller's and outlives this function, which drops
+        // `execs` before it returns.
+        execs.push(unsafe { g.instantiate() }?);
     }
     let launch = || -> Res<()> {
         for (e, s) in execs.iter().zip(streams).rev() {
@@ -170,7 +172,9 @@ fn timed_launches(
         let called = call(s);
         let g = r.end_capture()?;
         called?;
-        let exec = g.instantiate()?;
+        // SAFETY: what `call` captured is the caller's and outlives this closure's result,
+        // dropped before the function returns.
+        let exec = unsafe { g.instantiate() }?;
         let (a, z) = (Event::new(s.device(), true)?, Event::new(s.device(), true)?);
         Ok((exec, a, z))
     })();

@@ -269,7 +269,9 @@ impl Ctx<'_> {
         if let Some(e) = failed {
             return Err(e);
         }
-        let exec = g.instantiate()?;
+        // SAFETY: the communicator, buffers and stream the capture used are borrowed by `self`
+        // and outlive `exec`, dropped when this function returns.
+        let exec = unsafe { g.instantiate() }?;
         barrier(self.boot)?;
         exec.launch(self.stream)?;
         self.stream.synchronize()?;

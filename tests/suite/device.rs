@@ -736,7 +736,8 @@ fn a_captured_memset_and_copy_replay_from_the_graph() {
         b.to_vec().unwrap().iter().all(|&v| v == 0),
         "captured work does not run"
     );
-    let exec = g.instantiate().unwrap();
+    // SAFETY: the buffers and streams the capture used outlive `exec` (declared before it).
+    let exec = unsafe { g.instantiate() }.unwrap();
     drop(g);
     for round in 0..3 {
         b.copy_from_host(0, &vec![round; n]).unwrap();
@@ -1074,7 +1075,8 @@ fn an_overlapped_copy_is_captured_into_a_graph_and_replays() {
         b.to_vec().unwrap().iter().all(|&v| v == 0),
         "captured work does not run"
     );
-    let exec = g.instantiate().unwrap();
+    // SAFETY: the buffers and streams the capture used outlive `exec` (declared before it).
+    let exec = unsafe { g.instantiate() }.unwrap();
     drop(g);
     for round in 1..=3u8 {
         b.copy_from_host(0, &vec![round; n]).unwrap();

@@ -802,7 +802,8 @@ fn captured_copy_engine_calls(comm: &Communicator) {
         ] {
             assert_eq!(c.algorithm, Algorithm::CopyEngine);
         }
-        execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
+        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
     }
     let mut seed = 91;
     for replay in 0..3 {
@@ -1075,7 +1076,8 @@ fn captured_collectives_replay_with_new_inputs() {
         ] {
             assert_eq!(c.algorithm, Algorithm::PushLl);
         }
-        execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
+        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
     }
     let mut seed = 77;
     for replay in 0..3 {

@@ -572,7 +572,8 @@ fn hw_rank(rank: usize, path: &std::path::Path, nccl: Arc<Nccl>) -> Result<(), S
     let captured = hier.all_reduce_in_place(&mut b, ReduceOp::Sum, &s);
     let graph = sr.end_capture().map_err(err)?;
     captured.map_err(err)?;
-    let exec = graph.instantiate().map_err(err)?;
+    // SAFETY: `hier`, `b` and `s` outlive `exec` (declared after them, dropped first).
+    let exec = unsafe { graph.instantiate() }.map_err(err)?;
     for replay in 0..3u64 {
         let inputs: Vec<Vec<f32>> = (0..2).map(|r| input(100 + replay, r, count)).collect();
         b.copy_from_host(0, &inputs[rank]).map_err(err)?;

@@ -698,7 +698,8 @@ fn captured_multimem_collectives_replay_with_new_inputs() {
             [2, 2, 2, 1],
             "windows per call"
         );
-        execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
+        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
     }
     let mut seed = 61;
     for replay in 0..3 {

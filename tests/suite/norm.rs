@@ -626,7 +626,8 @@ fn a_captured_graph_replays_the_fused_norm_in_every_form() {
                 .unwrap()
                 .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, h, EPS, st)
                 .unwrap();
-            execs.push(sr.end_capture().unwrap().instantiate().unwrap());
+            // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
+            execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
         }
         for replay in 0..4u64 {
             let case = Case::<bf16>::new(2, t, h, 100 + replay);

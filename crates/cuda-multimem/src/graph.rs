@@ -2,6 +2,7 @@
 //! [`StreamRef::end_capture`], [`Graph::instantiate`], [`GraphExec::launch`].
 
 use cuda_multimem_sys::{CUgraph, CUgraphExec, CUstreamCaptureMode, CUstreamCaptureStatus};
+use parking_lot::Mutex;
 
 use crate::driver::Raw;
 use crate::error::{cu, Result};
@@ -63,6 +64,7 @@ impl StreamRef<'_> {
         Ok(Graph {
             device: self.device().clone(),
             raw: Raw(g),
+            calls: Mutex::new(()),
         })
     }
 
@@ -85,9 +87,15 @@ impl StreamRef<'_> {
 }
 
 /// A captured graph (`CUgraph`), destroyed on drop. Instantiate it to run it.
+///
+/// The driver's graph objects are not internally synchronised ("No API or pair of APIs is
+/// guaranteed to be safe to call on the same graph object from two different threads without
+/// serialization"): this value is shared across threads, so its calls take a lock.
 pub struct Graph {
     device: Device,
     raw: Raw<CUgraph>,
+    /// Serialises the driver calls on `raw`.
+    calls: Mutex<()>,
 }
 
 impl std::fmt::Debug for Graph {
@@ -114,10 +122,22 @@ impl Graph {
 
     /// An executable graph of it (`cuGraphInstantiateWithFlags`, no flags); the graph itself
     /// may be dropped afterwards.
-    pub fn instantiate(&self) -> Result<GraphExec> {
+    ///
+    /// # Safety
+    ///
+    /// A graph replays its captured work by address: kernel parameters, copy and memset ranges,
+    /// events. Nothing ties the executable graph to the buffers, modules, communicators and
+    /// events the captured calls used (safe calls included: a captured
+    /// `DeviceBuffer::copy_from_async` or collective), so the caller guarantees that every one of
+    /// them outlives every [`GraphExec::launch`] of the result, and stays where the capture saw it
+    /// (a `VmmBuffer` that grew moved). A replay after one is freed writes to whatever memory took
+    /// its place.
+    pub unsafe fn instantiate(&self) -> Result<GraphExec> {
         self.device.bind()?;
         let mut e: CUgraphExec = std::ptr::null_mut();
-        // SAFETY: a live graph; one handle written through a valid pointer; flags 0.
+        let _serialised = self.calls.lock();
+        // SAFETY: a live graph, used by no other thread meanwhile (the lock); one handle written
+        // through a valid pointer; flags 0.
         unsafe {
             cu!(
                 self.device.driver(),
@@ -127,6 +147,7 @@ impl Graph {
         Ok(GraphExec {
             device: self.device.clone(),
             raw: Raw(e),
+            calls: Mutex::new(()),
         })
     }
 }
@@ -139,9 +160,14 @@ impl Drop for Graph {
 }
 
 /// An executable graph (`CUgraphExec`), destroyed on drop (launches already queued still run).
+/// Launches from several threads are serialised, as the driver requires (see [`Graph`]). Made by
+/// [`Graph::instantiate`], whose caller promised that what the captured work uses outlives every
+/// launch — so launching is safe.
 pub struct GraphExec {
     device: Device,
     raw: Raw<CUgraphExec>,
+    /// Serialises the driver calls on `raw`.
+    calls: Mutex<()>,
 }
 
 impl std::fmt::Debug for GraphExec {
@@ -167,7 +193,9 @@ impl GraphExec {
         let stream = stream.into();
         stream.check_device("stream", &self.device, "the graph was captured on")?;
         self.device.bind()?;
-        // SAFETY: a live executable graph and a live stream of its device.
+        let _serialised = self.calls.lock();
+        // SAFETY: a live executable graph, used by no other thread meanwhile (the lock), and a
+        // live stream of its device.
         unsafe {
             cu!(
                 self.device.driver(),

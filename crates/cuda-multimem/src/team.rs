@@ -132,6 +132,17 @@ impl TeamBuilder {
         Ok(first.driver().clone())
     }
 
+    /// The size rounded up to `unit` (the backend's granularity or bind alignment); a size that
+    /// overflows when rounded is an [`Error::InvalidArgument`] on `size`.
+    fn rounded_size(&self, unit: usize) -> Result<usize> {
+        self.size.checked_next_multiple_of(unit).ok_or_else(|| {
+            Error::invalid(
+                "size",
+                format!("{} bytes overflows when rounded up to {unit}", self.size),
+            )
+        })
+    }
+
     /// Allocate `size` bytes on each member, mapped for every member (read-write).
     fn members(&self, driver: &Driver, size: usize) -> Result<Vec<Member>> {
         let access: Vec<(Location, Access)> = self
@@ -158,7 +169,7 @@ impl TeamBuilder {
         let g = spec.granularity(driver, Granularity::Minimum)?;
         let alloc_g = crate::vmm::AllocationSpec::device(self.devices[0].ordinal())
             .granularity(driver, Granularity::Minimum)?;
-        let size = self.size.next_multiple_of(g.max(alloc_g));
+        let size = self.rounded_size(g.max(alloc_g))?;
         let object = MulticastObject::new(driver, &MulticastSpec::new(n, size))?;
         for d in &self.devices {
             object.add_device(d)?;
@@ -186,9 +197,7 @@ impl TeamBuilder {
         let limits = EndpointSpec::multicast(n, 1).limits(driver)?;
         let alloc_g = crate::vmm::AllocationSpec::device(self.devices[0].ordinal())
             .granularity(driver, Granularity::Minimum)?;
-        let size = self
-            .size
-            .next_multiple_of(limits.bind_alignment.max(alloc_g));
+        let size = self.rounded_size(limits.bind_alignment.max(alloc_g))?;
         let endpoint = LogicalEndpoint::create(driver, &EndpointSpec::multicast(n, size))?;
         for d in &self.devices {
             endpoint.add_device(d)?;

@@ -257,13 +257,15 @@ impl EndpointSpec {
         self.check_support(driver)?;
         let l = self.limits(driver)?;
         if self.size % l.bind_alignment != 0 {
+            let hint = match self.size.checked_next_multiple_of(l.bind_alignment) {
+                Some(up) => format!("round it up to {up}"),
+                None => "rounded up, it overflows".to_string(),
+            };
             return Err(Error::invalid(
                 "spec.size",
                 format!(
-                    "{} bytes is not a multiple of the bind alignment {}; round it up to {}",
-                    self.size,
-                    l.bind_alignment,
-                    self.size.next_multiple_of(l.bind_alignment)
+                    "{} bytes is not a multiple of the bind alignment {}; {hint}",
+                    self.size, l.bind_alignment,
                 ),
             ));
         }

@@ -32,13 +32,14 @@ thread_local! {
 /// Why the environment forbids multicast, reading the variables through `lookup` (a pure function
 /// of the values, so it is testable without changing the process environment).
 ///
-/// `NCCL_NVLS_ENABLE` disables when it is `0` (as NCCL reads it: an integer, zero is off).
+/// `NCCL_NVLS_ENABLE` disables when NCCL reads it as `0` (C's `strtoll`: `0`, `0x0`, and any
+/// non-empty value without leading digits, such as `false`).
 /// `CUDA_MULTIMEM_DISABLE_MULTICAST` (and `TORCH_SYMM_MEM_DISABLE_MULTICAST`,
 /// `NVSHMEM_DISABLE_NVLS`) disables for any value except empty, `0`, `false`, `no` and `off` — an
 /// unrecognised value fails safe.
 pub fn policy_from(lookup: impl Fn(&str) -> Option<String>) -> std::result::Result<(), String> {
     if let Some(v) = lookup(NVLS_ENABLE_ENV) {
-        if v.trim().parse::<i64>() == Ok(0) {
+        if nccl_reads_zero(&v) {
             return Err(format!("{NVLS_ENABLE_ENV}={v} is set"));
         }
     }
@@ -55,6 +56,28 @@ pub fn policy_from(lookup: impl Fn(&str) -> Option<String>) -> std::result::Resu
         }
     }
     Ok(())
+}
+
+/// Whether NCCL reads `v` as 0: NCCL ignores an empty value and reads any other with
+/// `strtoll(v, NULL, 0)`, which skips leading white space, takes a sign, a `0x` (hex) or `0`
+/// (octal) prefix, and stops at the first character that is not a digit — so `0x0`, `00`, `08`,
+/// `false` and `off` (no digits at all) are 0 and switch NVLS off there too.
+fn nccl_reads_zero(v: &str) -> bool {
+    if v.is_empty() {
+        return false;
+    }
+    let s = v.trim_start_matches([' ', '\t', '\n', '\x0b', '\x0c', '\r']);
+    let s = s.strip_prefix(['+', '-']).unwrap_or(s);
+    let hex = s
+        .strip_prefix("0x")
+        .or_else(|| s.strip_prefix("0X"))
+        .filter(|h| h.starts_with(|c: char| c.is_ascii_hexdigit()));
+    let digits = match hex {
+        Some(h) => h.split(|c: char| !c.is_ascii_hexdigit()).next(),
+        None if s.starts_with('0') => s.split(|c: char| !('0'..='7').contains(&c)).next(),
+        None => s.split(|c: char| !c.is_ascii_digit()).next(),
+    };
+    digits.unwrap_or("").bytes().all(|b| b == b'0')
 }
 
 /// Whether this process's environment allows NVLink multicast on real GPUs: `Ok(())`, or the

@@ -581,9 +581,10 @@ impl MulticastObject {
             reservation_offset,
             self.inner.granularity,
         )?;
+        // Inside the reservation first: the address sum cannot overflow then.
+        crate::error::check_within(size, reservation_offset, reservation.size(), "reservation")?;
         let ptr = reservation.device_ptr() + reservation_offset as CUdeviceptr;
         multiple("reservation address", ptr as usize, self.inner.granularity)?;
-        crate::error::check_within(size, reservation_offset, reservation.size(), "reservation")?;
         if access.is_empty() {
             return Err(Error::invalid(
                 "access",

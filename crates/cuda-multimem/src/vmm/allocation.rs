@@ -443,8 +443,15 @@ impl PhysicalAllocation {
             ));
         }
         let a = Arc::new(a);
-        // Mapping all of `size` fails when the allocation is smaller.
-        let r = super::Reservation::new(driver, size)?;
+        // Mapping all of `size` fails when the allocation is smaller; a claim too large to
+        // reserve at all is as wrong.
+        let r = super::Reservation::new(driver, size).map_err(|e| match e {
+            Error::Driver { .. } => Error::invalid(
+                "size",
+                format!("{size} bytes cannot be reserved to check the claim ({e})"),
+            ),
+            e => e,
+        })?;
         let m = super::Mapping::new(&r, 0, &a, 0, size).map_err(|e| match e {
             Error::Driver { .. } => Error::invalid(
                 "size",

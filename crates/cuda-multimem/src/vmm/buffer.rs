@@ -91,7 +91,21 @@ impl VmmBuffer {
                 ),
             ));
         }
-        let delta = self.builder.rounded_size(new_size - self.size)?;
+        let growth = new_size - self.size;
+        // The growth is what the builder rounds (or refuses): the caller's argument is new_size.
+        let delta = self.builder.rounded_size(growth).map_err(|e| match e {
+            Error::InvalidArgument {
+                arg: "size",
+                reason,
+            } => Error::invalid(
+                "new_size",
+                format!(
+                    "{new_size} bytes grows the {}-byte buffer by {growth}: {reason}",
+                    self.size
+                ),
+            ),
+            e => e,
+        })?;
         let total = self
             .size
             .checked_add(delta)

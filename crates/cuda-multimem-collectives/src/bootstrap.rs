@@ -90,14 +90,28 @@ impl UnixBootstrap {
                 format!("rank {rank} of a team of {size}"),
             ));
         }
+        if size > u32::MAX as usize {
+            return Err(Error::invalid(
+                "size",
+                format!(
+                    "{size}; at most {} (the rendezvous sends it as 32 bits)",
+                    u32::MAX
+                ),
+            ));
+        }
         if timeout.is_zero() {
             return Err(Error::invalid(
                 "timeout",
                 "zero; expected a positive duration",
             ));
         }
+        let deadline = Instant::now().checked_add(timeout).ok_or_else(|| {
+            Error::invalid(
+                "timeout",
+                format!("{timeout:?}; past what the clock can hold as a deadline"),
+            )
+        })?;
         let path = path.as_ref().to_path_buf();
-        let deadline = Instant::now() + timeout;
         let mut b = UnixBootstrap {
             rank,
             size,
@@ -111,7 +125,8 @@ impl UnixBootstrap {
             b.path = Some(path.clone());
             l.set_nonblocking(true)
                 .map_err(|e| io("set_nonblocking", e, timeout))?;
-            let mut peers: Vec<Option<UnixStream>> = (1..size).map(|_| None).collect();
+            // by rank, as they join (nothing sized by `size` up front: a huge team times out)
+            let mut peers = std::collections::BTreeMap::new();
             let mut joined = 0;
             while joined < size - 1 {
                 match l.accept() {
@@ -131,14 +146,14 @@ impl UnixBootstrap {
                             || n != size
                             || r == 0
                             || r >= size
-                            || peers[r - 1].is_some()
+                            || peers.contains_key(&r)
                         {
                             return Err(Error::invalid(
                                 "peer",
                                 format!("a process joined as rank {r} of {n} (expected a new rank of {size})"),
                             ));
                         }
-                        peers[r - 1] = Some(s);
+                        peers.insert(r, s);
                         joined += 1;
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -157,11 +172,7 @@ impl UnixBootstrap {
                     Err(e) => return Err(io("accept", e, timeout)),
                 }
             }
-            b.links = peers
-                .into_iter()
-                .flatten()
-                .map(parking_lot::Mutex::new)
-                .collect();
+            b.links = peers.into_values().map(parking_lot::Mutex::new).collect();
         } else {
             let s = loop {
                 match UnixStream::connect(&path) {
@@ -361,15 +372,17 @@ impl Bootstrap for UnixBootstrap {
                         reason: "sent a truncated exchange".into(),
                     });
                 }
-                let n = u64::from_le_bytes(p[..8].try_into().unwrap_or_default()) as usize;
-                if p.len() < 8 + n {
+                let n = u64::from_le_bytes(p[..8].try_into().unwrap_or_default());
+                let rest = &p[8..];
+                if (rest.len() as u64) < n {
                     return Err(Error::Peer {
                         rank: 0,
                         reason: "sent a truncated exchange".into(),
                     });
                 }
-                all.push(p[8..8 + n].to_vec());
-                p = &p[8 + n..];
+                let (entry, tail) = rest.split_at(n as usize);
+                all.push(entry.to_vec());
+                p = tail;
             }
             Ok(all)
         }

@@ -358,6 +358,10 @@ impl Communicator {
         let bytes = len.checked_mul(size);
         let refusal = match bytes {
             _ if len == 0 => Some(Error::invalid("len", "0; expected at least one element")),
+            Some(0) => Some(Error::invalid(
+                "len",
+                format!("{len} elements of a zero-sized type: no bytes to allocate"),
+            )),
             None => Some(Error::invalid(
                 "len",
                 format!("{len} elements of {size} bytes overflow usize"),
@@ -405,9 +409,22 @@ impl Communicator {
             )
         })?;
         let inner = &*self.inner;
+        // `staged_chunks` is a u32: a count of more chunks cannot be reported (0 would say
+        // "no copies").
+        let chunks_of = |chunk: usize| {
+            u32::try_from(bytes.div_ceil(chunk)).map_err(|_| {
+                Error::invalid(
+                    "count",
+                    format!(
+                        "{count} elements of {dtype}: more than {} chunks of {chunk} bytes",
+                        u32::MAX
+                    ),
+                )
+            })
+        };
         if let Some(mm) = inner.mm_for(dtype, op, bytes) {
             let mut c = mm.shape(&inner.config, bytes.min(mm.region));
-            c.staged_chunks = bytes.div_ceil(mm.region).max(1) as u32;
+            c.staged_chunks = chunks_of(mm.region)?.max(1);
             return Ok(c);
         }
         let n = inner.ranks.n;
@@ -427,7 +444,7 @@ impl Communicator {
                 return Err(no_scratch(bytes, c.one_shot_max(n)));
             }
             choice = inner.p2p.shape(n, c, bytes.min(chunk), alg);
-            choice.staged_chunks = bytes.div_ceil(chunk) as u32;
+            choice.staged_chunks = chunks_of(chunk)?;
         }
         Ok(choice)
     }
@@ -597,6 +614,7 @@ impl<'a> RankHandle<'a> {
             Operand { bytes: ob, ..o.op },
             op,
             stream.into(),
+            ["input", "output"],
         )
     }
 
@@ -610,7 +628,7 @@ impl<'a> RankHandle<'a> {
         let b = buf.into();
         let bytes = typed_bytes::<T>(b.len, b.op.bytes, "buf")?;
         let o = Operand { bytes, ..b.op };
-        self.run(T::DTYPE, o, o, op, stream.into())
+        self.run(T::DTYPE, o, o, op, stream.into(), ["buf"; 2])
     }
 
     /// [`RankHandle::all_reduce`] for engines that know the element type only at run time:
@@ -636,7 +654,7 @@ impl<'a> RankHandle<'a> {
                 ));
             }
         }
-        self.run(dtype, i.op, o.op, op, stream.into())
+        self.run(dtype, i.op, o.op, op, stream.into(), ["input", "output"])
     }
 
     /// [`RankHandle::all_reduce_dyn`] in place.
@@ -658,7 +676,7 @@ impl<'a> RankHandle<'a> {
                 ),
             ));
         }
-        self.run(dtype, b.op, b.op, op, stream.into())
+        self.run(dtype, b.op, b.op, op, stream.into(), ["buf"; 2])
     }
 
     /// Allreduce cudarc device memory (feature `cudarc`): `input` and `output` are
@@ -840,6 +858,7 @@ impl<'a> RankHandle<'a> {
         output: Operand<'_>,
         op: ReduceOp,
         stream: StreamRef<'_>,
+        names: [&'static str; 2],
     ) -> Result<Choice> {
         let inner = &*self.comm.inner;
         let (n, c) = (inner.ranks.n, &inner.config);
@@ -849,8 +868,9 @@ impl<'a> RankHandle<'a> {
         }
         inner.ranks.usable()?;
         let es = dtype.size();
-        let ip = self.check_operand(&input, "input", es)?;
-        let op_ = self.check_operand(&output, "output", es)?;
+        // in place, both are the caller's `buf`
+        let ip = self.check_operand(&input, names[0], es)?;
+        let op_ = self.check_operand(&output, names[1], es)?;
         if input.bytes != output.bytes {
             return Err(Error::invalid(
                 "output",

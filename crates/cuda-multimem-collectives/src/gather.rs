@@ -110,7 +110,13 @@ struct Call<'o> {
     input: Operand<'o>,
     output: Operand<'o>,
     root: usize,
+    /// The arguments the input and the output came from (for errors).
+    names: [&'static str; 2],
 }
+
+/// The argument names of an out-of-place call's operands, and of an in-place call's one.
+const OUT_OF_PLACE: [&str; 2] = ["input", "output"];
+const IN_PLACE: [&str; 2] = ["buf", "buf"];
 
 /// The call-header form code of the copy-engine forms (the kernels': 0 staged, 1 direct,
 /// 2 low-latency).
@@ -184,6 +190,7 @@ impl<'a> RankHandle<'a> {
                 input: Operand { bytes: ib, ..i.op },
                 output: Operand { bytes: ob, ..o.op },
                 root: 0,
+                names: OUT_OF_PLACE,
             },
             stream.into(),
         )
@@ -210,6 +217,7 @@ impl<'a> RankHandle<'a> {
                 input: all,
                 output: all.sub(self.local.rank * chunk, chunk),
                 root: 0,
+                names: IN_PLACE,
             },
             stream.into(),
         )
@@ -254,6 +262,7 @@ impl<'a> RankHandle<'a> {
                 input: Operand { bytes: ib, ..i.op },
                 output: Operand { bytes: ob, ..o.op },
                 root: 0,
+                names: OUT_OF_PLACE,
             },
             stream.into(),
         )
@@ -278,6 +287,7 @@ impl<'a> RankHandle<'a> {
                 input: all.sub(self.local.rank * chunk, chunk),
                 output: all,
                 root: 0,
+                names: IN_PLACE,
             },
             stream.into(),
         )
@@ -313,6 +323,7 @@ impl<'a> RankHandle<'a> {
                 input: Operand { bytes: ib, ..i.op },
                 output: Operand { bytes: ob, ..o.op },
                 root,
+                names: OUT_OF_PLACE,
             },
             stream.into(),
         )
@@ -336,6 +347,7 @@ impl<'a> RankHandle<'a> {
                 input: all,
                 output: all,
                 root,
+                names: IN_PLACE,
             },
             stream.into(),
         )
@@ -529,8 +541,8 @@ impl<'a> RankHandle<'a> {
         }
         inner.ranks.usable()?;
         let es = call.dtype.size();
-        let ip = self.check_operand(&call.input, "input", es)?;
-        let op_ = self.check_operand(&call.output, "output", es)?;
+        let ip = self.check_operand(&call.input, call.names[0], es)?;
+        let op_ = self.check_operand(&call.output, call.names[1], es)?;
         if call.root >= n {
             return Err(Error::invalid(
                 "root",

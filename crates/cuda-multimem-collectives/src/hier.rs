@@ -16,7 +16,7 @@
 //! scaling.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cuda_multimem::sys::CUdeviceptr;
 use cuda_multimem::{Device, DeviceBuffer, DeviceRepr, Error, Result, Stream, StreamRef};
@@ -188,14 +188,18 @@ impl HierLayout {
         self.local
     }
 
-    /// Team ranks of domain `d`, ascending.
+    /// Team ranks of domain `d`, ascending (none for `d` past the last domain).
     pub fn domain_members(&self, d: usize) -> &[usize] {
-        &self.domains[d]
+        self.domains.get(d).map_or(&[], |v| v.as_slice())
     }
 
-    /// Team ranks of rail `l` (local index l of every domain), by domain.
+    /// Team ranks of rail `l` (local index l of every domain), by domain (none for `l` past
+    /// the last rail).
     pub fn rail_members(&self, l: usize) -> Vec<usize> {
-        self.domains.iter().map(|d| d[l]).collect()
+        self.domains
+            .iter()
+            .filter_map(|d| d.get(l).copied())
+            .collect()
     }
 
     /// How team ranks follow the domains, which decides how a reduce-scatter or all-gather
@@ -789,6 +793,18 @@ impl HierBuilder {
     /// Build: find the domains, build the domain's communicator (domains of 2 or more), and
     /// the rail's cross-domain step (2 or more domains). Collective over the whole team.
     pub fn build(self) -> Result<HierCommunicator> {
+        // Checked whatever the layout (domains of one GPU build no domain communicator, whose
+        // build would check the configuration) and before any exchange.
+        self.config.validate()?;
+        if self.nccl_timeout.is_zero() || Instant::now().checked_add(self.nccl_timeout).is_none() {
+            return Err(Error::invalid(
+                "nccl_timeout",
+                format!(
+                    "{:?}; expected a positive duration the clock can hold as a deadline",
+                    self.nccl_timeout
+                ),
+            ));
+        }
         let boot = self.bootstrap;
         let keys = domain_keys(&*boot, &self.device, self.domain_id)?;
         let layout = HierLayout::from_keys(boot.rank(), &keys)?;
@@ -867,13 +883,29 @@ impl HierBuilder {
                     }
                     Box::new(NcclCrossDomain::new(comm))
                 }
-                Cross::Custom(f) => f(Rail {
-                    rank,
-                    size,
-                    index: layout.local_index(),
-                    bootstrap: Box::new(rail_boot),
-                    device: self.device.clone(),
-                })?,
+                Cross::Custom(f) => {
+                    let x = f(Rail {
+                        rank,
+                        size,
+                        index: layout.local_index(),
+                        bootstrap: Box::new(rail_boot),
+                        device: self.device.clone(),
+                    })?;
+                    // The calls' lengths are the rail's (M chunks of the scratch, rail rank r's
+                    // chunk): a step that counts otherwise would read and write past them.
+                    if x.rail_rank() != rank || x.rail_size() != size {
+                        return Err(Error::invalid(
+                            "cross_domain",
+                            format!(
+                                "{} says rank {} of {}; the rail is rank {rank} of {size}",
+                                x.name(),
+                                x.rail_rank(),
+                                x.rail_size()
+                            ),
+                        ));
+                    }
+                    x
+                }
             })
         } else {
             None
@@ -1071,6 +1103,15 @@ impl HierCommunicator {
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
         let (i, o, s) = (input.into(), output.into(), stream.into());
+        if i.op.bytes != o.op.bytes {
+            return Err(Error::invalid(
+                "output",
+                format!(
+                    "{} bytes; the input has {} (both operands have the same length)",
+                    o.op.bytes, i.op.bytes
+                ),
+            ));
+        }
         self.copy_into(T::DTYPE, &i.op, &o.op, 0, &s)?;
         self.all_reduce_op(T::DTYPE, o.op, op, s)
     }
@@ -1228,7 +1269,13 @@ impl HierCommunicator {
                 ),
             ));
         }
-        let b = DeviceBuffer::<u8>::zeroed(&self.device, bytes.next_power_of_two())?;
+        let size = bytes.checked_next_power_of_two().ok_or_else(|| {
+            Error::invalid(
+                "bytes",
+                format!("{bytes}; its power-of-two rounding overflows usize"),
+            )
+        })?;
+        let b = DeviceBuffer::<u8>::zeroed(&self.device, size)?;
         let ptr = b.device_ptr();
         if let Some(old) = sc.current.replace(b) {
             sc.retired.push(old);

@@ -362,6 +362,17 @@ fn nccl_op(o: ReduceOp) -> c_int {
     }
 }
 
+/// A timeout the polls can hold as a deadline (`Instant + Duration` panics past the clock).
+fn check_timeout(timeout: Duration) -> Result<()> {
+    if timeout.is_zero() || Instant::now().checked_add(timeout).is_none() {
+        return Err(Error::invalid(
+            "timeout",
+            format!("{timeout:?}; expected a positive duration the clock can hold as a deadline"),
+        ));
+    }
+    Ok(())
+}
+
 /// An NCCL communicator of one rank (nonblocking, with deadlines): made from a unique id
 /// ([`NcclComm::init_rank`]) or split from an engine's own communicator
 /// ([`NcclComm::split_from_raw`]). Dropping it finalises and destroys it within its timeout,
@@ -412,6 +423,7 @@ impl NcclComm {
         if size == 0 || rank >= size || size > c_int::MAX as usize {
             return Err(Error::invalid("rank", format!("rank {rank} of {size}")));
         }
+        check_timeout(timeout)?;
         device.bind()?;
         let mut cfg = ConfigV21700::nonblocking();
         let mut raw: RawComm = std::ptr::null_mut();
@@ -463,6 +475,7 @@ impl NcclComm {
         if parent.is_null() {
             return Err(Error::invalid("parent", "a null ncclComm_t"));
         }
+        check_timeout(timeout)?;
         device.bind()?;
         let mut cfg = ConfigV21700::nonblocking();
         let mut raw: RawComm = std::ptr::null_mut();

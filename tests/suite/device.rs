@@ -603,6 +603,11 @@ fn add_u32_on_the_host(a: &LaunchArgs) -> Result<(), KernelError> {
 }
 
 fn add_kernel(e: &Env) -> Module {
+    add_kernel_on(e, 0)
+}
+
+/// [`add_kernel`]'s module loaded on device `ordinal`.
+fn add_kernel_on(e: &Env, ordinal: usize) -> Module {
     if e.sim.is_some() {
         cuda_multimem_sim::register_kernel("cmm_test_add_u32", add_u32_on_the_host);
         cuda_multimem_sim::register_kernel("cmm_test_spin", |a| {
@@ -610,7 +615,7 @@ fn add_kernel(e: &Env) -> Module {
             Ok(())
         });
     }
-    Module::load_ptx(&e.driver.device(0).unwrap(), ADD_PTX).unwrap()
+    Module::load_ptx(&e.driver.device(ordinal).unwrap(), ADD_PTX).unwrap()
 }
 
 #[test]
@@ -1417,4 +1422,35 @@ fn the_simulated_batch_copy_reports_the_failing_copy_and_reads_during_call_sourc
         assert!(got[..n].iter().all(|&v| v == 1), "read during the call");
         assert!(got[n..].iter().all(|&v| v == 2), "read in stream order");
     }
+}
+
+/// `DeviceBuffer`'s drop frees with `cuMemFree`, and the safe copies rely on it waiting for the
+/// work queued on the buffer's device (a copy may still read the buffer). Checked for a copy
+/// queued on a non-blocking stream of the buffer's own device, held behind a 300 ms kernel so it
+/// cannot have run when the buffer goes (2 x H200: the drop took 300 ms, the stream idle after
+/// it; the simulator waited only for the legacy and blocking streams before and crashed here).
+#[test]
+fn freeing_a_buffer_waits_for_the_queued_copies_that_read_it() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let len = 16 << 20;
+    let src = DeviceBuffer::<u32>::from_host(&d, &vec![0x5a5a_5a5a; len]).unwrap();
+    let mut dst = DeviceBuffer::<u32>::zeroed(&d, len).unwrap();
+    let s = Stream::new(&d).unwrap();
+    let module = add_kernel(&e);
+    let spin = module.function("cmm_test_spin").unwrap();
+    // SAFETY: one .u64 parameter; the kernel touches no memory.
+    unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), &s, &[300_000_000]) }.unwrap();
+    dst.copy_from_async(0, &src, 0, len, &s).unwrap();
+    let t = Instant::now();
+    drop(src);
+    let took = t.elapsed();
+    let idle = s.is_idle().unwrap();
+    println!("FREE-WAIT drop took {took:?}, stream idle after it: {idle}");
+    s.wait_idle(Duration::from_secs(60)).unwrap();
+    assert!(
+        idle,
+        "the source was freed while a queued copy still had to read it ({took:?})"
+    );
+    assert!(dst.to_vec().unwrap().iter().all(|&v| v == 0x5a5a_5a5a));
 }

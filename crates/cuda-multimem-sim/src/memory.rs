@@ -466,7 +466,13 @@ sim_api! {
         let Some((size, dev)) = m.allocs.lock().remove(&(dptr as usize)) else {
             return crate::managed::free(st, dptr as usize);
         };
-        sync_then(st, || Ok(()))?;
+        // The real driver waits for the work queued on the device, non-blocking streams
+        // included (2 x H200, driver 580: a free behind a 300 ms kernel and a copy reading the
+        // buffer returned after 300 ms, the stream idle); a synchronous copy waits for less
+        // (`sync_then`).
+        if let Ok(current) = current_device(st) {
+            crate::stream::synchronize_device(st, current)?;
+        }
         m.remove(dptr as usize);
         unmap(dptr as usize, size);
         m.charge(dev, -(size as i64));

@@ -952,3 +952,47 @@ fn choice_queries_at_extreme_counts_answer_or_name_the_argument() {
         }
     }
 }
+
+/// One stream per rank at a time: a call on a second stream while the first still has this
+/// rank's work is refused naming the stream; once that work is done the second stream is
+/// taken — and the first, destroyed meanwhile, is never queried (its handle may be dangling:
+/// the check asks the rank's own event, recorded behind its last call).
+#[test]
+fn a_second_stream_is_refused_while_the_first_has_work_and_a_destroyed_one_is_never_queried() {
+    let (e, comm, s) = team(2, CommConfig::default());
+    let sim = e.sim.as_ref().unwrap();
+    let d0 = e.driver.device(0).unwrap();
+    let mut buf = comm.alloc::<f32>(1024).unwrap();
+    let a = Stream::new(&d0).unwrap();
+    let r0 = comm.rank(0).unwrap();
+    let r1 = comm.rank(1).unwrap();
+    // rank 0 alone: its kernel waits for rank 1's data
+    r0.all_reduce_in_place(&mut buf, ReduceOp::Sum, &a).unwrap();
+    let b = Stream::new(&d0).unwrap();
+    let launches = sim.calls("cuLaunchKernel");
+    let err = r0.all_reduce_in_place(&mut buf, ReduceOp::Sum, &b);
+    assert_eq!(arg_of(err), "stream");
+    assert_eq!(
+        sim.calls("cuLaunchKernel"),
+        launches,
+        "refused before any launch"
+    );
+    r1.all_reduce_in_place(&mut buf, ReduceOp::Sum, &s[1])
+        .unwrap();
+    a.synchronize().unwrap();
+    s[1].synchronize().unwrap();
+    comm.check().unwrap();
+    drop(a);
+    let queries = sim.calls("cuStreamQuery");
+    r0.all_reduce_in_place(&mut buf, ReduceOp::Sum, &b).unwrap();
+    r1.all_reduce_in_place(&mut buf, ReduceOp::Sum, &s[1])
+        .unwrap();
+    assert_eq!(
+        sim.calls("cuStreamQuery"),
+        queries,
+        "the destroyed stream's handle was queried"
+    );
+    b.synchronize().unwrap();
+    s[1].synchronize().unwrap();
+    comm.check().unwrap();
+}

@@ -106,6 +106,24 @@ fn check_devices(devices: &[Device]) -> Result<()> {
     Ok(())
 }
 
+/// Returned by [`RankHandle::check_stream`]; when the call that holds it returns, its work is
+/// queued, and the rank's event is recorded behind it (outside a graph capture: captured work
+/// runs when the graph does, and an event recorded in a capture says nothing until then).
+pub(crate) struct CallEnd<'s> {
+    done: &'s cuda_multimem::Event,
+    stream: StreamRef<'s>,
+}
+
+impl Drop for CallEnd<'_> {
+    fn drop(&mut self) {
+        if let Ok(false) = self.stream.is_capturing() {
+            // A failed record leaves the event at an earlier call: the next check on another
+            // stream may then let it through early, as the check did before it existed.
+            let _ = self.done.record(self.stream);
+        }
+    }
+}
+
 fn local(rank: usize, device: &Device) -> Result<Local> {
     Ok(Local {
         rank,
@@ -113,6 +131,7 @@ fn local(rank: usize, device: &Device) -> Result<Local> {
         kernels: p2p::load_kernels(device)?,
         gather: crate::gather::load_kernels(device)?,
         last_stream: Mutex::new(None),
+        done: cuda_multimem::Event::new(device, false)?,
         calls: AtomicU64::new(0),
         norm: crate::norm::load_kernels(device)?,
         ce: Mutex::new(crate::gather::CeLane::new(device)?),
@@ -721,7 +740,7 @@ impl<'a> RankHandle<'a> {
         self.all_reduce_in_place(b, op, s)
     }
 
-    pub(crate) fn check_stream(&self, stream: &StreamRef<'_>) -> Result<()> {
+    pub(crate) fn check_stream<'s>(&'s self, stream: &StreamRef<'s>) -> Result<CallEnd<'s>> {
         let d = &self.local.device;
         if !stream.device().driver().same_as(d.driver()) {
             return Err(Error::invalid(
@@ -745,27 +764,25 @@ impl<'a> RankHandle<'a> {
             ));
         }
         // One stream per rank at a time: calls on two streams could run concurrently and
-        // overtake each other's barriers.
+        // overtake each other's barriers. The previous stream is never queried itself (the
+        // caller may have destroyed it since): the rank's own event, recorded at the end of its
+        // last call outside a capture, says whether that call finished.
         let mut last = self.local.last_stream.lock();
         let raw = stream.raw() as usize;
-        if let Some(prev) = *last {
-            if prev != raw {
-                // SAFETY: the previous stream handle of this device; a destroyed one answers an
-                // error, which counts as idle.
-                let q = unsafe { StreamRef::from_raw(d, prev as _) }.is_idle();
-                if let Ok(false) = q {
-                    return Err(Error::invalid(
-                        "stream",
-                        format!(
-                            "rank {} has collective work in flight on another stream; one team takes one stream per rank at a time (synchronise the other first)",
-                            self.local.rank
-                        ),
-                    ));
-                }
-            }
+        if last.is_some_and(|prev| prev != raw) && !self.local.done.is_complete()? {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "rank {} has collective work in flight on another stream; one team takes one stream per rank at a time (synchronise the other first)",
+                    self.local.rank
+                ),
+            ));
         }
         *last = Some(raw);
-        Ok(())
+        Ok(CallEnd {
+            done: &self.local.done,
+            stream: *stream,
+        })
     }
 
     /// Check an operand for this rank: its communicator or device, its bounds and alignment.
@@ -887,7 +904,7 @@ impl<'a> RankHandle<'a> {
                 "overlaps the input without being the same range (in place needs the same range)",
             ));
         }
-        self.check_stream(&stream)?;
+        let _end = self.check_stream(&stream)?;
         if bytes == 0 {
             return Ok(inner.p2p.shape(n, c, 0, inner.p2p.preferred(n, c, 0)));
         }

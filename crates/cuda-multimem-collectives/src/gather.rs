@@ -578,7 +578,7 @@ impl<'a> RankHandle<'a> {
         // multimem: where the communicator has a multicast team and the policy wants it for
         // this size (the allreduce's rule), through the team's regions, any operand kind
         if let Some(mm) = inner.mm_for_gather(call.coll, call.dtype, call.op, total) {
-            self.check_stream(&stream)?;
+            let _end = self.check_stream(&stream)?;
             if chunk == 0 {
                 return Ok(mm.gather_shape(c, call.coll, 0));
             }
@@ -607,7 +607,7 @@ impl<'a> RankHandle<'a> {
         // copy engines: large buffers whose symmetric operand lets them (`ce_plan`)
         if !ll {
             if let Some(plan) = self.ce_plan(&call, op_, total) {
-                self.check_stream(&stream)?;
+                let _end = self.check_stream(&stream)?;
                 return self.run_ce(&call, &plan, ip, op_, chunk, in_place, stream);
             }
         }
@@ -619,7 +619,7 @@ impl<'a> RankHandle<'a> {
             Algorithm::PushStaged
         };
         let choice = self.gather_shape(chunk, algorithm);
-        self.check_stream(&stream)?;
+        let _end = self.check_stream(&stream)?;
         if chunk == 0 {
             return Ok(choice);
         }

@@ -266,7 +266,7 @@ impl<'a> RankHandle<'a> {
         let (shape, ptrs) = self.check_norm::<T>(
             &x.op, x.len, &r.op, r.len, &w.op, w.len, &o.op, o.len, hidden, eps,
         )?;
-        self.check_stream(&stream)?;
+        let _end = self.check_stream(&stream)?;
         inner.ranks.usable()?;
         let es = T::DTYPE.size();
         let n = inner.ranks.n;

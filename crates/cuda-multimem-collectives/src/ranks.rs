@@ -21,8 +21,12 @@ pub(crate) struct Local {
     pub(crate) kernels: HashMap<(Kernel, DType, ReduceOp), Function>,
     /// The reduce-scatter, all-gather and broadcast kernels of this device.
     pub(crate) gather: crate::gather::Kernels,
-    /// The stream of the last call (as an integer handle): one stream per rank at a time.
+    /// The stream of the last call (as an integer handle, compared, never used as a handle:
+    /// the caller may have destroyed it): one stream per rank at a time.
     pub(crate) last_stream: Mutex<Option<usize>>,
+    /// Recorded on the caller's stream at the end of every call queued outside a graph capture:
+    /// whether the last such call has finished, asked when a call comes on another stream.
+    pub(crate) done: cuda_multimem::Event,
     /// Calls queued by this rank so far.
     pub(crate) calls: AtomicU64,
     /// The fused allreduce + RMSNorm kernels of this device.

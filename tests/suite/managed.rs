@@ -248,7 +248,7 @@ fn accessed_by_takes_only_devices_and_the_host() {
         ));
         assert!(is_invalid(
             &buf.set_accessed_by([Location::Host, l]).unwrap_err(),
-            "location"
+            "locations"
         ));
     }
     if let Some(sim) = &e.sim {
@@ -276,7 +276,7 @@ fn locations_the_machine_lacks_are_rejected() {
             &buf.add_accessed_by(bad).unwrap_err(),
             "location"
         ));
-        assert!(is_invalid(&buf.prefetch(bad, &s).unwrap_err(), "locations"));
+        assert!(is_invalid(&buf.prefetch(bad, &s).unwrap_err(), "location"));
     }
     assert!(is_invalid(
         &buf.set_preferred_location(Location::HostNuma(-3))
@@ -381,10 +381,7 @@ fn zero_sizes_and_ranges_outside_the_buffer_are_rejected() {
     let buf = ManagedBuffer::new(&d, 2 * MIB).unwrap();
     assert!(is_invalid(&buf.subrange(0, 0).unwrap_err(), "len"));
     assert!(is_invalid(&buf.subrange(2 * MIB, 1).unwrap_err(), "offset"));
-    assert!(is_invalid(
-        &buf.subrange(MIB, MIB + 1).unwrap_err(),
-        "offset"
-    ));
+    assert!(is_invalid(&buf.subrange(MIB, MIB + 1).unwrap_err(), "len"));
     assert!(is_invalid(
         &buf.subrange(usize::MAX, 2).unwrap_err(),
         "offset"
@@ -393,6 +390,10 @@ fn zero_sizes_and_ranges_outside_the_buffer_are_rejected() {
     let mut x = [0u8; 8];
     assert!(is_invalid(
         &buf.copy_to_host(2 * MIB - 4, &mut x).unwrap_err(),
+        "dst"
+    ));
+    assert!(is_invalid(
+        &buf.copy_to_host(2 * MIB + 1, &mut x).unwrap_err(),
         "offset"
     ));
 }
@@ -666,7 +667,7 @@ fn ranges_of_another_driver_are_rejected() {
     let buf = ManagedBuffer::new(&d, 2 * MIB).unwrap();
     assert!(is_invalid(
         &buf.prefetch(Location::Host, &s).unwrap_err(),
-        "ranges"
+        "stream"
     ));
 }
 

@@ -274,4 +274,13 @@ fn a_zero_length_store_or_load_is_a_no_op_with_its_offset_checked() {
         Err(Error::InvalidArgument { arg: "offset", .. })
     ));
     assert!(t.load(2, 0, &mut []).is_err(), "no member 2");
+    // the offset inside, the caller's slice reaching past the end: the slice is named
+    assert!(matches!(
+        t.store(t.size() - 8, &[0; 16]),
+        Err(Error::InvalidArgument { arg: "data", .. })
+    ));
+    assert!(matches!(
+        t.load(0, t.size() - 8, &mut [0; 16]),
+        Err(Error::InvalidArgument { arg: "out", .. })
+    ));
 }

@@ -375,10 +375,16 @@ impl Team {
         })
     }
 
-    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+    /// `len` bytes at `offset` inside the team's range: else an error naming `offset` when it
+    /// alone is past the end, else `len_arg` (the caller's slice).
+    fn check_range(&self, offset: usize, len: usize, len_arg: &'static str) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.size) {
             return Err(Error::invalid(
-                "offset",
+                if offset > self.size {
+                    "offset"
+                } else {
+                    len_arg
+                },
                 format!(
                     "{len} bytes at offset {offset} pass the end of the team's {} bytes",
                     self.size
@@ -393,7 +399,7 @@ impl Team {
     /// (`cuFabricCpyBatchAsync`, driver 13.5+; older drivers answer [`Error::Unsupported`]).
     /// A zero-length store is an Ok no-op (the offset is still checked).
     pub fn store(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check_range(offset, data.len())?;
+        self.check_range(offset, data.len(), "data")?;
         if data.is_empty() {
             return Ok(());
         }
@@ -455,7 +461,7 @@ impl Team {
     /// an Ok no-op (member and offset are still checked).
     pub fn load(&self, member: usize, offset: usize, out: &mut [u8]) -> Result<()> {
         let m = self.member(member)?;
-        self.check_range(offset, out.len())?;
+        self.check_range(offset, out.len(), "out")?;
         if out.is_empty() {
             return Ok(());
         }

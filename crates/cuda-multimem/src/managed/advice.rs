@@ -184,11 +184,11 @@ pub fn accessed_by(range: ManagedRange<'_>) -> Result<BTreeSet<Location>> {
 }
 
 /// Accessed-by takes a device or the host, nothing else (the driver's rule).
-fn check_accessed_by(location: Location) -> Result<()> {
+fn check_accessed_by(location: Location, arg: &'static str) -> Result<()> {
     match location {
         Location::Device(_) | Location::Host => Ok(()),
         l => Err(Error::invalid(
-            "location",
+            arg,
             format!("accessed-by advice takes a device or the host, not {l}"),
         )),
     }
@@ -197,7 +197,7 @@ fn check_accessed_by(location: Location) -> Result<()> {
 /// Add `location` (a device or the host) to the accessed-by set of `range`; advises only when it
 /// is not in the set yet.
 pub fn add_accessed_by(range: ManagedRange<'_>, location: Location) -> Result<()> {
-    check_accessed_by(location)?;
+    check_accessed_by(location, "location")?;
     location.validate(range.device().driver(), "location")?;
     if accessed_by(range)?.contains(&location) {
         return Ok(());
@@ -211,7 +211,7 @@ pub fn add_accessed_by(range: ManagedRange<'_>, location: Location) -> Result<()
 
 /// Remove `location` from the accessed-by set of `range`; advises only when it is in the set.
 pub fn remove_accessed_by(range: ManagedRange<'_>, location: Location) -> Result<()> {
-    check_accessed_by(location)?;
+    check_accessed_by(location, "location")?;
     location.validate(range.device().driver(), "location")?;
     if !accessed_by(range)?.contains(&location) {
         return Ok(());
@@ -232,7 +232,7 @@ pub fn set_accessed_by(
 ) -> Result<()> {
     let want: BTreeSet<Location> = locations.into_iter().collect();
     for &l in &want {
-        check_accessed_by(l)?;
+        check_accessed_by(l, "locations")?;
         l.validate(range.device().driver(), "locations")?;
     }
     let have = accessed_by(range)?;

@@ -239,7 +239,12 @@ impl ManagedBuffer {
 
     /// The part a copy of `len` bytes at `offset` touches: `None` for a zero-length copy, an Ok
     /// no-op whose offset is still checked (at most the buffer's length).
-    fn copy_range(&self, offset: usize, len: usize) -> Result<Option<ManagedRange<'_>>> {
+    fn copy_range(
+        &self,
+        offset: usize,
+        len: usize,
+        len_arg: &'static str,
+    ) -> Result<Option<ManagedRange<'_>>> {
         if len == 0 {
             if offset > self.len {
                 return Err(Error::invalid(
@@ -249,13 +254,20 @@ impl ManagedBuffer {
             }
             return Ok(None);
         }
-        self.subrange(offset, len).map(Some)
+        // the host slice's length is the caller's `src` or `dst`
+        self.subrange(offset, len).map(Some).map_err(|e| match e {
+            Error::InvalidArgument { arg: "len", reason } => Error::InvalidArgument {
+                arg: len_arg,
+                reason,
+            },
+            e => e,
+        })
     }
 
     /// Copy `src` into the buffer at `offset` (`cuMemcpyHtoD`; works on every device). A
     /// zero-length copy is an Ok no-op (the offset is still checked).
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        let Some(dst) = self.copy_range(offset, src.len())? else {
+        let Some(dst) = self.copy_range(offset, src.len(), "src")? else {
             return Ok(());
         };
         self.device.bind()?;
@@ -271,7 +283,7 @@ impl ManagedBuffer {
     /// Copy `dst.len()` bytes from the buffer at `offset` into `dst` (`cuMemcpyDtoH`). A
     /// zero-length copy is an Ok no-op (the offset is still checked).
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let Some(src) = self.copy_range(offset, dst.len())? else {
+        let Some(src) = self.copy_range(offset, dst.len(), "dst")? else {
             return Ok(());
         };
         self.device.bind()?;

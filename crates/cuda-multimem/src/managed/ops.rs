@@ -60,11 +60,33 @@ fn same_driver(range: &ManagedRange<'_>, stream: &Stream, index: usize) -> Resul
         &stream.device().driver().inner,
     ) {
         return Err(Error::invalid(
-            "ranges",
+            "stream",
             format!("range {index} belongs to another Driver than the stream"),
         ));
     }
     Ok(())
+}
+
+/// An error of the many-range checks as the one-range call's caller sees it: `range` and
+/// `location`, the arguments it passed, instead of `ranges` and `locations`.
+fn as_one(e: Error) -> Error {
+    match e {
+        Error::InvalidArgument {
+            arg: "ranges",
+            reason,
+        } => Error::InvalidArgument {
+            arg: "range",
+            reason,
+        },
+        Error::InvalidArgument {
+            arg: "locations",
+            reason,
+        } => Error::InvalidArgument {
+            arg: "location",
+            reason,
+        },
+        e => e,
+    }
 }
 
 /// Validate many ranges and their locations (one broadcasts, else one per range) before any
@@ -169,7 +191,7 @@ fn prefetch_one(range: ManagedRange<'_>, location: Location, stream: &Stream) ->
 /// Queue a prefetch of `range` to `location` on `stream` (`cuMemPrefetchAsync`). Every location
 /// kind is accepted; host NUMA locations need CUDA 12.2+.
 pub fn prefetch(range: ManagedRange<'_>, location: Location, stream: &Stream) -> Result<()> {
-    check_many(&[range], Some(&[location]), stream)?;
+    check_many(&[range], Some(&[location]), stream).map_err(as_one)?;
     stream.device().bind()?;
     prefetch_one(range, location, stream)
 }
@@ -308,7 +330,7 @@ fn batch(
 /// prefetched, which spares the driver migrating them. Uses `cuMemDiscardBatchAsync` (the only
 /// discard call); [`Error::Unsupported`] before CUDA 13.0.
 pub fn discard(range: ManagedRange<'_>, stream: &Stream) -> Result<()> {
-    discard_many(&[range], stream)
+    discard_many(&[range], stream).map_err(as_one)
 }
 
 /// Queue a discard of every range in `ranges` on `stream` with one `cuMemDiscardBatchAsync`;
@@ -327,7 +349,7 @@ pub fn discard_and_prefetch(
     location: Location,
     stream: &Stream,
 ) -> Result<()> {
-    discard_and_prefetch_many(&[range], &[location], stream)
+    discard_and_prefetch_many(&[range], &[location], stream).map_err(as_one)
 }
 
 /// Queue discard-and-prefetch of `ranges` on `stream` with one

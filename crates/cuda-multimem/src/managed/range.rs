@@ -137,8 +137,9 @@ impl<'a> ManagedRange<'a> {
                 "len",
                 "a managed range of 0 bytes; expected at least 1 byte",
             )),
+            // the offset alone past the end names it; else the length reaches too far
             _ => Err(Error::invalid(
-                "offset",
+                if offset >= self.len { "offset" } else { "len" },
                 format!(
                     "[{offset}, {offset} + {len}) reaches past the end of a {}-byte range",
                     self.len

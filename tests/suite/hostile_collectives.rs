@@ -996,3 +996,59 @@ fn a_second_stream_is_refused_while_the_first_has_work_and_a_destroyed_one_is_ne
     s[1].synchronize().unwrap();
     comm.check().unwrap();
 }
+
+/// Two threads calling the same rank at once, on its one stream: each call (here staged
+/// through the scratch, several copies and launches) must reach the stream whole, never
+/// interleaved with the other thread's. Every call is the same in-place sum, so whatever the
+/// order, 2K calls per rank leave N^(2K-1) times the sum of the inputs, exactly.
+#[test]
+fn two_threads_calling_one_rank_queue_whole_calls() {
+    let (e, comm, s) = team(
+        2,
+        CommConfig {
+            one_shot_max_bytes: Some(8 << 10),
+            ll_max_bytes: 0,
+            scratch_bytes: 48 << 10,
+            timeout: Duration::from_secs(10),
+            ..CommConfig::default()
+        },
+    );
+    let (n, len, k) = (2usize, 16 << 10, 3u32);
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|r| (0..len).map(|i| ((i * 7 + r * 3) % 4) as f32).collect())
+        .collect();
+    let bufs: Vec<DeviceBuffer<f32>> = (0..n)
+        .map(|r| DeviceBuffer::from_host(&e.driver.device(r).unwrap(), &inputs[r]).unwrap())
+        .collect();
+    std::thread::scope(|scope| {
+        for r in 0..n {
+            for _ in 0..2 {
+                let (comm, s, p) = (&comm, &s, bufs[r].device_ptr());
+                scope.spawn(move || {
+                    let h = comm.rank(r).unwrap();
+                    for _ in 0..k {
+                        // SAFETY: the buffer lives until after the streams are synchronised
+                        // below; the calls on it are ordered by the one stream.
+                        let c = h
+                            .all_reduce_in_place(
+                                unsafe { cuda_multimem_collectives::Dst::<f32>::from_raw(p, len) },
+                                ReduceOp::Sum,
+                                &s[r],
+                            )
+                            .unwrap();
+                        assert!(c.staged_chunks > 1, "{c:?}");
+                    }
+                });
+            }
+        }
+    });
+    sync(&s);
+    comm.check().unwrap();
+    let scale = (n as f32).powi(2 * k as i32 - 1);
+    let want: Vec<f32> = (0..len)
+        .map(|i| scale * inputs.iter().map(|x| x[i]).sum::<f32>())
+        .collect();
+    for (r, b) in bufs.iter().enumerate() {
+        assert_eq!(b.to_vec().unwrap(), want, "rank {r}");
+    }
+}

@@ -109,9 +109,13 @@ fn check_devices(devices: &[Device]) -> Result<()> {
 /// Returned by [`RankHandle::check_stream`]; when the call that holds it returns, its work is
 /// queued, and the rank's event is recorded behind it (outside a graph capture: captured work
 /// runs when the graph does, and an event recorded in a capture says nothing until then).
+/// It also holds the rank's stream lock for the whole call, so calls of one rank from several
+/// threads queue their work one call after another, never interleaved (a call may be several
+/// launches and copies through the rank's staging).
 pub(crate) struct CallEnd<'s> {
     done: &'s cuda_multimem::Event,
     stream: StreamRef<'s>,
+    _serial: parking_lot::MutexGuard<'s, Option<usize>>,
 }
 
 impl Drop for CallEnd<'_> {
@@ -782,6 +786,7 @@ impl<'a> RankHandle<'a> {
         Ok(CallEnd {
             done: &self.local.done,
             stream: *stream,
+            _serial: last,
         })
     }
 

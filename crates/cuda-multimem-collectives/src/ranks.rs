@@ -22,7 +22,8 @@ pub(crate) struct Local {
     /// The reduce-scatter, all-gather and broadcast kernels of this device.
     pub(crate) gather: crate::gather::Kernels,
     /// The stream of the last call (as an integer handle, compared, never used as a handle:
-    /// the caller may have destroyed it): one stream per rank at a time.
+    /// the caller may have destroyed it): one stream per rank at a time. Locked for the whole
+    /// of a call (`comm::CallEnd`): one call of this rank queues its work at a time.
     pub(crate) last_stream: Mutex<Option<usize>>,
     /// Recorded on the caller's stream at the end of every call queued outside a graph capture:
     /// whether the last such call has finished, asked when a call comes on another stream.

@@ -1052,3 +1052,36 @@ fn two_threads_calling_one_rank_queue_whole_calls() {
         assert_eq!(b.to_vec().unwrap(), want, "rank {r}");
     }
 }
+
+/// One-shot forced, the caller's own memory, chunks of the scratch larger than the one-shot's
+/// staging: refused naming the count before anything reaches the stream (the chunk's form is
+/// decided before its copy into the scratch).
+#[test]
+fn a_forced_form_that_cannot_take_a_staged_chunk_is_refused_before_any_copy() {
+    let (e, comm, s) = team(
+        2,
+        CommConfig {
+            algorithm: Some(Algorithm::OneShot),
+            one_shot_max_bytes: Some(4 << 10),
+            stage_bytes: Some(4 << 10),
+            ll_max_bytes: 0,
+            scratch_bytes: 3 << 20,
+            ..CommConfig::default()
+        },
+    );
+    let sim = e.sim.as_ref().unwrap();
+    let d0 = e.driver.device(0).unwrap();
+    let mut own = DeviceBuffer::<f32>::zeroed(&d0, 256 << 10).unwrap();
+    let (copies, launches) = (sim.calls("cuMemcpyDtoDAsync"), sim.calls("cuLaunchKernel"));
+    let r = comm
+        .rank(0)
+        .unwrap()
+        .all_reduce_in_place(&mut own, ReduceOp::Sum, &s[0]);
+    assert_eq!(arg_of(r), "count");
+    assert_eq!(
+        sim.calls("cuMemcpyDtoDAsync"),
+        copies,
+        "a copy reached the stream"
+    );
+    assert_eq!(sim.calls("cuLaunchKernel"), launches);
+}

@@ -1000,14 +1000,15 @@ impl<'a> RankHandle<'a> {
             let (i_run, alg) = match inner.p2p.direct(n, c, &i, &o_run, len)? {
                 Some(a) => (i, a),
                 None => {
-                    // SAFETY: `len` bytes of the input (checked by `run`) into the input region
-                    // (len <= region), both of this rank's device; the previous chunk's kernel,
-                    // the last reader of the region, is before it on this stream.
-                    unsafe { stream.copy_dtod_async(base, ptr(&i), len) }?;
+                    // The kernel's form first: a chunk no form takes is refused before its copy.
                     let s_in = region_of(0, len);
                     let a = inner.p2p.direct(n, c, &s_in, &o_run, len)?.ok_or_else(|| {
                         Error::invalid("count", format!("{len} bytes cannot be staged"))
                     })?;
+                    // SAFETY: `len` bytes of the input (checked by `run`) into the input region
+                    // (len <= region), both of this rank's device; the previous chunk's kernel,
+                    // the last reader of the region, is before it on this stream.
+                    unsafe { stream.copy_dtod_async(base, ptr(&i), len) }?;
                     (s_in, a)
                 }
             };

@@ -792,6 +792,23 @@ fn a_stream_reports_idle_and_a_bounded_wait_times_out_on_a_running_kernel() {
     );
     s.wait_idle(Duration::from_secs(60)).unwrap();
     assert!(s.is_idle().unwrap());
+    // an event's wait is bounded the same way
+    let ev = Event::new(&d, false).unwrap();
+    // SAFETY: as above.
+    unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), r, &[400_000_000]) }.unwrap();
+    ev.record(&s).unwrap();
+    let t = Instant::now();
+    match ev.wait_complete(Duration::from_millis(20)) {
+        Err(Error::Timeout { after, .. }) => assert_eq!(after, Duration::from_millis(20)),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(20) && waited < Duration::from_millis(300),
+        "bounded: {waited:?}"
+    );
+    ev.wait_complete(Duration::from_secs(60)).unwrap();
+    assert!(ev.is_complete().unwrap() && s.is_idle().unwrap());
 }
 
 /// A PTX module loaded on `device` (raw driver calls: the safe layer has no module type yet),

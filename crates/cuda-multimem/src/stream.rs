@@ -248,26 +248,17 @@ impl<'a> StreamRef<'a> {
     /// Wait for all queued work, polling, at most `timeout`: [`Error::Timeout`] with the
     /// timeout when work is still queued then (a hung kernel does not hang the caller).
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(5);
-        loop {
-            if self.is_idle()? {
-                return Ok(());
-            }
-            let spent = start.elapsed();
-            if spent >= timeout {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "the work queued on stream {:p} of device {}",
-                        self.raw.0,
-                        self.device.ordinal()
-                    ),
-                    after: timeout,
-                });
-            }
-            std::thread::sleep(pause.min(timeout - spent));
-            pause = (pause * 2).min(Duration::from_millis(1));
-        }
+        poll_until(
+            timeout,
+            || self.is_idle(),
+            || {
+                format!(
+                    "the work queued on stream {:p} of device {}",
+                    self.raw.0,
+                    self.device.ordinal()
+                )
+            },
+        )
     }
 
     /// Make later work on this stream wait for `event` (of any device of the same driver
@@ -484,6 +475,23 @@ impl Event {
         unsafe { cu!(self.device.driver(), cuEventSynchronize(self.raw.0)) }
     }
 
+    /// Wait until the recorded work completed, polling, at most `timeout`: [`Error::Timeout`]
+    /// with the timeout when it has not then (a hung kernel does not hang the caller;
+    /// [`Event::synchronize`] waits without a bound).
+    pub fn wait_complete(&self, timeout: Duration) -> Result<()> {
+        poll_until(
+            timeout,
+            || self.is_complete(),
+            || {
+                format!(
+                    "the work recorded by event {:p} of device {}",
+                    self.raw.0,
+                    self.device.ordinal()
+                )
+            },
+        )
+    }
+
     /// Whether the recorded work completed.
     pub fn is_complete(&self) -> Result<bool> {
         // SAFETY: a live event.
@@ -518,5 +526,30 @@ impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: we own the event.
         let _ = unsafe { cu!(self.device.driver(), cuEventDestroy_v4000(self.raw.0)) };
+    }
+}
+
+/// Poll `done` until it answers true, pausing 5 µs doubling to 1 ms between polls, at most
+/// `timeout`: then [`Error::Timeout`] naming `what`.
+fn poll_until(
+    timeout: Duration,
+    mut done: impl FnMut() -> Result<bool>,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(5);
+    loop {
+        if done()? {
+            return Ok(());
+        }
+        let spent = start.elapsed();
+        if spent >= timeout {
+            return Err(Error::Timeout {
+                what: what(),
+                after: timeout,
+            });
+        }
+        std::thread::sleep(pause.min(timeout - spent));
+        pause = (pause * 2).min(Duration::from_millis(1));
     }
 }

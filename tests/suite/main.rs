@@ -9,6 +9,7 @@ mod gather;
 mod hier;
 mod hostile_collectives;
 mod hostile_safe;
+mod hostile_sim;
 mod loader;
 mod managed;
 mod multicast;

@@ -718,6 +718,8 @@ impl<'a> RankHandle<'a> {
         T: Element + cudarc::driver::DeviceRepr,
     {
         let s = StreamRef::from_cudarc(&self.local.device, stream)?;
+        crate::operand::check_cudarc(input, &self.local.device, "input")?;
+        crate::operand::check_cudarc(output, &self.local.device, "output")?;
         let (ilen, olen) = (input.len(), output.len());
         let (ip, _ri) = input.device_ptr(stream);
         let (op_, _ro) = output.device_ptr_mut(stream);
@@ -738,6 +740,7 @@ impl<'a> RankHandle<'a> {
         T: Element + cudarc::driver::DeviceRepr,
     {
         let s = StreamRef::from_cudarc(&self.local.device, stream)?;
+        crate::operand::check_cudarc(buf, &self.local.device, "buf")?;
         let len = buf.len();
         let (p, _r) = buf.device_ptr_mut(stream);
         let b = crate::operand::cudarc_dst::<T>(p, len, &self.local.device);

@@ -243,6 +243,32 @@ pub(crate) fn cudarc_src<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device
     }
 }
 
+/// Refuse a cudarc slice (`arg`) that does not live in `device`'s primary context: its pointer
+/// would reach another device's memory, or none, from this rank's kernels.
+#[cfg(feature = "cudarc")]
+pub(crate) fn check_cudarc<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
+    slice: &S,
+    device: &Device,
+    arg: &'static str,
+) -> cuda_multimem::Result<()> {
+    let ctx = slice.stream().context();
+    let theirs = ctx.cu_ctx();
+    let ours = device.primary_context()?;
+    if ctx.ordinal() != device.ordinal() as usize
+        || !std::ptr::eq(theirs.cast::<std::ffi::c_void>(), ours.cast())
+    {
+        return Err(cuda_multimem::Error::invalid(
+            arg,
+            format!(
+                "a cudarc slice of device {} (context {theirs:p}); expected device {}'s primary context {ours:p}",
+                ctx.ordinal(),
+                device.ordinal()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(feature = "cudarc")]
 pub(crate) fn cudarc_dst<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device) -> Dst<'a, T> {
     Dst {

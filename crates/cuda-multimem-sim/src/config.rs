@@ -145,6 +145,13 @@ impl SimConfig {
                 "a CUDA version from 12000 to 13050, a multiple of 10",
             );
         }
+        if self.host_numa_nodes < 0 {
+            return bad(
+                "numa_nodes",
+                self.host_numa_nodes.to_string(),
+                "a count of host NUMA nodes, 0 or more",
+            );
+        }
         for d in &self.devices {
             let (min, rec) = d.granularity;
             if !min.is_power_of_two() || !rec.is_power_of_two() || rec < min || min < 4096 {
@@ -154,7 +161,7 @@ impl SimConfig {
                     "powers of two, at least 4096, recommended >= minimum",
                 );
             }
-            if d.host_numa_id >= self.host_numa_nodes {
+            if d.host_numa_id < -1 || d.host_numa_id >= self.host_numa_nodes {
                 return bad(
                     "numa",
                     d.host_numa_id.to_string(),
@@ -180,13 +187,20 @@ impl SimConfig {
                 .ok_or_else(|| ConfigError::Malformed(opt.into()))?;
             pairs.push((k.trim().to_string(), v.trim().to_string()));
         }
-        let int = |k: &str, v: &str, expected| {
-            v.parse::<i64>().map_err(|_| ConfigError::InvalidValue {
+        // Each value parses as its field's type, so an out-of-range number is an error rather
+        // than a value wrapped into range (`version=4294979296` is not 12000).
+        fn num<T: std::str::FromStr>(
+            k: &str,
+            v: &str,
+            expected: &'static str,
+        ) -> Result<T, ConfigError> {
+            v.parse::<T>().map_err(|_| ConfigError::InvalidValue {
                 key: k.into(),
                 value: v.into(),
                 expected,
             })
-        };
+        }
+        let int = num::<i64>;
         let flag = |k: &str, v: &str| match v {
             "1" | "true" | "yes" | "on" => Ok(true),
             "0" | "false" | "no" | "off" => Ok(false),
@@ -196,8 +210,9 @@ impl SimConfig {
                 expected: "0 or 1",
             }),
         };
-        // The device count first: every other option applies to all devices.
-        if let Some((k, v)) = pairs.iter().find(|(k, _)| k == "devices") {
+        // The device count first: every other option applies to all devices. A repeated option
+        // takes its last value, this one too.
+        if let Some((k, v)) = pairs.iter().rev().find(|(k, _)| k == "devices") {
             let n = int(k, v, "a device count from 1 to 64")?;
             if !(1..=64).contains(&n) {
                 return Err(ConfigError::InvalidValue {
@@ -211,7 +226,7 @@ impl SimConfig {
         for (k, v) in &pairs {
             match k.as_str() {
                 "devices" => {}
-                "version" => cfg.version = int(k, v, "a CUDA version such as 13000")? as i32,
+                "version" => cfg.version = num(k, v, "a CUDA version such as 13000")?,
                 "vmm" => {
                     let f = flag(k, v)?;
                     cfg.devices.iter_mut().for_each(|d| d.vmm = f)
@@ -242,12 +257,10 @@ impl SimConfig {
                         .for_each(|d| d.concurrent_managed_access = f)
                 }
                 "numa" => {
-                    let n = int(k, v, "a host NUMA id, or -1")? as i32;
+                    let n = num(k, v, "a host NUMA id, or -1")?;
                     cfg.devices.iter_mut().for_each(|d| d.host_numa_id = n)
                 }
-                "numa_nodes" => {
-                    cfg.host_numa_nodes = int(k, v, "a count of host NUMA nodes")? as i32
-                }
+                "numa_nodes" => cfg.host_numa_nodes = num(k, v, "a count of host NUMA nodes")?,
                 "cliques" => {
                     let n = int(k, v, "a clique size of at least 1")?;
                     if n < 1 {
@@ -263,21 +276,19 @@ impl SimConfig {
                         .for_each(|(i, d)| d.clique = (i as i64 / n) as u32)
                 }
                 "granularity" => {
-                    let g = int(k, v, "a power of two in bytes")? as usize;
+                    let g = num(k, v, "a power of two in bytes")?;
                     cfg.devices.iter_mut().for_each(|d| d.granularity = (g, g))
                 }
                 "memory_mib" => {
-                    let m = int(k, v, "MiB of device memory")?;
-                    if m < 1 {
+                    let m = num::<u64>(k, v, "MiB of device memory")?;
+                    let Some(bytes) = m.checked_mul(1 << 20).filter(|_| m >= 1) else {
                         return Err(ConfigError::InvalidValue {
                             key: k.clone(),
                             value: v.clone(),
-                            expected: "at least 1 MiB",
+                            expected: "at least 1 MiB, at most 2^44 - 1 MiB",
                         });
-                    }
-                    cfg.devices
-                        .iter_mut()
-                        .for_each(|d| d.memory = (m as u64) << 20)
+                    };
+                    cfg.devices.iter_mut().for_each(|d| d.memory = bytes)
                 }
                 "ready_polls" => {
                     cfg.endpoint_ready_polls = int(k, v, "a poll count")?.clamp(0, 1 << 20) as u32

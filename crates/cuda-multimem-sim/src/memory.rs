@@ -451,7 +451,7 @@ sim_api! {
         }
         let dev = current_device(st)?;
         let m = st.ext::<Memory>();
-        if m.used(dev) + size as u64 > st.device(dev)?.memory {
+        if m.used(dev).saturating_add(size as u64) > st.device(dev)?.memory {
             return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
         let a = map_anonymous(size)?;

@@ -139,6 +139,13 @@ pub enum LoadError {
         /// What the driver said, or that it was not asked.
         reason: MissReason,
     },
+    /// A symbol, ABI version or table row that the pinned headers do not have (a caller's name
+    /// or index, not a driver's answer).
+    #[error("{what} is not in the pinned CUDA headers' symbol table")]
+    NotInHeaders {
+        /// What was asked for: `` `name` at ABI version ``, or the row index.
+        what: String,
+    },
     /// A loader call itself failed.
     #[error("{call} failed with {code}")]
     Driver {
@@ -295,18 +302,17 @@ impl Driver {
 
     /// Whether `name` at ABI `abi` resolves on this driver (resolving and caching it).
     pub fn availability(&self, name: &str, abi: i32) -> Result<(), LoadError> {
-        let index = Driver::symbol_index(name, abi).ok_or(LoadError::Unsupported {
-            symbol: "(not in the pinned headers)",
-            needed: abi,
-            driver: self.version,
-            reason: MissReason::SymbolNotFound,
+        let index = Driver::symbol_index(name, abi).ok_or_else(|| LoadError::NotInHeaders {
+            what: format!("`{name}` at ABI {abi}"),
         })?;
         self.raw(index).map(|_| ())
     }
 
     /// Resolve row `index` of [`SYMBOLS`] as an untyped address.
     pub fn raw(&self, index: usize) -> Result<*mut c_void, LoadError> {
-        let info = &SYMBOLS[index];
+        let info = SYMBOLS.get(index).ok_or_else(|| LoadError::NotInHeaders {
+            what: format!("row {index} (the table has {} rows)", SYMBOLS.len()),
+        })?;
         // Definitive answers (an address, or a symbol the driver lacks) are cached; a failing
         // cuGetProcAddress call itself (a transient status) is not, so a later call asks again.
         let r = match self.slots[index].get() {

@@ -374,3 +374,19 @@ fn cudarc_slices_of_another_device_are_refused_naming_the_operand() {
     assert_eq!(s0.clone_dtoh(&mine_in).unwrap(), [1.0f32; 64]);
     assert_eq!(s0.clone_dtoh(&mine_out).unwrap(), [0.0f32; 64]);
 }
+
+/// `SimConfig::new` with an absurd device count describes a machine `start` refuses, instead
+/// of building a description per device asked for (capacity overflow, or out of memory).
+#[test]
+fn a_sim_config_of_usize_max_devices_is_refused_not_an_abort() {
+    for n in [65, 100_000, usize::MAX] {
+        let c = cuda_multimem_sim::SimConfig::new(n, 13000);
+        assert!(
+            matches!(
+                c.validate(),
+                Err(cuda_multimem_sim::ConfigError::InvalidValue { ref key, .. }) if key == "devices"
+            ),
+            "{n} devices"
+        );
+    }
+}

@@ -110,10 +110,14 @@ pub enum ConfigError {
 const KNOWN: &str = "devices, version, vmm, multicast, endpoints, fabric, posix_fd, managed, numa, numa_nodes, cliques, granularity, memory_mib, ready_polls";
 
 impl SimConfig {
-    /// `devices` H200-like devices in one NVLink clique, at driver `version`.
+    /// `devices` H200-like devices in one NVLink clique, at driver `version`. A machine has at
+    /// most 64 devices: a larger count describes 65 (without building a description per device
+    /// asked for), which [`SimConfig::validate`] and [`crate::Simulator::start`] refuse.
     pub fn new(devices: usize, version: i32) -> Self {
         SimConfig {
-            devices: (0..devices).map(|_| SimDeviceConfig::h200()).collect(),
+            devices: (0..devices.min(65))
+                .map(|_| SimDeviceConfig::h200())
+                .collect(),
             version,
             host_numa_nodes: 1,
             endpoint_ready_polls: 3,

@@ -390,3 +390,21 @@ fn a_sim_config_of_usize_max_devices_is_refused_not_an_abort() {
         );
     }
 }
+
+/// A failure plan whose code is `CUDA_SUCCESS` is no failure: the call does its work (armed,
+/// it skipped the work and reported success, so the buffer's address was never written).
+#[test]
+fn a_failure_plan_of_cuda_success_leaves_calls_doing_their_work() {
+    let e = sim(SimConfig::new(1, 13000));
+    let s = e.sim.as_ref().unwrap();
+    let d = e.driver.device(0).unwrap();
+    s.inject_failure(cuda_multimem_sim::FailurePlan {
+        call: Some("cuMemAlloc".into()),
+        skip: 0,
+        code: CUresult::CUDA_SUCCESS,
+    });
+    let b = DeviceBuffer::<u32>::from_host(&d, &[1, 2, 3, 4]).unwrap();
+    assert_ne!(b.device_ptr(), 0);
+    assert_eq!(b.to_vec().unwrap(), [1, 2, 3, 4]);
+    assert_eq!(s.clear_failure(), None, "nothing was failed");
+}

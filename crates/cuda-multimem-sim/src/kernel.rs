@@ -146,7 +146,12 @@ pub(crate) fn delay(st: &State) {
 /// Set the random delay bound of the session (see [`crate::Simulator::set_kernel_delays`]).
 pub(crate) fn set_delays(st: &State, max: Duration, seed: u64) {
     let d = st.ext::<Delays>();
-    d.max_us.store(max.as_micros() as u64, Ordering::Relaxed);
+    // whole microseconds, at most u64::MAX - 1 so that `draw`'s `max + 1` holds (a delay of
+    // half a million years is as good as any longer one)
+    let us = u64::try_from(max.as_micros())
+        .unwrap_or(u64::MAX)
+        .min(u64::MAX - 1);
+    d.max_us.store(us, Ordering::Relaxed);
     d.seed.store(seed, Ordering::Relaxed);
 }
 
@@ -360,7 +365,7 @@ impl crate::Simulator {
     /// Inject random delays: every kernel launch, every [`LaunchArgs::jitter`] inside a
     /// host-side kernel and every asynchronous copy first sleeps a random time in `0..=max`
     /// (drawn from `seed`), so devices drift apart and protocol races show. `Duration::ZERO`
-    /// turns it off.
+    /// turns it off; `max` is taken in whole microseconds (up to `u64::MAX - 1` of them).
     pub fn set_kernel_delays(&self, max: Duration, seed: u64) {
         set_delays(&self.session.state, max, seed);
     }

@@ -290,10 +290,12 @@ impl Simulator {
         cuda_multimem_sys::Driver::from_entry(self.entry())
     }
 
-    /// Make a later call fail (see [`FailurePlan`]); replaces any pending plan.
+    /// Make a later call fail (see [`FailurePlan`]); replaces any pending plan. A plan whose
+    /// code is `CUDA_SUCCESS` is no failure: it only drops the pending plan (armed, it would
+    /// skip the call's work and report success, leaving its outputs unwritten).
     pub fn inject_failure(&self, plan: FailurePlan) {
         *self.session.state.fired.lock() = None;
-        *self.session.state.failure.lock() = Some(plan);
+        *self.session.state.failure.lock() = (plan.code != CUresult::CUDA_SUCCESS).then_some(plan);
     }
 
     /// Drop a pending failure plan; returns the call that an earlier plan failed, if it fired.

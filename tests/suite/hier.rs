@@ -688,3 +688,52 @@ fn a_bootstrap_communicator_of_4_threads_on_one_simulator_allreduces() {
         .collect();
     assert!(errs.is_empty(), "{}", errs.join("\n"));
 }
+
+/// Two threads of each rank call its hierarchical allreduce at once on the rank's one stream:
+/// every call (copies, the domain's steps, the cross-domain step) reaches the stream whole.
+/// All calls are the same in-place sum of small integers, so 2K calls per rank leave exactly
+/// N^(2K-1) times the sum of the inputs whatever the order.
+fn concurrent_calls(hier: &HierCommunicator, s: &Stream) -> Result<(), String> {
+    let l = hier.layout();
+    let (rank, n) = (l.rank(), l.size());
+    let err = |x: Error| x.to_string();
+    let (len, k) = (3000usize, 3i32);
+    let x = |r: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + r * 3) % 4) as f32).collect() };
+    let buf = DeviceBuffer::from_host(hier.device(), &x(rank)).map_err(err)?;
+    let p = buf.device_ptr();
+    std::thread::scope(|scope| -> Result<(), String> {
+        let calls: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(move || -> Result<(), String> {
+                    for _ in 0..k {
+                        // SAFETY: `buf` outlives the scope and the synchronisation below; the
+                        // calls on it are ordered by the one stream.
+                        let b = unsafe { cuda_multimem_collectives::Dst::<f32>::from_raw(p, len) };
+                        hier.all_reduce_in_place(b, ReduceOp::Sum, s)
+                            .map_err(|x| x.to_string())?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        calls
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| "a caller panicked".to_string())?)
+    })?;
+    s.synchronize().map_err(err)?;
+    hier.check().map_err(err)?;
+    let scale = (n as f32).powi(2 * k - 1);
+    let want: Vec<f32> = (0..len)
+        .map(|i| scale * (0..n).map(|r| x(r)[i]).sum::<f32>())
+        .collect();
+    let got = buf.to_vec().map_err(err)?;
+    match (0..len).find(|&i| got[i] != want[i]) {
+        Some(i) => Err(format!("element {i}: got {} want {}", got[i], want[i])),
+        None => Ok(()),
+    }
+}
+
+#[test]
+fn two_threads_calling_one_hierarchical_rank_queue_whole_calls() {
+    sim_team("threads", 2, 2, contiguous, concurrent_calls);
+}

@@ -918,6 +918,7 @@ impl HierBuilder {
             scratch: Mutex::new(Scratch::default()),
             domain,
             cross,
+            calls: parking_lot::ReentrantMutex::new(()),
         })
     }
 }
@@ -951,6 +952,9 @@ pub struct HierCommunicator {
     scratch: Mutex<Scratch>,
     domain: Option<Communicator>,
     cross: Option<Box<dyn CrossDomain>>,
+    /// Held for the whole of a collective call (re-entrant: a call made of others takes it
+    /// again), so calls from several threads queue their steps one call after another.
+    calls: parking_lot::ReentrantMutex<()>,
 }
 
 impl std::fmt::Debug for HierCommunicator {
@@ -1089,6 +1093,7 @@ impl HierCommunicator {
         op: ReduceOp,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let b = buf.into();
         self.all_reduce_op(T::DTYPE, b.op, op, stream.into())
     }
@@ -1102,6 +1107,7 @@ impl HierCommunicator {
         op: ReduceOp,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let (i, o, s) = (input.into(), output.into(), stream.into());
         if i.op.bytes != o.op.bytes {
             return Err(Error::invalid(
@@ -1124,6 +1130,7 @@ impl HierCommunicator {
         op: ReduceOp,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let b = buf.into();
         if b.op.bytes % dtype.size() != 0 {
             return Err(Error::invalid(
@@ -1288,6 +1295,8 @@ impl HierCommunicator {
     /// domain-major ([`RankOrder::DomainMajor`]) use M chunks of it, out-of-place reduce-scatters
     /// M chunks, and layouts of [`RankOrder::Other`] the whole buffer. The allreduce needs none.
     pub fn reserve_scratch(&self, bytes: usize) -> Result<()> {
+        // not between two steps of another thread's call
+        let _serial = self.calls.lock();
         let s = Stream::new(&self.device)?;
         self.scratch(bytes, &s.as_stream_ref()).map(drop)
     }
@@ -1360,6 +1369,7 @@ impl HierCommunicator {
         op: ReduceOp,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let (b, s) = (buf.into(), stream.into());
         let es = T::DTYPE.size();
         let c = self.chunk(&b.op, es, "buf")?;
@@ -1408,6 +1418,7 @@ impl HierCommunicator {
         op: ReduceOp,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let (i, o, s) = (input.into(), output.into(), stream.into());
         let es = T::DTYPE.size();
         let c = self.chunk(&i.op, es, "input")?;
@@ -1472,6 +1483,7 @@ impl HierCommunicator {
         buf: impl Into<Dst<'d, T>>,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let (b, s) = (buf.into(), stream.into());
         let es = T::DTYPE.size();
         let c = self.chunk(&b.op, es, "buf")?;
@@ -1535,6 +1547,7 @@ impl HierCommunicator {
         output: impl Into<Dst<'d, T>>,
         stream: impl Into<StreamRef<'x>>,
     ) -> Result<()> {
+        let _serial = self.calls.lock();
         let (i, o, s) = (input.into(), output.into(), stream.into());
         let es = T::DTYPE.size();
         let c = self.chunk(&o.op, es, "output")?;

@@ -248,17 +248,14 @@ impl<'a> StreamRef<'a> {
     /// Wait for all queued work, polling, at most `timeout`: [`Error::Timeout`] with the
     /// timeout when work is still queued then (a hung kernel does not hang the caller).
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
-        poll_until(
-            timeout,
-            || self.is_idle(),
-            || {
-                format!(
-                    "the work queued on stream {:p} of device {}",
-                    self.raw.0,
-                    self.device.ordinal()
-                )
-            },
-        )
+        let what = || {
+            format!(
+                "the work queued on stream {:p} of device {}",
+                self.raw.0,
+                self.device.ordinal()
+            )
+        };
+        poll_until(timeout, WAIT_PAUSES, what, || self.is_idle())
     }
 
     /// Make later work on this stream wait for `event` (of any device of the same driver
@@ -479,17 +476,14 @@ impl Event {
     /// with the timeout when it has not then (a hung kernel does not hang the caller;
     /// [`Event::synchronize`] waits without a bound).
     pub fn wait_complete(&self, timeout: Duration) -> Result<()> {
-        poll_until(
-            timeout,
-            || self.is_complete(),
-            || {
-                format!(
-                    "the work recorded by event {:p} of device {}",
-                    self.raw.0,
-                    self.device.ordinal()
-                )
-            },
-        )
+        let what = || {
+            format!(
+                "the work recorded by event {:p} of device {}",
+                self.raw.0,
+                self.device.ordinal()
+            )
+        };
+        poll_until(timeout, WAIT_PAUSES, what, || self.is_complete())
     }
 
     /// Whether the recorded work completed.
@@ -529,15 +523,16 @@ impl Drop for Event {
     }
 }
 
-/// Poll `done` until it answers true, pausing 5 µs doubling to 1 ms between polls, at most
-/// `timeout`: then [`Error::Timeout`] naming `what`.
-fn poll_until(
+/// Poll `done` until it answers true, at most `timeout`: then [`Error::Timeout`] naming `what`.
+/// Between polls it sleeps `pauses.0`, doubling up to `pauses.1`.
+pub(crate) fn poll_until(
     timeout: Duration,
-    mut done: impl FnMut() -> Result<bool>,
+    pauses: (Duration, Duration),
     what: impl FnOnce() -> String,
+    mut done: impl FnMut() -> Result<bool>,
 ) -> Result<()> {
     let start = Instant::now();
-    let mut pause = Duration::from_micros(5);
+    let mut pause = pauses.0;
     loop {
         if done()? {
             return Ok(());
@@ -550,6 +545,9 @@ fn poll_until(
             });
         }
         std::thread::sleep(pause.min(timeout - spent));
-        pause = (pause * 2).min(Duration::from_millis(1));
+        pause = (pause * 2).min(pauses.1);
     }
 }
+
+/// The pauses of the stream's and the event's bounded waits (kernels end in microseconds).
+const WAIT_PAUSES: (Duration, Duration) = (Duration::from_micros(5), Duration::from_millis(1));

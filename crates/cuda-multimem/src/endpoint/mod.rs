@@ -24,7 +24,7 @@ pub use binding::{EndpointBinding, EndpointMemory};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuda_multimem_sys::{
     CUlogicalEndpointFlag, CUlogicalEndpointId, CUlogicalEndpointIpcHandleType,
@@ -379,7 +379,7 @@ impl IdRange {
     /// Poll [`IdRange::query`] until it says ready, or fail with [`Error::Timeout`].
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let what = || format!("construction of logical endpoints {self:?}");
-        poll_until(timeout, what, || self.query())
+        crate::stream::poll_until(timeout, READY_PAUSES, what, || self.query())
     }
 }
 
@@ -391,28 +391,8 @@ impl Drop for IdRange {
     }
 }
 
-fn poll_until(
-    timeout: Duration,
-    what: impl Fn() -> String,
-    mut check: impl FnMut() -> Result<bool>,
-) -> Result<()> {
-    let start = Instant::now();
-    let mut pause = Duration::from_micros(20);
-    loop {
-        if check()? {
-            return Ok(());
-        }
-        let spent = start.elapsed();
-        if spent >= timeout {
-            return Err(Error::Timeout {
-                what: what(),
-                after: timeout,
-            });
-        }
-        std::thread::sleep(pause.min(timeout - spent));
-        pause = (pause * 2).min(Duration::from_millis(5));
-    }
-}
+/// The pauses of the endpoint waits (construction takes milliseconds).
+const READY_PAUSES: (Duration, Duration) = (Duration::from_micros(20), Duration::from_millis(5));
 
 pub(crate) struct Inner {
     range: Arc<IdRange>,
@@ -713,8 +693,9 @@ impl LogicalEndpoint {
     /// multicast endpoint, every member must be added (here or elsewhere) for this to succeed.
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let id = self.inner.id;
-        poll_until(
+        crate::stream::poll_until(
             timeout,
+            READY_PAUSES,
             || format!("construction of logical endpoint {id}"),
             || self.is_ready(),
         )

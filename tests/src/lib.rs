@@ -200,3 +200,18 @@ pub fn zeroed_per_rank<T: DeviceRepr>(comm: &Communicator, count: usize) -> Vec<
         .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), count).unwrap())
         .collect()
 }
+
+/// A command running only `test` (its full path, `module::name`, ignored or not) of this test
+/// binary in a child process, one thread, output not captured: for the tests that need a
+/// process of their own (another rank, a fresh environment, a fresh simulator).
+pub fn child_test(test: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().expect("this test binary"));
+    cmd.args([
+        "--exact",
+        test,
+        "--include-ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    cmd
+}

@@ -2404,14 +2404,7 @@ fn multi_process_child_rank() {
 }
 
 fn spawn_child(path: &std::path::Path, mode: &str) -> std::process::Child {
-    std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "allreduce::multi_process_child_rank",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    cuda_multimem_tests::child_test("allreduce::multi_process_child_rank")
         .env(MP_RANK, "1")
         .env(MP_PATH, path)
         .env(MP_MODE, mode)

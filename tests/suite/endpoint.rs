@@ -597,18 +597,14 @@ fn an_endpoint_exported_as_a_fabric_handle_works_in_another_process() {
         .collect();
     let dev0 = d.device(0).unwrap();
     ep.add_device(&dev0).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "endpoint::an_endpoint_exported_as_a_fabric_handle_works_in_another_process",
-            "--test-threads=1",
-            "--nocapture",
-        ])
-        .env(CHILD_HANDLE, hex)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = cuda_multimem_tests::child_test(
+        "endpoint::an_endpoint_exported_as_a_fabric_handle_works_in_another_process",
+    )
+    .env(CHILD_HANDLE, hex)
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
     let mut to_child = child.stdin.take().unwrap();
     let mut from_child = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut expect = |what: &str| loop {

@@ -98,14 +98,7 @@ fn sim_team_with(
             .name()
             .unwrap_or_default()
             .to_string();
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                &test,
-                "--include-ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        let out = cuda_multimem_tests::child_test(&test)
             .env(ISOLATED, "1")
             .output()
             .unwrap();
@@ -609,14 +602,7 @@ fn two_processes_as_two_domains_allreduce_through_nccl() {
     };
     println!("NCCL {} from {}", nccl.version_string(), nccl.path());
     let path = rendezvous("nccl");
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "hier::hier_child_rank",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = cuda_multimem_tests::child_test("hier::hier_child_rank")
         .env(HW_RANK, "1")
         .env(HW_PATH, &path)
         .env(cuda_multimem_collectives::nccl::NCCL_ENV, nccl.path())

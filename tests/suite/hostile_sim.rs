@@ -213,9 +213,8 @@ const CHILD: &str = "CMM_TEST_HOSTILE_SIM_CHILD";
 /// Run `test` in a child process of this test binary with `vars` set (`None`: removed) and
 /// `CHILD` set to `case`; it must pass.
 fn in_child(test: &str, case: &str, vars: &[(&str, Option<&OsStr>)]) {
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(CHILD, case);
+    let mut cmd = cuda_multimem_tests::child_test(test);
+    cmd.env(CHILD, case);
     for (k, v) in vars {
         match v {
             Some(v) => cmd.env(k, v),

@@ -943,13 +943,7 @@ fn across_processes(fabric: bool) {
     };
     let dev0 = d.device(0).unwrap();
     o.add_device(&dev0).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &format!("multicast::{name}"),
-            "--test-threads=1",
-            "--nocapture",
-        ])
+    let mut child = cuda_multimem_tests::child_test(&format!("multicast::{name}"))
         .env(CHILD_FD, handle)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

@@ -934,17 +934,10 @@ fn share_with_a_child_process(name: &str, share: Share) {
 
     let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
     let child_fd = theirs.as_raw_fd();
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        "vmm::shareable_handle_child_process",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD_SOCKET_ENV, child_fd.to_string())
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped());
+    let mut cmd = cuda_multimem_tests::child_test("vmm::shareable_handle_child_process");
+    cmd.env(CHILD_SOCKET_ENV, child_fd.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
     // SAFETY: between fork and exec only async-signal-safe fcntl calls run; they touch the
     // child's copy of the socket fd, so it survives exec there (and nowhere else).
     unsafe {

@@ -5,6 +5,7 @@ mod allreduce;
 mod cudarc_ops;
 mod device;
 mod endpoint;
+mod failures;
 mod gather;
 mod hier;
 mod hostile_collectives;

@@ -494,12 +494,15 @@ impl<'a> RankHandle<'a> {
         };
         let lane = l.ce.lock();
         inner.ranks.next_call(l);
+        // Whether the second stream waits on the caller's and was not joined back yet.
+        let forked = std::cell::Cell::new(false);
         let queue = || -> Result<()> {
             barrier()?;
             let lane = (sends && !in_place).then_some(&*lane);
             if let Some(lane) = lane {
                 lane.fork.record(stream)?;
                 lane.stream.wait(&lane.fork)?;
+                forked.set(true);
                 let blocks = (b / 16)
                     .div_ceil(512)
                     .clamp(1, 2 * inner.p2p.multiprocessors.max(1) as u64)
@@ -524,12 +527,23 @@ impl<'a> RankHandle<'a> {
             }
             if let Some(lane) = lane {
                 stream.wait(&lane.done)?;
+                forked.set(false);
             }
             barrier()
         };
         // Work queued after the first barrier and then failing leaves the peers in a call this
-        // rank cannot finish: the team is not usable after that.
-        queue().map_err(|e| inner.ranks.break_with(e))?;
+        // rank cannot finish: the team is not usable after that. A fork is joined back even
+        // then: the second stream's work must not outlive the call behind the caller's back,
+        // and in a capture an unjoined fork fails the capture's end.
+        queue().map_err(|e| {
+            if forked.get() {
+                let _ = lane
+                    .done
+                    .record(&lane.stream)
+                    .and_then(|()| stream.wait(&lane.done));
+            }
+            inner.ranks.break_with(e)
+        })?;
         Ok(choice)
     }
 

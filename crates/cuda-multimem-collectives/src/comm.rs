@@ -575,6 +575,11 @@ impl Inner {
 
 /// One rank's view of a [`Communicator`]: the calls that rank makes, on a stream of its device.
 /// Every rank makes the same calls (sizes, types, operators, symmetric offsets) in the same order.
+///
+/// A rank takes one stream at a time (a call on another stream while the last call has not
+/// finished is refused naming `stream`), and its calls from several threads queue their work
+/// one whole call after another (each call holds the rank's lock while it queues); which of two
+/// concurrent calls goes first is up to the threads, and every rank must see the same order.
 #[derive(Clone, Copy)]
 pub struct RankHandle<'a> {
     pub(crate) comm: &'a Communicator,

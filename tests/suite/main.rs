@@ -8,6 +8,7 @@ mod endpoint;
 mod failures;
 mod gather;
 mod hier;
+mod hostile_buffers;
 mod hostile_collectives;
 mod hostile_safe;
 mod hostile_sim;

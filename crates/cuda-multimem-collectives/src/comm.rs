@@ -452,24 +452,34 @@ impl Communicator {
         }
         let n = inner.ranks.n;
         let c = &inner.config;
-        let alg = inner.p2p.preferred(n, c, bytes);
-        let direct = match operands {
-            Operands::Symmetric => true,
-            Operands::Local => {
-                matches!(alg, crate::Algorithm::OneShot | crate::Algorithm::OneShotLl)
-                    && bytes <= inner.p2p.stage_half
-            }
-        };
-        let mut choice = inner.p2p.shape(n, c, bytes, alg);
-        if !direct {
-            let chunk = inner.p2p.scratch_region();
-            if chunk == 0 {
-                return Err(no_scratch(bytes, c.one_shot_max(n)));
-            }
-            choice = inner.p2p.shape(n, c, bytes.min(chunk), alg);
-            choice.staged_chunks = chunks_of(chunk)?;
+        let p2p = &inner.p2p;
+        // The call's own decisions (`P2p::direct`, then `RankHandle::staged` for its first
+        // chunk) on 16-byte aligned operands, the caller's own on both sides for `Local`: the
+        // fallbacks of the low-latency form (a whole number of 4-byte words) and the refusals
+        // of a forced form included.
+        let sym = operands == Operands::Symmetric;
+        if let Some(alg) = p2p.direct_for(n, c, 0, sym, sym, bytes)? {
+            return Ok(p2p.shape(n, c, bytes, alg));
         }
-        Ok(choice)
+        let chunk = p2p.scratch_region();
+        if chunk == 0 {
+            return Err(no_scratch(bytes, c.one_shot_max(n)));
+        }
+        let staged_chunks = chunks_of(chunk)?;
+        let len = bytes.min(chunk);
+        let alg = match p2p.direct_for(n, c, 0, false, false, len)? {
+            Some(a) => a,
+            None => match p2p.direct_for(n, c, 0, false, true, len)? {
+                Some(a) => a,
+                None => p2p.direct_for(n, c, 0, true, true, len)?.ok_or_else(|| {
+                    Error::invalid("count", format!("{len} bytes cannot be staged"))
+                })?,
+            },
+        };
+        Ok(Choice {
+            staged_chunks,
+            ..p2p.shape(n, c, len, alg)
+        })
     }
 
     /// Report a timeout or a disagreement between ranks seen by earlier calls of the ranks this

@@ -144,12 +144,13 @@ impl Communicator {
 
     /// The one-shot forms with rows cut over clusters of `SPLIT` blocks, where they run and
     /// rows are at least `SPLIT_MIN_ROW_BYTES` long and `tokens × SPLIT` blocks fit the
-    /// grid (the same on every rank: sizes and configuration only); else `k`.
+    /// grid (the same on every rank: sizes and configuration only); else `k`. No rows, no
+    /// clusters: a launch shape of `0 × SPLIT` blocks is none.
     fn norm_split(&self, k: NormKernel, tokens: usize, row_bytes: usize, mp: u32) -> NormKernel {
         let max_blocks = self.norm_max_blocks(mp);
         let fits = tokens
             .checked_mul(nk::SPLIT)
-            .is_some_and(|b| b <= max_blocks);
+            .is_some_and(|b| b > 0 && b <= max_blocks);
         match k {
             NormKernel::OneShotLl if row_bytes >= nk::SPLIT_MIN_ROW_BYTES && fits => {
                 NormKernel::OneShotLlSplit

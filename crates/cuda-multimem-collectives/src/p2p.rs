@@ -224,10 +224,23 @@ impl P2p {
             }
             Place::Local { ptr, .. } => ptr,
         };
-        let (ip, op) = (ptr(input), ptr(output));
-        let aligned = |a: u64| ip % a == 0 && op % a == 0;
-        let sym_in = input.is_sym();
-        let sym_out = output.is_sym();
+        let addrs = ptr(input) | ptr(output);
+        self.direct_for(n, config, addrs, input.is_sym(), output.is_sym(), bytes)
+    }
+
+    /// [`P2p::direct`] by what it reads of the operands: their addresses or-ed together (the
+    /// alignments are powers of two), and whether each is symmetric. `Communicator::choice`
+    /// asks it too, so that it reports what the call runs or refuses.
+    pub(crate) fn direct_for(
+        &self,
+        n: usize,
+        config: &CommConfig,
+        addrs: u64,
+        sym_in: bool,
+        sym_out: bool,
+        bytes: usize,
+    ) -> Result<Option<Algorithm>> {
+        let aligned = |a: u64| addrs % a == 0;
         let mut alg = self.preferred(n, config, bytes);
         if alg == Algorithm::OneShotLl
             && (!aligned(4) || bytes % 4 != 0 || bytes > config.ll_max_bytes)

@@ -20,8 +20,12 @@ pub fn random_input<T: Element>(count: usize, state: &mut u64) -> Vec<T> {
 
 /// `count` random elements of `dtype` as raw little-endian bytes (the same values as
 /// [`random_input`] with the same state).
+///
+/// # Panics
+/// If `count` elements of `dtype` overflow `usize` or cannot be allocated (as
+/// [`Vec::with_capacity`]).
 pub fn random_bytes(dtype: DType, count: usize, state: &mut u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(count * dtype.size());
+    let mut v = Vec::with_capacity(count.saturating_mul(dtype.size()));
     for _ in 0..count {
         dtype.store(&mut v, next_random(state));
     }
@@ -30,6 +34,10 @@ pub fn random_bytes(dtype: DType, count: usize, state: &mut u64) -> Vec<u8> {
 
 /// Reduce `inputs` (one slice per rank, equal lengths) in rank order, accumulating in f32 and
 /// rounding once, as the peer-to-peer kernels do: the host reference for tests and examples.
+/// The length is the first input's; longer inputs are read up to it.
+///
+/// # Panics
+/// If an input is shorter than the first.
 pub fn reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<T> {
     let n = inputs.first().map_or(0, |i| i.len());
     (0..n)
@@ -44,7 +52,11 @@ pub fn reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<T> {
 
 /// Reduce-scatter on the host: `inputs[k]` is rank k's input of N chunks (N = `inputs.len()`,
 /// equal lengths, a multiple of N); element r of the result is what rank r's output holds: the
-/// reduction of chunk r of every input, in rank order, as [`reference()`].
+/// reduction of chunk r of every input, in rank order, as [`reference()`]. The chunk is the
+/// first input's length divided by N (rounded down).
+///
+/// # Panics
+/// If an input is shorter than the first's whole chunks.
 pub fn reduce_scatter_reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<Vec<T>> {
     let n = inputs.len();
     let chunk = inputs.first().map_or(0, |i| i.len() / n.max(1));
@@ -65,11 +77,17 @@ pub fn all_gather_reference<T: Clone>(inputs: &[&[T]]) -> Vec<T> {
 }
 
 /// Broadcast on the host: every rank's output is the root's input.
+///
+/// # Panics
+/// If `root` is not an index of `inputs` (`root >= inputs.len()`).
 pub fn broadcast_reference<T: Clone>(inputs: &[&[T]], root: usize) -> Vec<T> {
     inputs[root].to_vec()
 }
 
-/// [`reference()`] on raw little-endian bytes of `dtype`.
+/// [`reference()`] on raw little-endian bytes of `dtype` (whole elements of the first input).
+///
+/// # Panics
+/// If an input is shorter than the first's whole elements.
 pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
     let n = inputs.first().map_or(0, |i| i.len() / dtype.size());
     let mut out = Vec::with_capacity(n * dtype.size());
@@ -97,7 +115,11 @@ pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> 
 /// thread, then a warp butterfly, then across warps), so `out` may differ from this reference
 /// by the f32 rounding of that sum (relative ~hidden·2⁻²⁴ at worst, in practice a few ulps of
 /// f32) — at most one step of `T` for 16-bit types: compare `out` with
-/// [`rms_norm_within_tolerance`].
+/// [`rms_norm_within_tolerance`]. The rows are the whole rows of `r` (none when `hidden` is 0).
+///
+/// # Panics
+/// If there is at least one row and `inputs` is empty, an input is shorter than `r`'s whole
+/// rows, or `gamma` is shorter than `hidden`.
 pub fn add_rms_norm_reference<T: Element>(
     inputs: &[&[T]],
     r: &[T],

@@ -54,6 +54,9 @@ impl DType {
     }
 
     /// Element `i` of raw little-endian `data`, as f32.
+    ///
+    /// # Panics
+    /// If `data` holds fewer than `i + 1` elements.
     pub fn load(self, data: &[u8], i: usize) -> f32 {
         let s = self.size();
         let mut b = [0u8; 4];

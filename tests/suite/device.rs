@@ -1438,32 +1438,46 @@ fn the_simulated_batch_copy_reports_the_failing_copy_and_reads_during_call_sourc
 }
 
 /// `DeviceBuffer`'s drop frees with `cuMemFree`, and the safe copies rely on it waiting for the
-/// work queued on the buffer's device (a copy may still read the buffer). Checked for a copy
-/// queued on a non-blocking stream of the buffer's own device, held behind a 300 ms kernel so it
-/// cannot have run when the buffer goes (2 x H200: the drop took 300 ms, the stream idle after
-/// it; the simulator waited only for the legacy and blocking streams before and crashed here).
+/// work queued that reads the buffer. Checked for a copy queued on a non-blocking stream of the
+/// buffer's own device and on a stream of another device (a peer copy), each held behind a
+/// 300 ms kernel so it cannot have run when the buffer goes. 2 x H200: the drop took 300 ms
+/// both ways, the stream idle after it (and 0.1 ms with unrelated work queued on the other
+/// device); the simulator waited only for the legacy and blocking streams before and crashed
+/// under the copy.
 #[test]
 fn freeing_a_buffer_waits_for_the_queued_copies_that_read_it() {
     let e = env();
-    let d = e.driver.device(0).unwrap();
-    let len = 16 << 20;
-    let src = DeviceBuffer::<u32>::from_host(&d, &vec![0x5a5a_5a5a; len]).unwrap();
-    let mut dst = DeviceBuffer::<u32>::zeroed(&d, len).unwrap();
-    let s = Stream::new(&d).unwrap();
-    let module = add_kernel(&e);
-    let spin = module.function("cmm_test_spin").unwrap();
-    // SAFETY: one .u64 parameter; the kernel touches no memory.
-    unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), &s, &[300_000_000]) }.unwrap();
-    dst.copy_from_async(0, &src, 0, len, &s).unwrap();
-    let t = Instant::now();
-    drop(src);
-    let took = t.elapsed();
-    let idle = s.is_idle().unwrap();
-    println!("FREE-WAIT drop took {took:?}, stream idle after it: {idle}");
-    s.wait_idle(Duration::from_secs(60)).unwrap();
-    assert!(
-        idle,
-        "the source was freed while a queued copy still had to read it ({took:?})"
-    );
-    assert!(dst.to_vec().unwrap().iter().all(|&v| v == 0x5a5a_5a5a));
+    let n = e.driver.device_count();
+    for (src_dev, stream_dev) in [(0, 0), (0, 1)] {
+        if stream_dev >= n {
+            return skip(
+                "freeing_a_buffer_waits_for_the_queued_copies_that_read_it (the peer copy)",
+                format!("{n} device(s); the peer case needs 2"),
+            );
+        }
+        let ds = e.driver.device(src_dev).unwrap();
+        let dd = e.driver.device(stream_dev).unwrap();
+        let len = 16 << 20;
+        let src = DeviceBuffer::<u32>::from_host(&ds, &vec![0x5a5a_5a5a; len]).unwrap();
+        let mut dst = DeviceBuffer::<u32>::zeroed(&dd, len).unwrap();
+        let s = Stream::new(&dd).unwrap();
+        let module = add_kernel_on(&e, stream_dev);
+        let spin = module.function("cmm_test_spin").unwrap();
+        // SAFETY: one .u64 parameter; the kernel touches no memory.
+        unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), &s, &[300_000_000]) }.unwrap();
+        dst.copy_from_async(0, &src, 0, len, &s).unwrap();
+        let t = Instant::now();
+        drop(src);
+        let took = t.elapsed();
+        let idle = s.is_idle().unwrap();
+        println!(
+            "FREE-WAIT source on device {src_dev}, stream on device {stream_dev}: drop took {took:?}, stream idle after it: {idle}"
+        );
+        s.wait_idle(Duration::from_secs(60)).unwrap();
+        assert!(
+            idle,
+            "the source (device {src_dev}) was freed while a copy on device {stream_dev} still had to read it ({took:?})"
+        );
+        assert!(dst.to_vec().unwrap().iter().all(|&v| v == 0x5a5a_5a5a));
+    }
 }

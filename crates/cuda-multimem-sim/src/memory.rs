@@ -58,6 +58,9 @@ pub(crate) struct Memory {
     allocs: Mutex<BTreeMap<usize, (usize, i32)>>,
     hosts: Mutex<BTreeMap<usize, usize>>,
     pub bytes_copied: AtomicU64,
+    /// By `cuMemAlloc` allocation (its start): the streams of other devices that were given
+    /// copies to or from it (its free waits for them too, as the real driver's does).
+    touchers: Mutex<BTreeMap<usize, Vec<std::sync::Weak<crate::stream::Stream>>>>,
 }
 
 impl Memory {
@@ -222,6 +225,25 @@ fn copy_async(st: &Arc<State>, dst: usize, src: usize, len: usize, stream: CUstr
     }
     if m.find(dst).is_some() {
         m.check(dst, len, true)?;
+    }
+    // A copy of a device allocation queued on another device's stream: the allocation's free
+    // waits for that stream.
+    let on = crate::stream::stream(st, stream)?;
+    for a in [src, dst] {
+        let owner = m
+            .allocs
+            .lock()
+            .range(..=a)
+            .next_back()
+            .map(|(&s, &(n, d))| (s, n, d));
+        if let Some((start, _, _)) = owner.filter(|&(s, n, d)| a < s + n && d != on.device) {
+            let mut t = m.touchers.lock();
+            let v = t.entry(start).or_default();
+            v.retain(|w| w.strong_count() > 0);
+            if !v.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&on))) {
+                v.push(Arc::downgrade(&on));
+            }
+        }
     }
     let s2 = st.clone();
     crate::stream::enqueue(
@@ -469,10 +491,15 @@ sim_api! {
         // The real driver waits for the work queued on the device, non-blocking streams
         // included (2 x H200, driver 580: a free behind a 300 ms kernel and a copy reading the
         // buffer returned after 300 ms, the stream idle); a synchronous copy waits for less
-        // (`sync_then`).
+        // (`sync_then`)...
         if let Ok(current) = current_device(st) {
             crate::stream::synchronize_device(st, current)?;
         }
+        // and for the other devices' streams given copies of this allocation (2 x H200: a free
+        // on device 0 waited 300 ms for a copy reading it on a stream of device 1, and 0.1 ms
+        // with unrelated work queued on device 1)
+        let others: Vec<_> = m.touchers.lock().remove(&(dptr as usize)).into_iter().flatten().filter_map(|w| w.upgrade()).collect();
+        crate::stream::synchronize_streams(others)?;
         m.remove(dptr as usize);
         unmap(dptr as usize, size);
         m.charge(dev, -(size as i64));

@@ -394,6 +394,11 @@ pub(crate) fn device_streams(st: &State, dev: i32) -> Vec<Arc<Stream>> {
 }
 
 /// Synchronise every stream of `streams`; the first error, after waiting for all.
+/// Wait for every stream of `streams` (any devices).
+pub(crate) fn synchronize_streams(streams: Vec<Arc<Stream>>) -> SimResult {
+    synchronize_all(streams)
+}
+
 fn synchronize_all(streams: Vec<Arc<Stream>>) -> SimResult {
     let mut first = Ok(());
     for x in streams {

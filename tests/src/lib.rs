@@ -215,3 +215,52 @@ pub fn child_test(test: &str) -> std::process::Command {
     ]);
     cmd
 }
+
+/// A simulated team of `n` devices (driver 13000, peer-to-peer only) built with `config` as
+/// it is, and a stream per rank.
+pub fn sim_team_as_is(
+    n: usize,
+    config: cuda_multimem_collectives::CommConfig,
+) -> (Env, Communicator, Vec<cuda_multimem::Stream>) {
+    let e = sim(SimConfig::new(n, 13000));
+    let devices = e.driver.devices();
+    let comm = Communicator::builder(&devices)
+        .config(config)
+        .multicast(cuda_multimem_collectives::MulticastPolicy::Never)
+        .build()
+        .expect("a simulated team builds");
+    let s = devices
+        .iter()
+        .map(|d| cuda_multimem::Stream::new(d).expect("a stream"))
+        .collect();
+    (e, comm, s)
+}
+
+/// [`sim_team_as_is`] with a 300 ms timeout (a test that waits on one waits briefly).
+pub fn sim_team(
+    n: usize,
+    config: cuda_multimem_collectives::CommConfig,
+) -> (Env, Communicator, Vec<cuda_multimem::Stream>) {
+    sim_team_as_is(
+        n,
+        cuda_multimem_collectives::CommConfig {
+            timeout: std::time::Duration::from_millis(300),
+            ..config
+        },
+    )
+}
+
+/// Wait for every stream of `streams`.
+pub fn sync_all(streams: &[cuda_multimem::Stream]) {
+    for s in streams {
+        s.synchronize().expect("the stream synchronises");
+    }
+}
+
+/// The argument an `Error::InvalidArgument` names (anything else fails the test).
+pub fn invalid_arg_of<T: std::fmt::Debug>(r: cuda_multimem::Result<T>) -> &'static str {
+    match r {
+        Err(cuda_multimem::Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}

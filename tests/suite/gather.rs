@@ -842,7 +842,7 @@ fn captured_copy_engine_calls(comm: &Communicator) {
 /// disagreement (a peer that never calls: `a_peer_that_never_calls_is_reported_as_a_timeout`).
 #[test]
 fn copy_engine_calls_whose_peer_calls_something_else_are_reported() {
-    let team_of = |n: usize| small_team_with(n, ce_config());
+    let team_of = |n: usize| cuda_multimem_tests::sim_team(n, ce_config());
     // sizes 2000 / 4000 per rank
     {
         let (_e, comm, s) = team_of(2);
@@ -1135,7 +1135,7 @@ fn captured_collectives_replay_with_new_inputs() {
 
 /// A simulated team of `n` with a 300 ms timeout, with or without the low-latency forms.
 fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
-    small_team_with(
+    cuda_multimem_tests::sim_team(
         n,
         CommConfig {
             gather_ll_max_bytes: if ll { 64 << 10 } else { 0 },
@@ -1143,22 +1143,6 @@ fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
             ..Default::default()
         },
     )
-}
-
-/// A simulated team of `n` with `config` and a 300 ms timeout.
-fn small_team_with(n: usize, config: CommConfig) -> (Env, Communicator, Vec<Stream>) {
-    let e = sim(SimConfig::new(n, 13000));
-    let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(CommConfig {
-            timeout: Duration::from_millis(300),
-            ..config
-        })
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
-    let s = streams(&comm);
-    (e, comm, s)
 }
 
 /// Rank 0 and rank 1 call different things; `check()` must say the ranks disagree (the
@@ -1358,7 +1342,7 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
         cases.push((kind, ce_config(), Algorithm::CopyEngine));
     }
     for (kind, config, want) in cases {
-        let (_e, comm, s) = small_team_with(3, config);
+        let (_e, comm, s) = cuda_multimem_tests::sim_team(3, config);
         let (il, ol) = lengths(kind, 3, 100);
         let input = comm.alloc::<f32>(il).unwrap();
         let mut output = comm.alloc::<f32>(ol).unwrap();

@@ -6,7 +6,7 @@
 use std::ops::Bound;
 use std::time::Duration;
 
-use cuda_multimem::{DeviceBuffer, Error, Stream};
+use cuda_multimem::{DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
     add_rms_norm_reference, bf16, broadcast_reference, f16, reduce_scatter_reference, reference,
     Algorithm, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy, Operands, ReduceOp,
@@ -15,35 +15,7 @@ use cuda_multimem_collectives::{
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{sim, Env};
 
-/// The argument an `InvalidArgument` names (anything else fails the test).
-fn arg_of<T: std::fmt::Debug>(r: cuda_multimem::Result<T>) -> &'static str {
-    match r {
-        Err(Error::InvalidArgument { arg, .. }) => arg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
-}
-
-/// A simulated team of `n` (peer-to-peer only) with `config` and a short timeout.
-fn team(n: usize, config: CommConfig) -> (Env, Communicator, Vec<Stream>) {
-    let e = sim(SimConfig::new(n, 13000));
-    let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(CommConfig {
-            timeout: Duration::from_millis(300),
-            ..config
-        })
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
-    let s = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
-    (e, comm, s)
-}
-
-fn sync(s: &[Stream]) {
-    for st in s {
-        st.synchronize().unwrap();
-    }
-}
+use cuda_multimem_tests::{invalid_arg_of as arg_of, sim_team as team, sync_all as sync};
 
 fn launches(e: &Env) -> u64 {
     e.sim.as_ref().unwrap().calls("cuLaunchKernel")

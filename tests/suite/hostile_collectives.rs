@@ -15,45 +15,11 @@ use cuda_multimem_collectives::{
     Operands, ReduceOp, UnixBootstrap,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{sim, Env};
+use cuda_multimem_tests::sim;
 
-/// The argument an `InvalidArgument` names (anything else fails the test).
-fn arg_of<T: std::fmt::Debug>(r: cuda_multimem::Result<T>) -> &'static str {
-    match r {
-        Err(Error::InvalidArgument { arg, .. }) => arg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
-}
-
-/// A simulated team of `n` (peer-to-peer only) with `config` and a short timeout.
-fn team(n: usize, config: CommConfig) -> (Env, Communicator, Vec<Stream>) {
-    team_as_is(
-        n,
-        CommConfig {
-            timeout: Duration::from_millis(300),
-            ..config
-        },
-    )
-}
-
-/// A simulated team of `n` (peer-to-peer only) with `config` as it is.
-fn team_as_is(n: usize, config: CommConfig) -> (Env, Communicator, Vec<Stream>) {
-    let e = sim(SimConfig::new(n, 13000));
-    let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(config)
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
-    let s = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
-    (e, comm, s)
-}
-
-fn sync(s: &[Stream]) {
-    for st in s {
-        st.synchronize().unwrap();
-    }
-}
+use cuda_multimem_tests::{
+    invalid_arg_of as arg_of, sim_team as team, sim_team_as_is as team_as_is, sync_all as sync,
+};
 
 fn rendezvous(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("cmm-hostile-{tag}-{}", std::process::id()))

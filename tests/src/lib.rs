@@ -216,6 +216,21 @@ pub fn child_test(test: &str) -> std::process::Command {
     cmd
 }
 
+/// Run `cmd` (a [`child_test`]) to its end; it must exit successfully having passed its one
+/// test, else the test fails with `what` and the child's output.
+pub fn assert_child_passes(mut cmd: std::process::Command, what: &str) {
+    let out = cmd.output().expect("the child test process runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{what} failed:\n{text}"
+    );
+}
+
 /// A simulated team of `n` devices (driver 13000, peer-to-peer only) built with `config` as
 /// it is, and a stream per rank.
 pub fn sim_team_as_is(

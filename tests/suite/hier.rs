@@ -98,19 +98,9 @@ fn sim_team_with(
             .name()
             .unwrap_or_default()
             .to_string();
-        let out = cuda_multimem_tests::child_test(&test)
-            .env(ISOLATED, "1")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "{test} in its own process failed:\n{text}"
-        );
+        let mut cmd = cuda_multimem_tests::child_test(&test);
+        cmd.env(ISOLATED, "1");
+        cuda_multimem_tests::assert_child_passes(cmd, &format!("{test} in its own process"));
         return;
     }
     let n = domains * per_domain;

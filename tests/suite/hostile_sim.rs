@@ -221,16 +221,7 @@ fn in_child(test: &str, case: &str, vars: &[(&str, Option<&OsStr>)]) {
             None => cmd.env_remove(k),
         };
     }
-    let out = cmd.output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "{test} [{case}] in a child process failed:\n{text}"
-    );
+    cuda_multimem_tests::assert_child_passes(cmd, &format!("{test} [{case}] in a child process"));
 }
 
 fn config_error(who: &str, r: Result<Driver, Error>, needles: &[&str]) {

@@ -246,9 +246,9 @@ fn copy_async(st: &Arc<State>, dst: usize, src: usize, len: usize, stream: CUstr
         }
     }
     let s2 = st.clone();
-    crate::stream::enqueue(
+    crate::stream::enqueue_on(
         st,
-        stream,
+        &on,
         Arc::new(move || {
             crate::kernel::delay(&s2);
             copy(&s2, dst, src, len)

@@ -296,8 +296,12 @@ pub(crate) fn stream(st: &State, h: CUstream) -> SimResult<Arc<Stream>> {
 
 /// Queue `op` on stream `h` (after the implicit ordering against the legacy stream).
 pub(crate) fn enqueue(st: &State, h: CUstream, op: Op) -> SimResult {
-    let s = stream(st, h)?;
-    implicit_order(st, &s)?;
+    enqueue_on(st, &stream(st, h)?, op)
+}
+
+/// [`enqueue`] on a stream already looked up.
+pub(crate) fn enqueue_on(st: &State, s: &Arc<Stream>, op: Op) -> SimResult {
+    implicit_order(st, s)?;
     s.enqueue(op)
 }
 

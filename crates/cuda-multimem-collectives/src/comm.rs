@@ -652,7 +652,7 @@ impl<'a> RankHandle<'a> {
             Operand { bytes: ob, ..o.op },
             op,
             stream.into(),
-            ["input", "output"],
+            crate::operand::OUT_OF_PLACE,
         )
     }
 
@@ -666,7 +666,7 @@ impl<'a> RankHandle<'a> {
         let b = buf.into();
         let bytes = typed_bytes::<T>(b.len, b.op.bytes, "buf")?;
         let o = Operand { bytes, ..b.op };
-        self.run(T::DTYPE, o, o, op, stream.into(), ["buf"; 2])
+        self.run(T::DTYPE, o, o, op, stream.into(), crate::operand::IN_PLACE)
     }
 
     /// [`RankHandle::all_reduce`] for engines that know the element type only at run time:
@@ -692,7 +692,14 @@ impl<'a> RankHandle<'a> {
                 ));
             }
         }
-        self.run(dtype, i.op, o.op, op, stream.into(), ["input", "output"])
+        self.run(
+            dtype,
+            i.op,
+            o.op,
+            op,
+            stream.into(),
+            crate::operand::OUT_OF_PLACE,
+        )
     }
 
     /// [`RankHandle::all_reduce_dyn`] in place.
@@ -714,7 +721,14 @@ impl<'a> RankHandle<'a> {
                 ),
             ));
         }
-        self.run(dtype, b.op, b.op, op, stream.into(), ["buf"; 2])
+        self.run(
+            dtype,
+            b.op,
+            b.op,
+            op,
+            stream.into(),
+            crate::operand::IN_PLACE,
+        )
     }
 
     /// Allreduce cudarc device memory (feature `cudarc`): `input` and `output` are

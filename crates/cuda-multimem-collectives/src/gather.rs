@@ -13,7 +13,7 @@ use cuda_multimem::{
 use crate::comm::RankHandle;
 use crate::kernels::gather::{ll_words, staged_max_blocks, Collective, COPY_ENTRY, MEET_ENTRY};
 use crate::kernels::{call_header, MAX_BLOCKS};
-use crate::operand::{Dst, Operand, Place, Src};
+use crate::operand::{Dst, Operand, Place, Src, IN_PLACE, OUT_OF_PLACE};
 use crate::types::{Algorithm, Choice, DType, Element, Path, ReduceOp};
 
 /// The kernels of one device: by collective, form (`true`: low-latency), type and operator
@@ -113,10 +113,6 @@ struct Call<'o> {
     /// The arguments the input and the output came from (for errors).
     names: [&'static str; 2],
 }
-
-/// The argument names of an out-of-place call's operands, and of an in-place call's one.
-const OUT_OF_PLACE: [&str; 2] = ["input", "output"];
-const IN_PLACE: [&str; 2] = ["buf", "buf"];
 
 /// The call-header form code of the copy-engine forms (the kernels': 0 staged, 1 direct,
 /// 2 low-latency).

@@ -307,3 +307,8 @@ pub(crate) fn typed_dst<T>(op: Operand<'_>) -> Dst<'_, T> {
         _t: PhantomData,
     }
 }
+
+/// The argument names of an out-of-place call's operands (for errors), and of an in-place
+/// call's one operand.
+pub(crate) const OUT_OF_PLACE: [&str; 2] = ["input", "output"];
+pub(crate) const IN_PLACE: [&str; 2] = ["buf", "buf"];

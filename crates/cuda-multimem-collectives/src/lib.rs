@@ -70,8 +70,7 @@ pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
 pub use hier::{
-    CrossDomain, HierBuilder, HierCommunicator, HierLayout, HostCrossDomainDouble, NcclCrossDomain,
-    RankOrder,
+    CrossDomain, HierBuilder, HierCommunicator, HierLayout, NcclCrossDomain, Rail, RankOrder,
 };
 pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use mm::{multimem_pays_off, multimem_supports};

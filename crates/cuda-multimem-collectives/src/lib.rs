@@ -47,33 +47,34 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod bootstrap;
+mod buffer;
+mod call;
 mod comm;
 mod config;
-mod gather;
+mod engine;
+mod exec;
 pub mod hier;
 pub mod kernels;
-mod memory;
-mod mm;
 pub mod nccl;
-mod norm;
 mod operand;
-mod p2p;
-mod ranks;
 mod reference;
 #[cfg(feature = "sim")]
 pub mod sim;
+mod team;
 mod types;
 
 #[cfg(feature = "mpi")]
 pub use bootstrap::MpiBootstrap;
 pub use bootstrap::{Bootstrap, UnixBootstrap};
+pub use buffer::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
+#[cfg(feature = "sim")]
+pub use hier::HostCrossDomainDouble;
 pub use hier::{
     CrossDomain, HierBuilder, HierCommunicator, HierLayout, NcclCrossDomain, Rail, RankOrder,
 };
-pub use memory::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
-pub use mm::{multimem_pays_off, multimem_supports};
+pub use kernels::multimem::supported as multimem_supports;
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, Src};
 pub use reference::{
@@ -81,7 +82,9 @@ pub use reference::{
     random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
     rms_scale,
 };
-pub use types::{Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp};
+pub use types::{
+    multimem_pays_off, Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp,
+};
 
 /// The element types, re-exported from the `half` crate.
 pub use half::{bf16, f16};

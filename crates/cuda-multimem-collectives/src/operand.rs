@@ -1,12 +1,13 @@
 //! Operands of a collective: views of symmetric buffers, or the caller's own device memory
-//! (a [`DeviceBuffer`], a cudarc slice, or — under `unsafe` — a raw pointer and length).
+//! (a [`DeviceBuffer`], a cudarc slice, or — under `unsafe` — a raw pointer and length); and
+//! [`resolve`], the one place an operand becomes a device address, with every check.
 
 use std::marker::PhantomData;
 
 use cuda_multimem::sys::CUdeviceptr;
-use cuda_multimem::{Device, DeviceBuffer, DeviceRepr};
+use cuda_multimem::{Device, DeviceBuffer, DeviceRepr, Error, Result};
 
-use crate::memory::{SymBuf, SymSlice, SymSliceMut, SymmetricBuffer};
+use crate::buffer::{SymBuf, SymSlice, SymSliceMut, SymmetricBuffer};
 
 /// Where an operand lives.
 #[derive(Clone, Copy)]
@@ -24,19 +25,49 @@ pub(crate) enum Place<'a> {
     },
 }
 
-/// An operand: a place and a length in bytes.
+/// An operand: a place and a length of `len` elements of `elem` bytes. The byte length is
+/// computed, overflow-checked, by [`resolve`] only.
 #[derive(Clone, Copy)]
 pub(crate) struct Operand<'a> {
     pub(crate) place: Place<'a>,
-    pub(crate) bytes: usize,
+    pub(crate) len: usize,
+    pub(crate) elem: usize,
 }
 
-impl Operand<'_> {
+impl<'a> Operand<'a> {
+    /// A byte view (`bytes` bytes at `place`): what the crate makes of operands it resolved
+    /// itself (the hierarchical steps hand sub-ranges of checked operands on this way).
+    pub(crate) fn bytes_at(place: Place<'a>, bytes: usize) -> Self {
+        Operand {
+            place,
+            len: bytes,
+            elem: 1,
+        }
+    }
+
+    /// The caller's memory of this process's `device` at `ptr`, `bytes` long.
+    pub(crate) fn local_bytes(ptr: CUdeviceptr, bytes: usize, device: &'a Device) -> Self {
+        Operand::bytes_at(
+            Place::Local {
+                ptr,
+                device: Some(device),
+            },
+            bytes,
+        )
+    }
+
+    /// Whether it is a view of a symmetric buffer.
     pub(crate) fn is_sym(&self) -> bool {
         matches!(self.place, Place::Sym { .. })
     }
 
-    /// The same operand from byte `at`, `bytes` long (callers keep `at + bytes` inside).
+    /// The byte length, if it fits `usize`.
+    pub(crate) fn bytes(&self) -> Option<usize> {
+        self.len.checked_mul(self.elem)
+    }
+
+    /// The bytes `[at, at + bytes)` of this operand as a byte view (callers keep the range
+    /// inside an operand they resolved: the sum cannot overflow then).
     pub(crate) fn sub(&self, at: usize, bytes: usize) -> Self {
         let place = match self.place {
             Place::Sym { buf, offset, only } => Place::Sym {
@@ -49,27 +80,180 @@ impl Operand<'_> {
                 device,
             },
         };
-        Operand { place, bytes }
+        Operand::bytes_at(place, bytes)
+    }
+
+    fn of<T>(place: Place<'a>, len: usize) -> Self {
+        Operand {
+            place,
+            len,
+            elem: std::mem::size_of::<T>(),
+        }
+    }
+
+    fn sym<T>(buf: &'a SymBuf, offset: usize, len: usize, only: Option<usize>) -> Self {
+        // Views are made in bounds of their buffer, whose byte size fits usize.
+        Operand::of::<T>(
+            Place::Sym {
+                buf,
+                offset: offset * std::mem::size_of::<T>(),
+                only,
+            },
+            len,
+        )
+    }
+
+    fn local<T>(ptr: CUdeviceptr, len: usize, device: Option<&'a Device>) -> Self {
+        Operand::of::<T>(Place::Local { ptr, device }, len)
     }
 }
 
-fn sym<'a, T>(buf: &'a SymBuf, offset: usize, len: usize, only: Option<usize>) -> Operand<'a> {
-    let es = std::mem::size_of::<T>();
-    // Views are made in bounds of their buffer, whose byte size fits usize.
-    Operand {
-        place: Place::Sym {
-            buf,
-            offset: offset * es,
-            only,
-        },
-        bytes: len * es,
+/// Who an operand is checked against: the communicator whose symmetric buffers are accepted
+/// (`None`: none are), the rank making the call, and its device.
+#[derive(Clone, Copy)]
+pub(crate) struct Owner<'a> {
+    pub(crate) comm: Option<u64>,
+    pub(crate) rank: usize,
+    pub(crate) device: &'a Device,
+}
+
+/// An operand resolved for one rank: its address on that rank's device, its byte length, and
+/// its symmetric buffer and byte offset when it is one.
+#[derive(Clone, Copy)]
+pub(crate) struct Resolved<'a> {
+    pub(crate) ptr: CUdeviceptr,
+    pub(crate) bytes: usize,
+    pub(crate) sym: Option<(&'a SymBuf, usize)>,
+}
+
+impl<'a> Resolved<'a> {
+    /// Whether it is a view of a symmetric buffer.
+    pub(crate) fn is_sym(&self) -> bool {
+        self.sym.is_some()
+    }
+
+    /// The bytes `[at, at + bytes)` (callers keep them inside).
+    pub(crate) fn sub(&self, at: usize, bytes: usize) -> Self {
+        Resolved {
+            ptr: self.ptr + at as u64,
+            bytes,
+            sym: self.sym.map(|(b, off)| (b, off + at)),
+        }
+    }
+
+    /// Whether the byte ranges of `self` and `other` overlap (empty ranges overlap nothing).
+    pub(crate) fn overlaps(&self, other: &Resolved<'_>) -> bool {
+        let (a, b) = (self.ptr as u128, other.ptr as u128);
+        self.bytes > 0
+            && other.bytes > 0
+            && a < b + other.bytes as u128
+            && b < a + self.bytes as u128
     }
 }
 
-fn local<'a, T>(ptr: CUdeviceptr, len: usize, device: Option<&'a Device>) -> Operand<'a> {
-    Operand {
-        place: Place::Local { ptr, device },
-        bytes: len * std::mem::size_of::<T>(),
+/// Resolve `o` (the argument `arg`) for `owner`, in elements of `es` bytes: its byte length
+/// (overflow-checked, a whole number of elements), its communicator or device, the rank a
+/// part's view belongs to, its bounds, that it does not wrap the address space, and its
+/// alignment to the element. Every operand of every collective, and of the hierarchical
+/// communicator's steps, becomes an address here and nowhere else.
+pub(crate) fn resolve<'a>(
+    o: &Operand<'a>,
+    owner: &Owner<'_>,
+    arg: &'static str,
+    es: usize,
+) -> Result<Resolved<'a>> {
+    let bytes = o.bytes().ok_or_else(|| {
+        Error::invalid(
+            arg,
+            format!(
+                "{} elements of {} bytes: the byte length overflows",
+                o.len, o.elem
+            ),
+        )
+    })?;
+    if bytes % es != 0 {
+        return Err(Error::invalid(
+            arg,
+            format!("{bytes} bytes; not a whole number of {es}-byte elements"),
+        ));
+    }
+    match o.place {
+        Place::Sym { buf, offset, only } => {
+            if owner.comm != Some(buf.comm_id) {
+                return Err(Error::invalid(arg, "a buffer of another communicator"));
+            }
+            if let Some(r) = only.filter(|&r| r != owner.rank) {
+                return Err(Error::invalid(
+                    arg,
+                    format!(
+                        "a view of rank {r}'s part; this is rank {}'s call",
+                        owner.rank
+                    ),
+                ));
+            }
+            if offset.checked_add(bytes).is_none_or(|e| e > buf.sym.bytes) {
+                return Err(Error::invalid(
+                    arg,
+                    format!(
+                        "{bytes} bytes at offset {offset} pass the end of the {}-byte buffer",
+                        buf.sym.bytes
+                    ),
+                ));
+            }
+            let ptr = buf.sym.addrs[owner.rank] + offset as u64;
+            // Byte views of a symmetric buffer (the `_dyn` calls) can start anywhere.
+            if ptr % es as u64 != 0 {
+                return Err(Error::invalid(
+                    arg,
+                    format!("byte offset {offset} is not aligned to the {es}-byte element"),
+                ));
+            }
+            Ok(Resolved {
+                ptr,
+                bytes,
+                sym: Some((buf, offset)),
+            })
+        }
+        Place::Local { ptr, device } => {
+            if let Some(d) = device {
+                if d != owner.device {
+                    return Err(Error::invalid(
+                        arg,
+                        format!(
+                            "memory of device {}{}; rank {} is device {}",
+                            d.ordinal(),
+                            if d.driver().same_as(owner.device.driver()) {
+                                ""
+                            } else {
+                                " of another Driver value"
+                            },
+                            owner.rank,
+                            owner.device.ordinal()
+                        ),
+                    ));
+                }
+            }
+            if ptr == 0 && bytes > 0 {
+                return Err(Error::invalid(arg, "a null device pointer"));
+            }
+            if ptr.checked_add(bytes as u64).is_none() {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{bytes} bytes at {ptr:#x} wrap the address space"),
+                ));
+            }
+            if ptr % es as u64 != 0 {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{ptr:#x} is not aligned to the {es}-byte element"),
+                ));
+            }
+            Ok(Resolved {
+                ptr,
+                bytes,
+                sym: None,
+            })
+        }
     }
 }
 
@@ -77,7 +261,6 @@ fn local<'a, T>(ptr: CUdeviceptr, len: usize, device: Option<&'a Device>) -> Ope
 /// [`SymSlice`], a [`DeviceBuffer`] (`&buf`), or [`Src::from_raw`].
 pub struct Src<'a, T> {
     pub(crate) op: Operand<'a>,
-    pub(crate) len: usize,
     _t: PhantomData<&'a [T]>,
 }
 
@@ -86,31 +269,48 @@ pub struct Src<'a, T> {
 /// one `Dst` as both operands.
 pub struct Dst<'a, T> {
     pub(crate) op: Operand<'a>,
-    pub(crate) len: usize,
     _t: PhantomData<&'a mut [T]>,
 }
 
 impl<T> std::fmt::Debug for Src<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Src({} elements)", self.len)
+        write!(f, "Src({} elements)", self.op.len)
     }
 }
 
 impl<T> std::fmt::Debug for Dst<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Dst({} elements)", self.len)
+        write!(f, "Dst({} elements)", self.op.len)
+    }
+}
+
+impl<'a, T> Src<'a, T> {
+    pub(crate) fn new(op: Operand<'a>) -> Self {
+        Src {
+            op,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<'a, T> Dst<'a, T> {
+    pub(crate) fn new(op: Operand<'a>) -> Self {
+        Dst {
+            op,
+            _t: PhantomData,
+        }
     }
 }
 
 impl<T: DeviceRepr> Src<'_, T> {
     /// Elements.
     pub fn len(&self) -> usize {
-        self.len
+        self.op.len
     }
 
     /// Whether it has no elements.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.op.len == 0
     }
 
     /// `len` elements of the caller's device memory at `ptr`.
@@ -119,28 +319,22 @@ impl<T: DeviceRepr> Src<'_, T> {
     /// `ptr` must be device memory of the device of the rank it is passed to (or memory that
     /// device can read), valid for `len` elements of `T` until the work queued with it on the
     /// call's stream has completed, and not written by anything else meanwhile. The byte length
-    /// and the alignment are still checked by the call.
+    /// (overflow included), the address range (that it does not wrap) and the alignment are
+    /// still checked by the call.
     pub unsafe fn from_raw(ptr: CUdeviceptr, len: usize) -> Src<'static, T> {
-        Src {
-            op: Operand {
-                place: Place::Local { ptr, device: None },
-                bytes: len.saturating_mul(std::mem::size_of::<T>()),
-            },
-            len,
-            _t: PhantomData,
-        }
+        Src::new(Operand::local::<T>(ptr, len, None))
     }
 }
 
 impl<T: DeviceRepr> Dst<'_, T> {
     /// Elements.
     pub fn len(&self) -> usize {
-        self.len
+        self.op.len
     }
 
     /// Whether it has no elements.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.op.len == 0
     }
 
     /// `len` elements of the caller's device memory at `ptr`, written by the call.
@@ -149,14 +343,7 @@ impl<T: DeviceRepr> Dst<'_, T> {
     /// As [`Src::from_raw`], and nothing else may read or write the range until the work queued
     /// with it has completed.
     pub unsafe fn from_raw(ptr: CUdeviceptr, len: usize) -> Dst<'static, T> {
-        Dst {
-            op: Operand {
-                place: Place::Local { ptr, device: None },
-                bytes: len.saturating_mul(std::mem::size_of::<T>()),
-            },
-            len,
-            _t: PhantomData,
-        }
+        Dst::new(Operand::local::<T>(ptr, len, None))
     }
 }
 
@@ -168,31 +355,23 @@ impl<'a, T: DeviceRepr> From<&'a SymmetricBuffer<T>> for Src<'a, T> {
 
 impl<'a, T: DeviceRepr> From<SymSlice<'a, T>> for Src<'a, T> {
     fn from(s: SymSlice<'a, T>) -> Self {
-        Src {
-            op: sym::<T>(s.buf, s.offset, s.len, s.only),
-            len: s.len,
-            _t: PhantomData,
-        }
+        Src::new(Operand::sym::<T>(s.buf, s.offset, s.len, s.only))
     }
 }
 
 impl<'a, T: DeviceRepr> From<&'a SymSliceMut<'_, T>> for Src<'a, T> {
     fn from(s: &'a SymSliceMut<'_, T>) -> Self {
-        Src {
-            op: sym::<T>(s.buf, s.offset, s.len, s.only),
-            len: s.len,
-            _t: PhantomData,
-        }
+        Src::new(Operand::sym::<T>(s.buf, s.offset, s.len, s.only))
     }
 }
 
 impl<'a, T: DeviceRepr> From<&'a DeviceBuffer<T>> for Src<'a, T> {
     fn from(b: &'a DeviceBuffer<T>) -> Self {
-        Src {
-            op: local::<T>(b.device_ptr(), b.len(), Some(b.device())),
-            len: b.len(),
-            _t: PhantomData,
-        }
+        Src::new(Operand::local::<T>(
+            b.device_ptr(),
+            b.len(),
+            Some(b.device()),
+        ))
     }
 }
 
@@ -204,43 +383,36 @@ impl<'a, T: DeviceRepr> From<&'a mut SymmetricBuffer<T>> for Dst<'a, T> {
 
 impl<'a, T: DeviceRepr> From<SymSliceMut<'a, T>> for Dst<'a, T> {
     fn from(s: SymSliceMut<'a, T>) -> Self {
-        Dst {
-            op: sym::<T>(s.buf, s.offset, s.len, s.only),
-            len: s.len,
-            _t: PhantomData,
-        }
+        Dst::new(Operand::sym::<T>(s.buf, s.offset, s.len, s.only))
     }
 }
 
 impl<'a, 'b, T: DeviceRepr> From<&'a mut SymSliceMut<'b, T>> for Dst<'a, T> {
     fn from(s: &'a mut SymSliceMut<'b, T>) -> Self {
-        Dst {
-            op: sym::<T>(s.buf, s.offset, s.len, s.only),
-            len: s.len,
-            _t: PhantomData,
-        }
+        Dst::new(Operand::sym::<T>(s.buf, s.offset, s.len, s.only))
     }
 }
 
 impl<'a, T: DeviceRepr> From<&'a mut DeviceBuffer<T>> for Dst<'a, T> {
     fn from(b: &'a mut DeviceBuffer<T>) -> Self {
-        Dst {
-            op: local::<T>(b.device_ptr(), b.len(), Some(b.device())),
-            len: b.len(),
-            _t: PhantomData,
-        }
+        Dst::new(Operand::local::<T>(
+            b.device_ptr(),
+            b.len(),
+            Some(b.device()),
+        ))
     }
 }
 
-/// cudarc operands (feature `cudarc`): the pointer of a cudarc slice is taken against the
-/// call's cudarc stream, so cudarc's own event tracking orders our kernels after earlier writes.
+/// cudarc operands (feature `cudarc`): `len` elements of `T` at `ptr` of `device`. The pointer
+/// of a cudarc slice is taken against the call's cudarc stream, so cudarc's own event tracking
+/// orders our kernels after earlier writes.
 #[cfg(feature = "cudarc")]
-pub(crate) fn cudarc_src<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device) -> Src<'a, T> {
-    Src {
-        op: local::<T>(ptr, len, Some(device)),
-        len,
-        _t: PhantomData,
-    }
+pub(crate) fn cudarc_operand<'a, T>(
+    ptr: CUdeviceptr,
+    len: usize,
+    device: &'a Device,
+) -> Operand<'a> {
+    Operand::local::<T>(ptr, len, Some(device))
 }
 
 /// Refuse a cudarc slice (`arg`) that does not live in `device`'s primary context: its pointer
@@ -250,14 +422,14 @@ pub(crate) fn check_cudarc<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
     slice: &S,
     device: &Device,
     arg: &'static str,
-) -> cuda_multimem::Result<()> {
+) -> Result<()> {
     let ctx = slice.stream().context();
     let theirs = ctx.cu_ctx();
     let ours = device.primary_context()?;
     if ctx.ordinal() != device.ordinal() as usize
         || !std::ptr::eq(theirs.cast::<std::ffi::c_void>(), ours.cast())
     {
-        return Err(cuda_multimem::Error::invalid(
+        return Err(Error::invalid(
             arg,
             format!(
                 "a cudarc slice of device {} (context {theirs:p}); expected device {}'s primary context {ours:p}",
@@ -268,47 +440,3 @@ pub(crate) fn check_cudarc<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
     }
     Ok(())
 }
-
-#[cfg(feature = "cudarc")]
-pub(crate) fn cudarc_dst<'a, T>(ptr: CUdeviceptr, len: usize, device: &'a Device) -> Dst<'a, T> {
-    Dst {
-        op: local::<T>(ptr, len, Some(device)),
-        len,
-        _t: PhantomData,
-    }
-}
-
-/// A byte view of an operand the crate resolved itself (the hierarchical collectives hand
-/// sub-ranges of their operands to the domain's communicator this way).
-pub(crate) fn bytes_dst(op: Operand<'_>) -> Dst<'_, u8> {
-    Dst {
-        op,
-        len: op.bytes,
-        _t: PhantomData,
-    }
-}
-
-/// A typed input view of an operand the crate resolved itself (`op.bytes` a whole number of
-/// `T`: the hierarchical collectives hand blocks of their operands and of their scratch to the
-/// domain's reduce-scatter and all-gather this way).
-pub(crate) fn typed_src<T>(op: Operand<'_>) -> Src<'_, T> {
-    Src {
-        op,
-        len: op.bytes / std::mem::size_of::<T>(),
-        _t: PhantomData,
-    }
-}
-
-/// A typed output view of an operand the crate resolved itself (as [`typed_src`]).
-pub(crate) fn typed_dst<T>(op: Operand<'_>) -> Dst<'_, T> {
-    Dst {
-        op,
-        len: op.bytes / std::mem::size_of::<T>(),
-        _t: PhantomData,
-    }
-}
-
-/// The argument names of an out-of-place call's operands (for errors), and of an in-place
-/// call's one operand.
-pub(crate) const OUT_OF_PLACE: [&str; 2] = ["input", "output"];
-pub(crate) const IN_PLACE: [&str; 2] = ["buf", "buf"];

@@ -218,7 +218,9 @@ impl std::fmt::Display for Path {
     }
 }
 
-/// Which algorithm.
+/// Which algorithm: each belongs to one family of collectives ([`Algorithm::collectives`]), so
+/// a reported choice names what ran. [`crate::CommConfig::algorithm`] forces an allreduce form
+/// (and maps onto the fused norm's: docs/design/rmsnorm.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Each rank reduces the whole message (small messages; one barrier). Reads only the local
@@ -264,6 +266,47 @@ pub enum Algorithm {
     /// output by `cuMemcpyDtoDAsync` (the local copy, out of place, by a kernel on a second
     /// stream of the rank), a barrier launch. See `docs/design/collectives.md`.
     CopyEngine,
+    /// Reduce-scatter on the multimem path: each rank reduces its chunk of every rank's input
+    /// through the multicast address (`multimem.ld_reduce`) into its own output.
+    LoadReduce,
+    /// The fused allreduce + residual add + RMSNorm, one-shot: every rank pushes its rows of
+    /// `x` into every peer's staging, one barrier, every rank sums, adds and normalises every
+    /// row (a block per row). See `docs/design/rmsnorm.md`.
+    NormOneShot,
+    /// [`Algorithm::NormOneShot`] with each row cut over a thread-block cluster (long rows, few
+    /// tokens: more blocks on the link).
+    NormOneShotSplit,
+    /// The fused norm with the low-latency protocol: `x`'s words travel with the call's flag,
+    /// no barrier (small calls).
+    NormOneShotLl,
+    /// [`Algorithm::NormOneShotLl`] with each row cut over a thread-block cluster.
+    NormOneShotLlSplit,
+    /// The fused norm, two-shot: each rank sums its rows' share, normalises it and pushes the
+    /// residual and the output to every rank (large calls, teams above 3 ranks).
+    NormTwoShot,
+}
+
+impl Algorithm {
+    /// The collectives that report this algorithm.
+    pub fn collectives(self) -> &'static [&'static str] {
+        match self {
+            Algorithm::OneShot
+            | Algorithm::TwoShot
+            | Algorithm::OneShotLl
+            | Algorithm::TwoShotPush
+            | Algorithm::TwoShotCe => &["all_reduce"],
+            Algorithm::PushStaged | Algorithm::PushLl => {
+                &["reduce_scatter", "all_gather", "broadcast"]
+            }
+            Algorithm::PushDirect | Algorithm::CopyEngine => &["all_gather", "broadcast"],
+            Algorithm::LoadReduce => &["reduce_scatter"],
+            Algorithm::NormOneShot
+            | Algorithm::NormOneShotSplit
+            | Algorithm::NormOneShotLl
+            | Algorithm::NormOneShotLlSplit
+            | Algorithm::NormTwoShot => &["all_reduce_add_rms_norm"],
+        }
+    }
 }
 
 impl std::fmt::Display for Algorithm {
@@ -278,6 +321,12 @@ impl std::fmt::Display for Algorithm {
             Algorithm::PushDirect => "push-direct",
             Algorithm::PushLl => "push-ll",
             Algorithm::CopyEngine => "copy-engine",
+            Algorithm::LoadReduce => "load-reduce",
+            Algorithm::NormOneShot => "norm-one-shot",
+            Algorithm::NormOneShotSplit => "norm-one-shot-split",
+            Algorithm::NormOneShotLl => "norm-one-shot-ll",
+            Algorithm::NormOneShotLlSplit => "norm-one-shot-ll-split",
+            Algorithm::NormTwoShot => "norm-two-shot",
         })
     }
 }
@@ -337,4 +386,10 @@ pub enum MulticastPolicy {
     WhenItPaysOff,
     /// For every call it can serve; building fails where multicast is not available.
     Always,
+}
+
+/// Whether the multimem path should beat peer-to-peer two-shot for large messages on a team of
+/// `n`: by the anchors' bandwidth arithmetic (NCCL's NVLS choice), only for teams larger than 3.
+pub fn multimem_pays_off(n: usize) -> bool {
+    n > 3
 }

@@ -106,7 +106,7 @@ impl HierBuilder {
     }
 
     /// A cross-domain step of the caller's making, per rail (an engine's own, or
-    /// [`HostCrossDomainDouble`] in tests).
+    /// `HostCrossDomainDouble` (feature `sim`) in tests).
     pub fn cross_domain_with(
         mut self,
         f: impl FnOnce(Rail) -> Result<Box<dyn CrossDomain>> + Send + 'static,
@@ -115,7 +115,7 @@ impl HierBuilder {
         self
     }
 
-    /// The host test double for the cross-domain step ([`HostCrossDomainDouble`]; feature `sim`).
+    /// The host test double for the cross-domain step (`HostCrossDomainDouble` (feature `sim`); feature `sim`).
     #[cfg(feature = "sim")]
     pub fn cross_domain_test_double(self) -> Self {
         self.cross_domain_with(|rail| {

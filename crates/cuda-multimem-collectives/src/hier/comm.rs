@@ -6,9 +6,9 @@ use parking_lot::Mutex;
 
 use super::cross::CrossDomain;
 use super::layout::{HierLayout, RankOrder};
+use crate::buffer::SymmetricBuffer;
 use crate::comm::{Communicator, RankHandle};
-use crate::memory::SymmetricBuffer;
-use crate::operand::{bytes_dst, typed_dst, typed_src, Dst, Operand, Place, Src};
+use crate::operand::{resolve, Dst, Operand, Owner, Place, Src};
 use crate::types::{DType, Element, ReduceOp};
 
 // ---- the intra-domain steps ----
@@ -149,38 +149,28 @@ impl HierCommunicator {
             .transpose()
     }
 
-    /// The device address of an operand on this rank, checked.
-    fn ptr(&self, o: &Operand<'_>, arg: &'static str, es: usize) -> Result<CUdeviceptr> {
-        if let Some(h) = self.handle()? {
-            return h.check_operand(o, arg, es);
+    /// What this rank's operands are checked against: the domain's communicator (whose
+    /// symmetric buffers it takes; domains of one GPU have none), its rank in the domain, and
+    /// the device.
+    fn owner(&self) -> Owner<'_> {
+        Owner {
+            comm: self.domain.as_ref().map(|c| c.inner.id),
+            rank: self.layout.local_index(),
+            device: &self.device,
         }
-        match o.place {
-            Place::Sym { .. } => Err(Error::invalid(arg, "a buffer of another communicator")),
-            Place::Local { ptr, device } => {
-                if let Some(d) = device {
-                    if d != &self.device {
-                        return Err(Error::invalid(
-                            arg,
-                            format!(
-                                "memory of device {}; this rank is device {}",
-                                d.ordinal(),
-                                self.device.ordinal()
-                            ),
-                        ));
-                    }
-                }
-                if ptr == 0 && o.bytes > 0 {
-                    return Err(Error::invalid(arg, "a null device pointer"));
-                }
-                if ptr % es as u64 != 0 {
-                    return Err(Error::invalid(
-                        arg,
-                        format!("{ptr:#x} is not aligned to the {es}-byte element"),
-                    ));
-                }
-                Ok(ptr)
-            }
-        }
+    }
+
+    /// An operand of this rank, checked by the one resolution every collective's operands go
+    /// through (byte length without overflow, communicator or device, bounds, address wrap,
+    /// alignment): as a byte view of the checked length, and its address.
+    fn view<'o>(
+        &self,
+        o: &Operand<'o>,
+        arg: &'static str,
+        es: usize,
+    ) -> Result<(Operand<'o>, CUdeviceptr)> {
+        let r = resolve(o, &self.owner(), arg, es)?;
+        Ok((Operand::bytes_at(o.place, r.bytes), r.ptr))
     }
 
     fn check_stream(&self, s: &StreamRef<'_>) -> Result<()> {
@@ -220,17 +210,21 @@ impl HierCommunicator {
     ) -> Result<()> {
         let _serial = self.calls.lock();
         let (i, o, s) = (input.into(), output.into(), stream.into());
-        if i.op.bytes != o.op.bytes {
+        let es = T::DTYPE.size();
+        let (i, _) = self.view(&i.op, "input", es)?;
+        let (o, _) = self.view(&o.op, "output", es)?;
+        // byte views: `len` is bytes
+        if i.len != o.len {
             return Err(Error::invalid(
                 "output",
                 format!(
                     "{} bytes; the input has {} (both operands have the same length)",
-                    o.op.bytes, i.op.bytes
+                    o.len, i.len
                 ),
             ));
         }
-        self.copy_into(T::DTYPE, &i.op, &o.op, 0, &s)?;
-        self.all_reduce_op(T::DTYPE, o.op, op, s)
+        self.copy_into(T::DTYPE, &i, &o, 0, &s)?;
+        self.all_reduce_op(T::DTYPE, o, op, s)
     }
 
     /// [`HierCommunicator::all_reduce_in_place`] for a run-time element type, on a byte view.
@@ -243,10 +237,11 @@ impl HierCommunicator {
     ) -> Result<()> {
         let _serial = self.calls.lock();
         let b = buf.into();
-        if b.op.bytes % dtype.size() != 0 {
+        // a u8 view: `len` is bytes
+        if b.op.len % dtype.size() != 0 {
             return Err(Error::invalid(
                 "buf",
-                format!("{} bytes; not a whole number of {dtype}", b.op.bytes),
+                format!("{} bytes; not a whole number of {dtype}", b.op.len),
             ));
         }
         self.all_reduce_op(dtype, b.op, op, stream.into())
@@ -263,14 +258,15 @@ impl HierCommunicator {
     ) -> Result<()> {
         self.check_stream(s)?;
         let es = dtype.size();
-        let ip = self.ptr(i, "input", es)?;
-        let op = self.ptr(o, "output", es)?;
-        if at.checked_add(i.bytes).is_none_or(|e| e > o.bytes) {
+        let (i, ip) = self.view(i, "input", es)?;
+        let (o, op) = self.view(o, "output", es)?;
+        // byte views: `len` is bytes
+        if at.checked_add(i.len).is_none_or(|e| e > o.len) {
             return Err(Error::invalid(
                 "output",
                 format!(
                     "{} bytes; the input's {} bytes at byte {at} do not fit",
-                    o.bytes, i.bytes
+                    o.len, i.len
                 ),
             ));
         }
@@ -278,14 +274,14 @@ impl HierCommunicator {
         if ip == dst {
             return Ok(());
         }
-        if ip < op + o.bytes as u64 && op < ip + i.bytes as u64 {
+        if ip < op + o.len as u64 && op < ip + i.len as u64 {
             return Err(Error::invalid(
                 "output",
                 "overlaps the input without being the in-place position",
             ));
         }
         // SAFETY: both ranges checked against their operands; this rank's device.
-        unsafe { s.copy_dtod_async(dst, ip, i.bytes) }
+        unsafe { s.copy_dtod_async(dst, ip, i.len) }
     }
 
     fn all_reduce_op(
@@ -297,8 +293,9 @@ impl HierCommunicator {
     ) -> Result<()> {
         self.check_stream(&s)?;
         let es = dtype.size();
-        let p = self.ptr(&o, "buf", es)?;
-        let count = o.bytes / es;
+        let (o, p) = self.view(&o, "buf", es)?;
+        // a byte view: `len` is bytes
+        let count = o.len / es;
         if count == 0 {
             return Ok(());
         }
@@ -311,7 +308,7 @@ impl HierCommunicator {
         };
         let Some(x) = &self.cross else {
             // One domain: its own allreduce (which picks its algorithm per size).
-            h.all_reduce_dyn_in_place(dtype, bytes_dst(o), op, s)?;
+            h.all_reduce_dyn_in_place(dtype, Dst::<u8>::new(o), op, s)?;
             return Ok(());
         };
         let (d, l) = (self.layout.domain_size(), self.layout.local_index());
@@ -322,7 +319,7 @@ impl HierCommunicator {
         if main < count {
             h.all_reduce_dyn_in_place(
                 dtype,
-                bytes_dst(o.sub(main * es, (count - main) * es)),
+                Dst::<u8>::new(o.sub(main * es, (count - main) * es)),
                 op,
                 s,
             )?;
@@ -358,15 +355,15 @@ impl HierCommunicator {
     /// started it, so their earlier calls (which may read this rank's buffers) are complete.
     fn fence(&self, h: &RankHandle<'_>, s: StreamRef<'_>) -> Result<()> {
         let Some(f) = &self.fence else { return Ok(()) };
-        let o = Operand {
-            place: Place::Sym {
+        let o = Operand::bytes_at(
+            Place::Sym {
                 buf: &f.inner,
                 offset: 0,
                 only: None,
             },
-            bytes: 4,
-        };
-        h.all_reduce_dyn_in_place(DType::F32, bytes_dst(o), ReduceOp::Max, s)?;
+            4,
+        );
+        h.all_reduce_dyn_in_place(DType::F32, Dst::<u8>::new(o), ReduceOp::Max, s)?;
         Ok(())
     }
 
@@ -413,27 +410,22 @@ impl HierCommunicator {
     }
 
     fn local_op(&self, ptr: CUdeviceptr, bytes: usize) -> Operand<'_> {
-        Operand {
-            place: Place::Local {
-                ptr,
-                device: Some(&self.device),
-            },
-            bytes,
-        }
+        Operand::local_bytes(ptr, bytes, &self.device)
     }
 
     fn chunk(&self, o: &Operand<'_>, es: usize, arg: &'static str) -> Result<usize> {
         let n = self.layout.size();
-        if o.bytes % (n * es) != 0 {
+        // a byte view: `len` is bytes
+        if o.len % (n * es) != 0 {
             return Err(Error::invalid(
                 arg,
                 format!(
                     "{} bytes; expected a whole number of {n} chunks of {es}-byte elements (one per rank)",
-                    o.bytes
+                    o.len
                 ),
             ));
         }
-        Ok(o.bytes / n)
+        Ok(o.len / n)
     }
 
     /// The domain reduce-scatters of a domain-major team into M chunks of scratch (chunk k: the
@@ -452,8 +444,8 @@ impl HierCommunicator {
         for k in 0..m {
             let out = self.local_op(scratch + (k * c) as u64, c);
             h.reduce_scatter(
-                typed_src::<T>(input.sub(k * d * c, d * c)),
-                typed_dst::<T>(out),
+                Src::<T>::new(input.sub(k * d * c, d * c)),
+                Dst::<T>::new(out),
                 op,
                 s,
             )?;
@@ -483,9 +475,9 @@ impl HierCommunicator {
         let _serial = self.calls.lock();
         let (b, s) = (buf.into(), stream.into());
         let es = T::DTYPE.size();
-        let c = self.chunk(&b.op, es, "buf")?;
+        let (bv, p) = self.view(&b.op, "buf", es)?;
+        let c = self.chunk(&bv, es, "buf")?;
         self.check_stream(&s)?;
-        let p = self.ptr(&b.op, "buf", es)?;
         let (r, l, m) = (
             self.layout.rank(),
             self.layout.local_index(),
@@ -504,16 +496,16 @@ impl HierCommunicator {
             (Some(h), None) => h.reduce_scatter_in_place(b, op, s).map(drop),
             (Some(h), Some(x)) => match self.layout.rank_order() {
                 RankOrder::RailMajor => {
-                    h.reduce_scatter_in_place(typed_dst::<T>(b.op), op, s)?;
+                    h.reduce_scatter_in_place(Dst::<T>::new(bv), op, s)?;
                     let send = p + (l * m * c) as u64;
                     // SAFETY: rail l's M chunks of the checked operand; chunk r = l·M + domain
                     // is NCCL's in-place position in them.
                     unsafe { x.reduce_scatter(T::DTYPE, op, send, p + (r * c) as u64, c / es, &s) }
                 }
                 RankOrder::DomainMajor => {
-                    self.rs_domain_major::<T>((h, x), b.op, p + (r * c) as u64, (c, op), s)
+                    self.rs_domain_major::<T>((h, x), bv, p + (r * c) as u64, (c, op), s)
                 }
-                RankOrder::Other => self.all_reduce_op(T::DTYPE, b.op, op, s),
+                RankOrder::Other => self.all_reduce_op(T::DTYPE, bv, op, s),
             },
         }
     }
@@ -532,17 +524,18 @@ impl HierCommunicator {
         let _serial = self.calls.lock();
         let (i, o, s) = (input.into(), output.into(), stream.into());
         let es = T::DTYPE.size();
-        let c = self.chunk(&i.op, es, "input")?;
-        if o.op.bytes != c {
+        let (iv, ip) = self.view(&i.op, "input", es)?;
+        let (ov, op_) = self.view(&o.op, "output", es)?;
+        let c = self.chunk(&iv, es, "input")?;
+        // byte views: `len` is bytes
+        if ov.len != c {
             return Err(Error::invalid(
                 "output",
-                format!("{} bytes; one chunk of the input is {c}", o.op.bytes),
+                format!("{} bytes; one chunk of the input is {c}", ov.len),
             ));
         }
         self.check_stream(&s)?;
-        let ip = self.ptr(&i.op, "input", es)?;
-        let op_ = self.ptr(&o.op, "output", es)?;
-        if ip < op_ + c as u64 && op_ < ip + i.op.bytes as u64 && c > 0 {
+        if ip < op_ + c as u64 && op_ < ip + iv.len as u64 && c > 0 {
             return Err(Error::invalid(
                 "output",
                 "overlaps the input (in place: reduce_scatter_in_place)",
@@ -556,25 +549,25 @@ impl HierCommunicator {
         match (&h, self.cross.as_deref()) {
             // SAFETY: both operands checked for these lengths.
             (None, Some(x)) => unsafe { x.reduce_scatter(T::DTYPE, op, ip, op_, c / es, &s) },
-            (None, None) => self.copy_into(T::DTYPE, &i.op, &o.op, 0, &s),
+            (None, None) => self.copy_into(T::DTYPE, &iv, &ov, 0, &s),
             (Some(h), None) => h.reduce_scatter(i, o, op, s).map(drop),
             (Some(h), Some(x)) => match self.layout.rank_order() {
                 RankOrder::RailMajor => {
                     let scratch = self.scratch(m * c, &s)?;
-                    h.reduce_scatter(i, typed_dst::<T>(self.local_op(scratch, m * c)), op, s)?;
+                    h.reduce_scatter(i, Dst::<T>::new(self.local_op(scratch, m * c)), op, s)?;
                     // SAFETY: M chunks of this rank's scratch; the checked output.
                     unsafe { x.reduce_scatter(T::DTYPE, op, scratch, op_, c / es, &s) }
                 }
-                RankOrder::DomainMajor => self.rs_domain_major::<T>((h, x), i.op, op_, (c, op), s),
+                RankOrder::DomainMajor => self.rs_domain_major::<T>((h, x), iv, op_, (c, op), s),
                 RankOrder::Other => {
                     let n = self.layout.size();
                     let scratch = self.scratch(n * c, &s)?;
                     let all = self.local_op(scratch, n * c);
-                    self.copy_into(T::DTYPE, &i.op, &all, 0, &s)?;
+                    self.copy_into(T::DTYPE, &iv, &all, 0, &s)?;
                     self.all_reduce_op(T::DTYPE, all, op, s)?;
                     let r = self.layout.rank();
                     let mine = self.local_op(scratch + (r * c) as u64, c);
-                    self.copy_into(T::DTYPE, &mine, &o.op, 0, &s)
+                    self.copy_into(T::DTYPE, &mine, &ov, 0, &s)
                 }
             },
         }
@@ -597,9 +590,9 @@ impl HierCommunicator {
         let _serial = self.calls.lock();
         let (b, s) = (buf.into(), stream.into());
         let es = T::DTYPE.size();
-        let c = self.chunk(&b.op, es, "buf")?;
+        let (bv, p) = self.view(&b.op, "buf", es)?;
+        let c = self.chunk(&bv, es, "buf")?;
         self.check_stream(&s)?;
-        let p = self.ptr(&b.op, "buf", es)?;
         let (r, l) = (self.layout.rank(), self.layout.local_index());
         let (m, d) = (self.layout.domain_count(), self.layout.domain_size());
         if c == 0 {
@@ -615,7 +608,7 @@ impl HierCommunicator {
             (Some(h), None) => h.all_gather_in_place(b, s).map(drop),
             (Some(h), Some(x)) => match self.layout.rank_order() {
                 RankOrder::RailMajor => {
-                    if b.op.is_sym() {
+                    if bv.is_sym() {
                         // The rail writes this rank's symmetric buffer first: a domain call
                         // made before this one (an allreduce) may still read it.
                         self.fence(h, s)?;
@@ -624,7 +617,7 @@ impl HierCommunicator {
                     // SAFETY: rail l's M chunks of the checked operand; chunk r = l·M + domain
                     // is NCCL's in-place position in them.
                     unsafe { x.all_gather(T::DTYPE, p + (r * c) as u64, recv, c / es, &s) }?;
-                    h.all_gather_in_place(typed_dst::<T>(b.op), s).map(drop)
+                    h.all_gather_in_place(Dst::<T>::new(bv), s).map(drop)
                 }
                 RankOrder::DomainMajor => {
                     let scratch = self.scratch(m * c, &s)?;
@@ -632,8 +625,8 @@ impl HierCommunicator {
                     unsafe { x.all_gather(T::DTYPE, p + (r * c) as u64, scratch, c / es, &s) }?;
                     for k in 0..m {
                         h.all_gather(
-                            typed_src::<T>(self.local_op(scratch + (k * c) as u64, c)),
-                            typed_dst::<T>(b.op.sub(k * d * c, d * c)),
+                            Src::<T>::new(self.local_op(scratch + (k * c) as u64, c)),
+                            Dst::<T>::new(bv.sub(k * d * c, d * c)),
                             s,
                         )?;
                     }
@@ -643,8 +636,8 @@ impl HierCommunicator {
                     // Zero every chunk but this rank's (after a fence: earlier calls of the
                     // domain peers may read this buffer), then sum across the team.
                     self.fence(h, s)?;
-                    zero_others(&s, (p, b.op.bytes), c, r)?;
-                    self.all_reduce_op(T::DTYPE, b.op, ReduceOp::Sum, s)
+                    zero_others(&s, (p, bv.len), c, r)?;
+                    self.all_reduce_op(T::DTYPE, bv, ReduceOp::Sum, s)
                 }
             },
         }
@@ -661,14 +654,17 @@ impl HierCommunicator {
         let _serial = self.calls.lock();
         let (i, o, s) = (input.into(), output.into(), stream.into());
         let es = T::DTYPE.size();
-        let c = self.chunk(&o.op, es, "output")?;
-        if i.op.bytes != c {
+        let (iv, _) = self.view(&i.op, "input", es)?;
+        let (ov, _) = self.view(&o.op, "output", es)?;
+        let c = self.chunk(&ov, es, "output")?;
+        // byte views: `len` is bytes
+        if iv.len != c {
             return Err(Error::invalid(
                 "input",
-                format!("{} bytes; one chunk of the output is {c}", i.op.bytes),
+                format!("{} bytes; one chunk of the output is {c}", iv.len),
             ));
         }
-        self.copy_into(T::DTYPE, &i.op, &o.op, self.layout.rank() * c, &s)?;
+        self.copy_into(T::DTYPE, &iv, &ov, self.layout.rank() * c, &s)?;
         self.all_gather_in_place(o, s)
     }
 }
@@ -682,9 +678,9 @@ fn rs_in_place_dyn(
     s: StreamRef<'_>,
 ) -> Result<()> {
     match dtype {
-        DType::F32 => h.reduce_scatter_in_place(typed_dst::<f32>(o), op, s),
-        DType::F16 => h.reduce_scatter_in_place(typed_dst::<half::f16>(o), op, s),
-        DType::Bf16 => h.reduce_scatter_in_place(typed_dst::<half::bf16>(o), op, s),
+        DType::F32 => h.reduce_scatter_in_place(Dst::<f32>::new(o), op, s),
+        DType::F16 => h.reduce_scatter_in_place(Dst::<half::f16>::new(o), op, s),
+        DType::Bf16 => h.reduce_scatter_in_place(Dst::<half::bf16>::new(o), op, s),
     }
     .map(drop)
 }
@@ -697,9 +693,9 @@ fn ag_in_place_dyn(
     s: StreamRef<'_>,
 ) -> Result<()> {
     match dtype {
-        DType::F32 => h.all_gather_in_place(typed_dst::<f32>(o), s),
-        DType::F16 => h.all_gather_in_place(typed_dst::<half::f16>(o), s),
-        DType::Bf16 => h.all_gather_in_place(typed_dst::<half::bf16>(o), s),
+        DType::F32 => h.all_gather_in_place(Dst::<f32>::new(o), s),
+        DType::F16 => h.all_gather_in_place(Dst::<half::f16>::new(o), s),
+        DType::Bf16 => h.all_gather_in_place(Dst::<half::bf16>::new(o), s),
     }
     .map(drop)
 }

@@ -8,7 +8,7 @@ use crate::nccl::NcclComm;
 use crate::types::{DType, ReduceOp};
 
 /// The step across domains, on one rail (one rank of each domain): NCCL in production
-/// ([`NcclCrossDomain`]), a host-side stand-in in tests ([`HostCrossDomainDouble`]), or an
+/// ([`NcclCrossDomain`]), a host-side stand-in in tests (`HostCrossDomainDouble` (feature `sim`)), or an
 /// engine's own. Calls are enqueued on `stream` where the implementation can (NCCL), and every
 /// rank of the rail makes the same calls in the same order.
 pub trait CrossDomain: Send + Sync {
@@ -150,7 +150,7 @@ impl CrossDomain for NcclCrossDomain {
 }
 
 /// A rail, as the builder hands it to a custom cross-domain factory
-/// ([`HierBuilder::cross_domain_with`]).
+/// ([`crate::HierBuilder::cross_domain_with`]).
 pub struct Rail {
     /// This rank's position on the rail (its domain index).
     pub rank: usize,
@@ -159,7 +159,7 @@ pub struct Rail {
     /// Index of the rail (the local index of its ranks in their domains).
     pub index: usize,
     /// A bootstrap over the rail's ranks (every exchange involves the whole team, see
-    /// [`HierCommunicator`]).
+    /// [`crate::HierCommunicator`]).
     pub bootstrap: Box<dyn Bootstrap>,
     /// This rank's device.
     pub device: Device,

@@ -1,6 +1,6 @@
 //! Hierarchical collectives: beyond one NVLink domain.
 //!
-//! The team (one rank per process, found through a [`Bootstrap`]) is cut into NVLink domains of
+//! The team (one rank per process, found through a [`crate::Bootstrap`]) is cut into NVLink domains of
 //! equal size D (one host's GPUs, or an explicit grouping, e.g. the cliques of a multi-node
 //! NVLink system); the M domains are joined by *rails*: rail l holds the rank of local index l
 //! of every domain. An allreduce is

@@ -20,7 +20,7 @@
 //! ([`Collective::entry`]) and the low-latency form ([`Collective::ll_entry`]: flags in the
 //! data, no barrier; `p_out_tab` is 0 and unused).
 
-use crate::{DType, ReduceOp as Op};
+use crate::types::{DType, ReduceOp as Op};
 
 /// The most bytes a block moves to one peer in one round of the staged kernel (its share of a
 /// staging sub-slot: [`round_share`]). Rounds are software-pipelined (one round's pushes
@@ -101,13 +101,7 @@ impl Collective {
     /// file of the same name in the folder named by `CUDA_MULTIMEM_PTX_DIR` (as
     /// [`super::Kernel::load_text`]).
     pub fn load_text(self) -> std::io::Result<std::borrow::Cow<'static, str>> {
-        #[cfg(feature = "ptx-override")]
-        if let Some(dir) = std::env::var_os(super::PTX_DIR_ENV) {
-            return Ok(
-                std::fs::read_to_string(std::path::Path::new(&dir).join(self.file()))?.into(),
-            );
-        }
-        Ok(self.ptx().into())
+        super::ptx_text(self.file(), self.ptx())
     }
 
     /// Whether the collective reduces (has one entry per operator).

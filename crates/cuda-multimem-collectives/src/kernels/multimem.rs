@@ -18,7 +18,7 @@
 //! | 65536 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
 
 use super::MAX_BLOCKS;
-use crate::{DType, ReduceOp as Op};
+use crate::types::{DType, ReduceOp as Op};
 
 /// Counters.
 pub const MM_OFF_CTR: usize = super::OFF_CTR;

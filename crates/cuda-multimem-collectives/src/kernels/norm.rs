@@ -7,7 +7,7 @@
 //! weight γ (`hidden`), `out`, rows of this launch, `hidden`, the call header, the timeout in
 //! nanoseconds, and ε as the bits of an f32 in the low 32 bits.
 
-use crate::DType;
+use crate::types::DType;
 
 /// The kernel file of this family.
 pub const FILE: &str = "norm.ptx";

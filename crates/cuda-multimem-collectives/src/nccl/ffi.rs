@@ -17,7 +17,7 @@ pub(super) const NCCL_CONFIG_UNDEF_INT: c_int = c_int::MIN;
 
 pub(super) type RawComm = *mut c_void;
 
-/// `ncclUniqueId`: 128 opaque bytes made by one rank ([`Nccl::unique_id`]) and handed to every
+/// `ncclUniqueId`: 128 opaque bytes made by one rank ([`super::Nccl::unique_id`]) and handed to every
 /// rank of the communicator to be (through a [`crate::Bootstrap`], say).
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq)]

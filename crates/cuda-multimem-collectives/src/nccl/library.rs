@@ -10,7 +10,7 @@ use super::ffi::*;
 use super::{NCCL_CANDIDATES, NCCL_ENV, NCCL_MIN_VERSION};
 
 /// The NCCL library, opened at run time: its version and entry points. Hold it in an `Arc`;
-/// every [`NcclComm`] keeps its library alive.
+/// every [`super::NcclComm`] keeps its library alive.
 pub struct Nccl {
     pub(super) fns: Fns,
     pub(super) version: i32,

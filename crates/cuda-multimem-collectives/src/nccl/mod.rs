@@ -5,12 +5,12 @@
 //! Nothing links against NCCL. [`Nccl::load`] opens the library named by `CUDA_MULTIMEM_NCCL`
 //! ([`NCCL_ENV`]), else `libnccl.so.2`, then `libnccl.so`, and resolves every function it uses
 //! at once: a missing library or a library without one of them (a path to something that is
-//! not NCCL) is [`Error::NcclUnavailable`], naming the paths tried and the fix; never a panic.
+//! not NCCL) is [`cuda_multimem::Error::NcclUnavailable`], naming the paths tried and the fix; never a panic.
 //!
 //! Communicators are nonblocking (`ncclConfig_t.blocking = 0`): NCCL returns `ncclInProgress`
 //! and this module polls `ncclCommGetAsyncError` until the call is done or the deadline passes;
 //! then, and on any NCCL error, the communicator is aborted (`ncclCommAbort`) and the error is
-//! ours ([`Error::Timeout`], [`Error::Nccl`]). Collectives are enqueued on the caller's stream
+//! ours ([`cuda_multimem::Error::Timeout`], [`cuda_multimem::Error::Nccl`]). Collectives are enqueued on the caller's stream
 //! and are captured by CUDA graphs like any other stream work.
 
 mod comm;

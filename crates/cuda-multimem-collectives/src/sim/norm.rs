@@ -12,7 +12,7 @@ use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 use super::{ld, set_counters, st, u32_at, u64_at, Ctx};
 use crate::kernels::norm::{ll_row_bytes, part_rows, unfused_entry, NormKernel, SPLIT};
 use crate::kernels::*;
-use crate::DType;
+use crate::types::DType;
 
 /// Register the norm kernels' equivalents (called by [`super::install`]).
 pub(super) fn register() {

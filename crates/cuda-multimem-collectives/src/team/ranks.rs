@@ -2,41 +2,14 @@
 //! others (a bootstrap, whose every exchange is validated here, in one place), and whether an
 //! earlier failure left the team unusable.
 
-use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
-use cuda_multimem::{Device, Error, Function, Result};
+use cuda_multimem::{Error, Result};
 use parking_lot::Mutex;
 
+use super::Local;
 use crate::bootstrap::Bootstrap;
-use crate::kernels::Kernel;
-use crate::types::{DType, ReduceOp};
-
-/// A rank driven by this process.
-pub(crate) struct Local {
-    pub(crate) rank: usize,
-    pub(crate) device: Device,
-    /// The peer-to-peer kernels of this device, by algorithm, type and operator.
-    pub(crate) kernels: HashMap<(Kernel, DType, ReduceOp), Function>,
-    /// The reduce-scatter, all-gather and broadcast kernels of this device.
-    pub(crate) gather: crate::gather::Kernels,
-    /// The stream of the last call (as an integer handle, compared, never used as a handle:
-    /// the caller may have destroyed it): one stream per rank at a time. Locked for the whole
-    /// of a call (`comm::CallEnd`): one call of this rank queues its work at a time.
-    pub(crate) last_stream: Mutex<Option<usize>>,
-    /// Recorded on the caller's stream at the end of every call queued outside a graph capture:
-    /// whether the last such call has finished, asked when a call comes on another stream.
-    pub(crate) done: cuda_multimem::Event,
-    /// Calls queued by this rank so far.
-    pub(crate) calls: AtomicU64,
-    /// The fused allreduce + RMSNorm kernels of this device.
-    pub(crate) norm: crate::norm::NormKernels,
-    /// The copy-engine all-gather's second stream and events (held while a call queues its
-    /// work: one such call of this rank at a time). Made with the rank, not on first use: a
-    /// first use inside a graph capture would create a stream there.
-    pub(crate) ce: Mutex<crate::gather::CeLane>,
-}
 
 /// Size, local ranks, bootstrap, and the team's health.
 pub(crate) struct Ranks {

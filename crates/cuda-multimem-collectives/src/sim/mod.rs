@@ -17,9 +17,8 @@ use std::time::{Duration, Instant};
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
 use crate::kernels::*;
-use crate::{DType, ReduceOp as Op};
+use crate::types::{DType, ReduceOp as Op};
 
-#[path = "sim_norm.rs"]
 mod norm;
 
 fn decode(d: DType, bits: u32) -> f32 {
@@ -45,20 +44,18 @@ pub fn install() {
             }
         }
         gather::register();
-        mm::register();
+        multimem::register();
         norm::register();
     });
 }
 
 /// The reduce-scatter, all-gather and broadcast equivalents (a child module: they share this
 /// module's barrier, loads and stores).
-#[path = "sim_gather.rs"]
 mod gather;
 
 /// The multimem equivalents: allreduce, reduce-scatter, all-gather, broadcast (a child module:
 /// they share this module's loads and stores, and the gather module's byte copy).
-#[path = "sim_mm.rs"]
-mod mm;
+mod multimem;
 
 fn u32_at(addr: usize) -> &'static AtomicU32 {
     // SAFETY: callers pass 4-byte aligned addresses inside a pad checked with `LaunchArgs::check`;

@@ -1,0 +1,182 @@
+//! One description of a call (what NCCL's `ncclInfo` is): which collective, its element type,
+//! operator, root, norm shape and operands with the argument names errors use. Every public
+//! method of a rank turns its borrowed views into a [`Call`]; the engine checks it into a
+//! [`Checked`] call (resolved addresses) and plans it from the [`Facts`] every rank shares.
+
+use crate::kernels::gather::Collective;
+use crate::operand::{Operand, Resolved};
+use crate::types::{DType, ReduceOp};
+
+/// Which collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    /// Allreduce: every rank's output is the reduction of every rank's input.
+    AllReduce,
+    /// Reduce-scatter: the input holds N chunks, rank r's output the reduction of chunk r.
+    ReduceScatter,
+    /// All-gather: chunk k of every output is rank k's input.
+    AllGather,
+    /// Broadcast: every output is the root's input.
+    Broadcast,
+    /// Allreduce fused with residual add + RMSNorm.
+    Norm,
+    /// Residual add + RMSNorm of an already reduced input, on this rank only.
+    LocalNorm,
+}
+
+impl Kind {
+    /// The kernels' name of a reduce-scatter, all-gather or broadcast.
+    pub(crate) fn gather(self) -> Option<Collective> {
+        match self {
+            Kind::ReduceScatter => Some(Collective::ReduceScatter),
+            Kind::AllGather => Some(Collective::AllGather),
+            Kind::Broadcast => Some(Collective::Broadcast),
+            _ => None,
+        }
+    }
+}
+
+/// An operand and the name of the argument it came from.
+#[derive(Clone, Copy)]
+pub(crate) struct Arg<'o> {
+    pub(crate) op: Operand<'o>,
+    pub(crate) name: &'static str,
+}
+
+impl<'o> Arg<'o> {
+    pub(crate) fn new(op: Operand<'o>, name: &'static str) -> Self {
+        Arg { op, name }
+    }
+}
+
+/// The norm's arguments: row length and epsilon.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct NormArgs {
+    pub(crate) hidden: usize,
+    pub(crate) eps: f32,
+}
+
+/// What a call asks for, before the checks.
+pub(crate) struct Call<'o> {
+    pub(crate) kind: Kind,
+    pub(crate) dtype: DType,
+    /// The operator (for collectives that do not reduce: [`ReduceOp::Sum`], unused).
+    pub(crate) op: ReduceOp,
+    /// The root of a broadcast (0 for the others).
+    pub(crate) root: usize,
+    /// The input (`x` of a norm); `None` for an in-place call, whose one buffer is `output`.
+    pub(crate) input: Option<Arg<'o>>,
+    /// The output (`out` of a norm), or the buffer of an in-place call.
+    pub(crate) output: Arg<'o>,
+    /// A norm's residual (read, and written with the sum) and weight.
+    pub(crate) residual: Option<Arg<'o>>,
+    pub(crate) weight: Option<Arg<'o>>,
+    pub(crate) norm: Option<NormArgs>,
+}
+
+impl<'o> Call<'o> {
+    /// A reduce-scatter, all-gather, broadcast or allreduce, out of place (`input` given) or in
+    /// place.
+    pub(crate) fn collective(
+        kind: Kind,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        input: Option<Operand<'o>>,
+        output: Operand<'o>,
+    ) -> Self {
+        let (i, o) = if input.is_some() {
+            ("input", "output")
+        } else {
+            ("buf", "buf")
+        };
+        Call {
+            kind,
+            dtype,
+            op,
+            root,
+            input: input.map(|op| Arg::new(op, i)),
+            output: Arg::new(output, o),
+            residual: None,
+            weight: None,
+            norm: None,
+        }
+    }
+}
+
+/// The checked shape of a norm call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct NormShape {
+    pub(crate) tokens: usize,
+    pub(crate) hidden: usize,
+    pub(crate) row_bytes: usize,
+    pub(crate) eps: f32,
+}
+
+/// A call whose every argument was checked, its operands resolved on the calling rank.
+pub(crate) struct Checked<'o> {
+    pub(crate) kind: Kind,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) root: usize,
+    pub(crate) input: Resolved<'o>,
+    pub(crate) output: Resolved<'o>,
+    pub(crate) residual: Option<Resolved<'o>>,
+    pub(crate) weight: Option<Resolved<'o>>,
+    /// The operands coincide as the collective's in-place form on this rank (a per-rank fact:
+    /// it never decides what the team runs, only what this rank may skip).
+    pub(crate) in_place: bool,
+    pub(crate) norm: Option<NormShape>,
+    /// The argument names of the input and the output (for errors found while executing).
+    pub(crate) names: [&'static str; 2],
+}
+
+/// What every rank making the same call shares: the facts the planner decides from, so that
+/// every rank decides the same. Per-rank facts (addresses of the caller's own memory, whether
+/// this rank's operands coincide) are not here: executors deal with them locally.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Facts {
+    pub(crate) kind: Kind,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) root: usize,
+    /// The whole buffer: an allreduce's or a broadcast's message, a reduce-scatter's input, an
+    /// all-gather's output, a norm's `x`.
+    pub(crate) bytes: usize,
+    /// One rank's part: a reduce-scatter's output, an all-gather's input; else `bytes`.
+    pub(crate) chunk: usize,
+    /// Whether the input and the output are symmetric buffers (every rank passes the same
+    /// kinds: a call of mixed kinds across ranks is a disagreement).
+    pub(crate) sym_in: bool,
+    pub(crate) sym_out: bool,
+    /// The addresses of the symmetric operands or-ed together (their alignment is the same on
+    /// every rank: the same offsets into mappings aligned to the allocation granularity); the
+    /// caller's own memory counts as aligned (its executor stages a rank's misaligned operand
+    /// locally, without changing what the team runs).
+    pub(crate) sym_addrs: u64,
+    pub(crate) norm: Option<NormShape>,
+}
+
+impl Checked<'_> {
+    /// The facts every rank shares.
+    pub(crate) fn facts(&self) -> Facts {
+        let addr = |r: &Resolved<'_>| if r.is_sym() { r.ptr } else { 0 };
+        let (bytes, chunk) = match self.kind {
+            Kind::ReduceScatter => (self.input.bytes, self.output.bytes),
+            Kind::AllGather => (self.output.bytes, self.input.bytes),
+            _ => (self.input.bytes, self.input.bytes),
+        };
+        Facts {
+            kind: self.kind,
+            dtype: self.dtype,
+            op: self.op,
+            root: self.root,
+            bytes,
+            chunk,
+            sym_in: self.input.is_sym(),
+            sym_out: self.output.is_sym(),
+            sym_addrs: addr(&self.input) | addr(&self.output),
+            norm: self.norm,
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! The public front: [`Communicator`] (a team, its symmetric memory and executors) and its
+//! builder, and per rank a [`RankHandle`] whose every collective turns its borrowed views into
+//! one call description and hands it to the funnel (check, plan, execute).
+
+mod build;
+#[cfg(feature = "cudarc")]
+mod cudarc;
+mod funnel;
+mod rank;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cuda_multimem::{Device, DeviceRepr, Error, Result};
+use parking_lot::Mutex;
+
+pub use build::CommunicatorBuilder;
+pub use rank::RankHandle;
+
+use crate::buffer::{SymBuf, SymmetricBuffer};
+use crate::call::{Facts, Kind, NormShape};
+use crate::config::CommConfig;
+use crate::engine::{plan, TeamFacts, MAX_HIDDEN};
+use crate::exec::multimem::Mm;
+use crate::exec::p2p::P2p;
+use crate::kernels::ERR_MISMATCH;
+use crate::team::{Local, Ranks, Sym};
+use crate::types::{Choice, DType, MulticastPolicy, Operands, Path, ReduceOp};
+
+pub(crate) struct Inner {
+    pub(crate) id: u64,
+    pub(crate) ranks: Ranks,
+    pub(crate) config: CommConfig,
+    pub(crate) policy: MulticastPolicy,
+    pub(crate) p2p: P2p,
+    pub(crate) mm: Option<Mm>,
+    /// What the planner knows of the team (the same on every rank).
+    pub(crate) facts: TeamFacts,
+    /// Why the multimem path is off (None: it is on).
+    pub(crate) mm_status: Option<String>,
+    pub(crate) next_buffer: AtomicU64,
+    /// Collective allocations across processes happen one at a time, in call order.
+    pub(crate) alloc_lock: Mutex<()>,
+}
+
+/// A team of NVLink-connected GPUs (2 to 8 ranks) and the collectives over it: all driven by
+/// this process ([`Communicator::new`], [`Communicator::builder`]), or one device per process
+/// ([`Communicator::builder_with_bootstrap`]).
+///
+/// Build it once (it allocates, maps and loads kernels), then make calls through each rank's
+/// [`RankHandle`] ([`Communicator::rank`]) on that rank's stream, in the same order on every
+/// rank. Each call chooses the path (multimem where multicast is on and pays off, else
+/// peer-to-peer) and the algorithm by size and operands, and returns what it chose. Nothing is
+/// reset between calls, so calls can be captured into a CUDA graph and replayed. Waits are
+/// bounded by [`CommConfig::timeout`]; after a timeout or a disagreement ([`Communicator::check`])
+/// the team is unusable: drop it and build a new one.
+#[derive(Clone)]
+pub struct Communicator {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("ranks", &self.inner.ranks.n)
+            .field("local", &self.local_ranks())
+            .field("multimem", &self.inner.mm.is_some())
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// A communicator over `devices` (rank i is `devices[i]`) with the default configuration
+    /// and multicast policy.
+    pub fn new(devices: &[Device]) -> Result<Communicator> {
+        Communicator::builder(devices).build()
+    }
+
+    /// Team size.
+    pub fn size(&self) -> usize {
+        self.inner.ranks.n
+    }
+
+    /// The ranks this process drives.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        self.inner.ranks.locals.iter().map(|l| l.rank).collect()
+    }
+
+    /// The device of `rank` (a rank this process drives).
+    pub fn device(&self, rank: usize) -> Result<&Device> {
+        Ok(&self.inner.ranks.local(rank)?.device)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CommConfig {
+        &self.inner.config
+    }
+
+    /// The multicast policy it was built with.
+    pub fn multicast_policy(&self) -> MulticastPolicy {
+        self.inner.policy
+    }
+
+    /// Whether the multimem path is available (multicast allowed, supported, and built).
+    pub fn multimem_active(&self) -> bool {
+        self.inner.mm.is_some()
+    }
+
+    /// Why the multimem path is off (`None` when it is on).
+    pub fn multimem_unavailable_reason(&self) -> Option<&str> {
+        self.inner.mm_status.as_deref()
+    }
+
+    /// The handle through which rank `rank` (driven by this process) makes its calls.
+    pub fn rank(&self, rank: usize) -> Result<RankHandle<'_>> {
+        Ok(RankHandle {
+            comm: self,
+            local: self.inner.ranks.local(rank)?,
+        })
+    }
+
+    /// A symmetric buffer of `len` elements on every rank, zeroed, each rank's part mapped on
+    /// every peer. Across processes this is a collective call: every rank makes it, with the
+    /// same length and type, in the same order (a rank that refuses its arguments makes every
+    /// rank fail the same way).
+    pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<SymmetricBuffer<T>> {
+        let _g = self.inner.alloc_lock.lock();
+        let ranks = &self.inner.ranks;
+        ranks.usable()?;
+        let size = std::mem::size_of::<T>();
+        let bytes = len.checked_mul(size);
+        let refusal = match bytes {
+            _ if len == 0 => Some(Error::invalid("len", "0; expected at least one element")),
+            Some(0) => Some(Error::invalid(
+                "len",
+                format!("{len} elements of a zero-sized type: no bytes to allocate"),
+            )),
+            None => Some(Error::invalid(
+                "len",
+                format!("{len} elements of {size} bytes overflow usize"),
+            )),
+            Some(b) if b > 1 << 40 => Some(Error::invalid(
+                "len",
+                format!("{b} bytes per rank; at most 1 TiB"),
+            )),
+            _ => None,
+        };
+        ranks.agree(
+            "a symmetric allocation",
+            bytes.unwrap_or(u64::MAX as usize) as u64,
+            refusal,
+        )?;
+        let bytes = bytes.unwrap_or_default();
+        let sym = Sym::new(ranks, bytes, true).map_err(|e| {
+            if ranks.bootstrap.is_some() {
+                // A rank that failed half-way leaves its peers in another state.
+                ranks.break_with(e)
+            } else {
+                e
+            }
+        })?;
+        let id = self.inner.next_buffer.fetch_add(1, Ordering::Relaxed);
+        Ok(SymmetricBuffer::new(
+            SymBuf::new(self.inner.id, id, ranks, sym)?,
+            len,
+        ))
+    }
+
+    /// What an allreduce of `count` elements of `dtype` with `op` runs when its operands are
+    /// `operands` (16-byte aligned): path, algorithm, launch shape, chunks through the scratch.
+    /// It asks the planner the call itself asks.
+    pub fn choice(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+        operands: Operands,
+    ) -> Result<Choice> {
+        let bytes = count.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::invalid(
+                "count",
+                format!("{count} elements of {dtype} overflow usize"),
+            )
+        })?;
+        let sym = operands == Operands::Symmetric;
+        let facts = Facts {
+            kind: Kind::AllReduce,
+            dtype,
+            op,
+            root: 0,
+            bytes,
+            chunk: bytes,
+            sym_in: sym,
+            sym_out: sym,
+            sym_addrs: 0,
+            norm: None,
+        };
+        Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
+    }
+
+    /// What [`RankHandle::all_reduce_add_rms_norm`] runs for `tokens` rows of `hidden`
+    /// elements of `dtype`: the form (the low-latency one-shot up to `norm_ll_max_bytes` when a
+    /// row is whole 4-byte words; else one-shot for teams of up to 3, and up to the one-shot
+    /// limit for larger teams; else two-shot — docs/design/rmsnorm.md says why) and the launch
+    /// shape of its first launch. `staged_chunks` is 0: the operands are used in place. It asks
+    /// the planner the call itself asks.
+    pub fn add_rms_norm_choice(
+        &self,
+        dtype: DType,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<Choice> {
+        let row_bytes = hidden
+            .checked_mul(dtype.size())
+            .filter(|_| hidden > 0 && hidden <= MAX_HIDDEN)
+            .ok_or_else(|| {
+                Error::invalid("hidden", format!("{hidden}; expected 1 to {MAX_HIDDEN}"))
+            })?;
+        let bytes = tokens.saturating_mul(row_bytes);
+        let facts = Facts {
+            kind: Kind::Norm,
+            dtype,
+            op: ReduceOp::Sum,
+            root: 0,
+            bytes,
+            chunk: bytes,
+            sym_in: false,
+            sym_out: false,
+            sym_addrs: 0,
+            norm: Some(NormShape {
+                tokens,
+                hidden,
+                row_bytes,
+                eps: 0.0,
+            }),
+        };
+        Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
+    }
+
+    /// Report a timeout or a disagreement between ranks seen by earlier calls of the ranks this
+    /// process drives (synchronise their streams first), naming the rank. After an error, the
+    /// team refuses further calls ([`Error::Unusable`]).
+    pub fn check(&self) -> Result<()> {
+        let inner = &*self.inner;
+        inner.ranks.usable()?;
+        let mut worst: Option<Error> = None;
+        for l in &inner.ranks.locals {
+            if let Some(e) = inner.rank_error(l)? {
+                if worst.is_none() || matches!(e, Error::RanksDisagree { .. }) {
+                    worst = Some(e);
+                }
+            }
+        }
+        match worst {
+            Some(e) => Err(inner.ranks.break_with(e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Inner {
+    /// What the error words of local rank `l` say (a disagreement before a timeout).
+    pub(crate) fn rank_error(&self, l: &Local) -> Result<Option<Error>> {
+        let mut words = vec![(Path::PeerToPeer, self.p2p.error_word(l.rank)?)];
+        if let Some(mm) = &self.mm {
+            words.push((Path::Multimem, mm.error_word(l.rank)?));
+        }
+        let calls = l.calls.load(Ordering::Relaxed);
+        let mut found = None;
+        for (path, w) in words {
+            if w == ERR_MISMATCH {
+                return Ok(Some(Error::RanksDisagree {
+                    what: format!(
+                        "rank {} (device {}) met a peer whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank)",
+                        l.rank,
+                        l.device.ordinal()
+                    ),
+                }));
+            }
+            if w != 0 && found.is_none() {
+                found = Some(Error::Timeout {
+                    what: format!(
+                        "a {path} barrier of rank {} (device {}): a peer did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank)",
+                        l.rank,
+                        l.device.ordinal()
+                    ),
+                    after: self.config.timeout,
+                });
+            }
+        }
+        Ok(found)
+    }
+}

@@ -1,0 +1,353 @@
+//! [`RankHandle`]: every public collective of a rank, each a conversion of its borrowed views
+//! into one [`Call`] handed to the funnel (`super::funnel`).
+
+use cuda_multimem::{Device, Error, Result, StreamRef};
+
+use super::Communicator;
+use crate::call::{Arg, Call, Kind, NormArgs};
+use crate::operand::{Dst, Src};
+use crate::team::Local;
+use crate::types::{Choice, DType, Element, ReduceOp};
+
+/// One rank's view of a [`Communicator`]: the calls that rank makes, on a stream of its device.
+/// Every rank makes the same calls (sizes, types, operators, symmetric offsets) in the same order.
+///
+/// A rank takes one stream at a time (a call on another stream while the last call has not
+/// finished is refused naming `stream`), and its calls from several threads queue their work
+/// one whole call after another (each call holds the rank's lock while it queues); which of two
+/// concurrent calls goes first is up to the threads, and every rank must see the same order.
+#[derive(Clone, Copy)]
+pub struct RankHandle<'a> {
+    pub(crate) comm: &'a Communicator,
+    pub(crate) local: &'a Local,
+}
+
+impl std::fmt::Debug for RankHandle<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RankHandle(rank {} of {}, device {})",
+            self.local.rank,
+            self.comm.size(),
+            self.local.device.ordinal()
+        )
+    }
+}
+
+/// A byte view's length must be a whole number of `dtype` elements (the `_dyn` calls).
+fn whole<T>(len: usize, dtype: DType, arg: &'static str) -> Result<()> {
+    if std::mem::size_of::<T>() == 1 && len % dtype.size() != 0 {
+        return Err(Error::invalid(
+            arg,
+            format!(
+                "{len} bytes; not a whole number of {}-byte {dtype}",
+                dtype.size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl<'a> RankHandle<'a> {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.local.rank
+    }
+
+    /// Its device.
+    pub fn device(&self) -> &'a Device {
+        &self.local.device
+    }
+
+    /// Report a timeout or a disagreement seen by this rank's earlier calls (synchronise its
+    /// stream first), as [`Communicator::check`] does for every rank of this process: for a
+    /// thread per rank. This rank's own failure comes first; without one, an earlier failure of
+    /// the team is [`Error::Unusable`]. After an error the team refuses further calls.
+    pub fn check(&self) -> Result<()> {
+        let inner = &*self.comm.inner;
+        match inner.rank_error(self.local)? {
+            Some(e) => Err(inner.ranks.break_with(e)),
+            None => inner.ranks.usable(),
+        }
+    }
+
+    /// Allreduce `input` into `output` with `op`, queued on `stream` (a stream of this rank's
+    /// device: our [`cuda_multimem::Stream`] as `&stream`, or any [`StreamRef`]). Operands:
+    /// symmetric buffers and views, or the caller's own memory (one-shot directly up to the
+    /// one-shot limit, above it through the scratch; see [`crate::Choice::staged_chunks`]).
+    /// Returns what ran.
+    pub fn all_reduce<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        self.run(
+            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, Some(i.op), o.op),
+            stream.into(),
+        )
+    }
+
+    /// Allreduce `buf` in place.
+    pub fn all_reduce_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        self.run(
+            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, None, b.op),
+            stream.into(),
+        )
+    }
+
+    /// [`RankHandle::all_reduce`] for engines that know the element type only at run time:
+    /// byte views (`SymmetricBuffer<u8>`, `DeviceBuffer<u8>`, ...) whose lengths must be a
+    /// whole number of `dtype` elements and whose addresses must be aligned to it.
+    pub fn all_reduce_dyn<'s, 'd, 'x>(
+        &self,
+        dtype: DType,
+        input: impl Into<Src<'s, u8>>,
+        output: impl Into<Dst<'d, u8>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        whole::<u8>(i.op.len, dtype, "input")?;
+        whole::<u8>(o.op.len, dtype, "output")?;
+        self.run(
+            Call::collective(Kind::AllReduce, dtype, op, 0, Some(i.op), o.op),
+            stream.into(),
+        )
+    }
+
+    /// [`RankHandle::all_reduce_dyn`] in place.
+    pub fn all_reduce_dyn_in_place<'d, 'x>(
+        &self,
+        dtype: DType,
+        buf: impl Into<Dst<'d, u8>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        whole::<u8>(b.op.len, dtype, "buf")?;
+        self.run(
+            Call::collective(Kind::AllReduce, dtype, op, 0, None, b.op),
+            stream.into(),
+        )
+    }
+
+    /// Reduce-scatter: `input` holds N chunks of `count` elements (N the team size), `output`
+    /// `count` elements; rank r's output becomes the reduction with `op` of chunk r of every
+    /// rank's input, in rank order (16-bit types accumulated in f32, rounded once: the same bits
+    /// as [`crate::reduce_scatter_reference`]). Operands: symmetric buffers and views or the
+    /// caller's own memory, either way with no copies outside the kernel. Queued on `stream`, a
+    /// stream of this rank's device; returns what ran.
+    ///
+    /// On the multimem path ([`crate::Path::Multimem`]: a multicast team, the policy's
+    /// size rule, and a `multimem.ld_reduce` form of the type and operator — f32 only adds),
+    /// the switch reduces in an order of its own: sums may differ from the reference in the
+    /// last bits (min and max are exact), and the operands are copied through the team's
+    /// regions ([`crate::Choice::staged_chunks`] windows). The same holds for all-gather and
+    /// broadcast, which move bits on either path.
+    pub fn reduce_scatter<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        self.run(
+            Call::collective(Kind::ReduceScatter, T::DTYPE, op, 0, Some(i.op), o.op),
+            stream.into(),
+        )
+    }
+
+    /// Reduce-scatter in place: `buf` holds N chunks of `count` elements; the result lands in
+    /// chunk r of rank r's `buf` (as NCCL's in-place form, recvbuff = sendbuff + rank·count);
+    /// the other chunks keep this rank's input.
+    pub fn reduce_scatter_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        op: ReduceOp,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        self.run(
+            Call::collective(Kind::ReduceScatter, T::DTYPE, op, 0, None, b.op),
+            stream.into(),
+        )
+    }
+
+    /// All-gather: `input` holds `count` elements, `output` N chunks of `count`; chunk k of
+    /// every rank's output becomes rank k's input. Up to [`crate::CommConfig::gather_ll_max_bytes`] of
+    /// output, every rank's words travel with the call's flag into its peers' low-latency slots
+    /// and each copies them out as they arrive, with no barrier ([`crate::Algorithm::PushLl`]).
+    /// Above it, with a symmetric output above the one-shot limit, the ranks store straight
+    /// into each other's outputs ([`crate::Algorithm::PushDirect`]); otherwise (the caller's own
+    /// output, or medium messages) every rank pushes its input into its peers' staging slots
+    /// and each copies out locally ([`crate::Algorithm::PushStaged`]: one extra local write and
+    /// read of the message, no extra launches).
+    pub fn all_gather<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        self.run(
+            Call::collective(
+                Kind::AllGather,
+                T::DTYPE,
+                ReduceOp::Sum,
+                0,
+                Some(i.op),
+                o.op,
+            ),
+            stream.into(),
+        )
+    }
+
+    /// All-gather in place: `buf` holds N chunks of `count` elements, rank r's contribution
+    /// already in its chunk r.
+    pub fn all_gather_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        self.run(
+            Call::collective(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, None, b.op),
+            stream.into(),
+        )
+    }
+
+    /// Broadcast: every rank's `output` becomes rank `root`'s `input` (the same length on
+    /// every rank; read on the root only, but checked everywhere). Staged or direct as
+    /// [`RankHandle::all_gather`].
+    pub fn broadcast<'s, 'd, 'x, T: Element>(
+        &self,
+        input: impl Into<Src<'s, T>>,
+        output: impl Into<Dst<'d, T>>,
+        root: usize,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let (i, o) = (input.into(), output.into());
+        self.run(
+            Call::collective(
+                Kind::Broadcast,
+                T::DTYPE,
+                ReduceOp::Sum,
+                root,
+                Some(i.op),
+                o.op,
+            ),
+            stream.into(),
+        )
+    }
+
+    /// Broadcast in place: every rank's `buf` becomes rank `root`'s.
+    pub fn broadcast_in_place<'d, 'x, T: Element>(
+        &self,
+        buf: impl Into<Dst<'d, T>>,
+        root: usize,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let b = buf.into();
+        self.run(
+            Call::collective(Kind::Broadcast, T::DTYPE, ReduceOp::Sum, root, None, b.op),
+            stream.into(),
+        )
+    }
+
+    /// Fused allreduce + residual add + RMSNorm, queued on `stream`: with `x` this rank's
+    /// partial sums (`tokens × hidden`), `residual` holding r on entry, per row
+    ///
+    /// `residual_out = allreduce_sum(x) + r` (written into `residual`), and
+    /// `out = residual_out / sqrt(mean(residual_out²) + eps) · weight`.
+    ///
+    /// The sum is accumulated in f32 in rank order, r added in f32, residual_out rounded once
+    /// to `T`; the norm reads the rounded residual_out ([`crate::add_rms_norm_reference`] rounds
+    /// at the same points: residual_out is bit-exact, `out` within the sum-of-squares order).
+    /// Every rank passes the same r and weight (replicated, as in tensor parallelism).
+    /// Operands: symmetric buffers or the caller's own memory alike, used in place (the data
+    /// travel through the communicator's staging). `out` may be `x` itself (the same range);
+    /// no other operands may overlap. Checked before any launch: lengths (`x`, `residual`,
+    /// `out` of `tokens × hidden`, `weight` of `hidden`), `hidden` > 0, `eps` finite and ≥ 0,
+    /// element alignment, devices, the stream. Returns the form and launch shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_add_rms_norm<'s, 'r, 'w, 'o, 'x, T: Element>(
+        &self,
+        x: impl Into<Src<'s, T>>,
+        residual: impl Into<Dst<'r, T>>,
+        weight: impl Into<Src<'w, T>>,
+        out: impl Into<Dst<'o, T>>,
+        hidden: usize,
+        eps: f32,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<Choice> {
+        let call = norm_call::<T>(
+            Kind::Norm,
+            x.into(),
+            residual.into(),
+            weight.into(),
+            out.into(),
+            hidden,
+            eps,
+        );
+        self.run(call, stream.into())
+    }
+
+    /// The unfused baseline: residual add + RMSNorm of an already reduced `x` (what an engine
+    /// runs after a plain allreduce), on this rank's device only (any stream of it), with the
+    /// rounding points and checks of [`RankHandle::all_reduce_add_rms_norm`]. One block per row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm<'s, 'r, 'w, 'o, 'x, T: Element>(
+        &self,
+        x: impl Into<Src<'s, T>>,
+        residual: impl Into<Dst<'r, T>>,
+        weight: impl Into<Src<'w, T>>,
+        out: impl Into<Dst<'o, T>>,
+        hidden: usize,
+        eps: f32,
+        stream: impl Into<StreamRef<'x>>,
+    ) -> Result<()> {
+        let call = norm_call::<T>(
+            Kind::LocalNorm,
+            x.into(),
+            residual.into(),
+            weight.into(),
+            out.into(),
+            hidden,
+            eps,
+        );
+        self.run(call, stream.into()).map(drop)
+    }
+}
+
+/// A norm call's description.
+fn norm_call<'o, T: Element>(
+    kind: Kind,
+    x: Src<'o, T>,
+    residual: Dst<'o, T>,
+    weight: Src<'o, T>,
+    out: Dst<'o, T>,
+    hidden: usize,
+    eps: f32,
+) -> Call<'o> {
+    Call {
+        kind,
+        dtype: T::DTYPE,
+        op: ReduceOp::Sum,
+        root: 0,
+        input: Some(Arg::new(x.op, "x")),
+        output: Arg::new(out.op, "out"),
+        residual: Some(Arg::new(residual.op, "residual")),
+        weight: Some(Arg::new(weight.op, "weight")),
+        norm: Some(NormArgs { hidden, eps }),
+    }
+}

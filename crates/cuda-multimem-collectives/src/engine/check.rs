@@ -1,0 +1,269 @@
+//! Every argument check of every collective, in one order for every kind: the stream, the
+//! team's health, the operands (bounds, overflow-safe byte lengths, devices, alignment: one
+//! address resolution, [`crate::operand::resolve`]), the length ratios, the overlap and
+//! in-place rule, the root, the norm's epsilon. Nothing is queued before all of them pass.
+
+use cuda_multimem::{Error, Result, StreamRef};
+
+use crate::call::{Arg, Call, Checked, Kind, NormShape};
+use crate::operand::{resolve, Owner, Resolved};
+use crate::team::{Local, Ranks};
+
+/// Largest `hidden` of a norm (the row length is converted to f32 exactly by the kernels).
+pub const MAX_HIDDEN: usize = 1 << 24;
+
+/// What a call is checked against: the team, and the rank making it.
+pub(crate) struct Ctx<'a> {
+    pub(crate) comm: Option<u64>,
+    pub(crate) ranks: &'a Ranks,
+    pub(crate) local: &'a Local,
+}
+
+impl Ctx<'_> {
+    fn owner(&self) -> Owner<'_> {
+        Owner {
+            comm: self.comm,
+            rank: self.local.rank,
+            device: &self.local.device,
+        }
+    }
+}
+
+/// Check `call`, on `stream`, for the rank of `ctx`.
+pub(crate) fn check<'o>(
+    call: &Call<'o>,
+    ctx: &Ctx<'_>,
+    stream: &StreamRef<'_>,
+) -> Result<Checked<'o>> {
+    let (n, rank) = (ctx.ranks.n, ctx.local.rank);
+    // 1. the stream: of this rank's device and driver
+    ctx.local.check_stream(stream)?;
+    // 2. the team: usable (a local norm involves no peer)
+    if call.kind != Kind::LocalNorm {
+        ctx.ranks.usable()?;
+    }
+    // 3. every operand, in argument order
+    let es = call.dtype.size();
+    let owner = ctx.owner();
+    let res = |a: &Arg<'o>| resolve(&a.op, &owner, a.name, es);
+    let input = call.input.as_ref().map(res).transpose()?;
+    let residual = call.residual.as_ref().map(res).transpose()?;
+    let weight = call.weight.as_ref().map(res).transpose()?;
+    let output = res(&call.output)?;
+    let names = [
+        call.input.as_ref().map_or(call.output.name, |a| a.name),
+        call.output.name,
+    ];
+    let elems = |b: usize| b / es;
+    // 4. the length ratios (an in-place call's input or output is its buffer's chunk)
+    let (input, output, norm) = match call.kind {
+        Kind::AllReduce | Kind::Broadcast => {
+            let i = input.unwrap_or(output);
+            if i.bytes != output.bytes {
+                return Err(Error::invalid(
+                    "output",
+                    format!(
+                        "{} elements; the input has {} (both operands have the same length)",
+                        elems(output.bytes),
+                        elems(i.bytes)
+                    ),
+                ));
+            }
+            (i, output, None)
+        }
+        Kind::ReduceScatter => match input {
+            Some(i) => {
+                if output.bytes.checked_mul(n) != Some(i.bytes) {
+                    let o = elems(output.bytes);
+                    return Err(Error::invalid(
+                        "input",
+                        format!(
+                            "{} elements; a reduce-scatter of {o} elements per rank over {n} ranks takes {n} x {o} = {} (N chunks of the output's length)",
+                            elems(i.bytes),
+                            o.saturating_mul(n)
+                        ),
+                    ));
+                }
+                (i, output, None)
+            }
+            None => {
+                let c = in_place_chunk(&output, n, es, call.output.name)?;
+                (output, output.sub(rank * c, c), None)
+            }
+        },
+        Kind::AllGather => match input {
+            Some(i) => {
+                if i.bytes.checked_mul(n) != Some(output.bytes) {
+                    let c = elems(i.bytes);
+                    return Err(Error::invalid(
+                        "output",
+                        format!(
+                            "{} elements; an all-gather of {c} elements per rank over {n} ranks fills {n} x {c} = {} (N chunks of the input's length)",
+                            elems(output.bytes),
+                            c.saturating_mul(n)
+                        ),
+                    ));
+                }
+                (i, output, None)
+            }
+            None => {
+                let c = in_place_chunk(&output, n, es, call.output.name)?;
+                (output.sub(rank * c, c), output, None)
+            }
+        },
+        Kind::Norm | Kind::LocalNorm => {
+            let args = call
+                .norm
+                .ok_or_else(|| Error::invalid("hidden", "a norm call without its shape"))?;
+            let hidden = args.hidden;
+            if hidden == 0 || hidden > MAX_HIDDEN {
+                return Err(Error::invalid(
+                    "hidden",
+                    format!("{hidden}; expected 1 to {MAX_HIDDEN} elements per row"),
+                ));
+            }
+            let x = input.ok_or_else(|| Error::invalid("x", "a norm call without x"))?;
+            let (r, w) = match (residual, weight) {
+                (Some(r), Some(w)) => (r, w),
+                _ => return Err(Error::invalid("residual", "a norm call without residual")),
+            };
+            // hidden <= 2^24 and es <= 8: no overflow
+            let row_bytes = hidden * es;
+            let xl = elems(x.bytes);
+            if x.bytes % row_bytes != 0 {
+                return Err(Error::invalid(
+                    "x",
+                    format!("{xl} elements; not a whole number of rows of hidden = {hidden}"),
+                ));
+            }
+            let tokens = x.bytes / row_bytes;
+            for (arg, got, want) in [
+                ("residual", r.bytes, x.bytes),
+                ("out", output.bytes, x.bytes),
+                ("weight", w.bytes, row_bytes),
+            ] {
+                if got != want {
+                    return Err(Error::invalid(
+                        arg,
+                        format!(
+                            "{} elements; expected {} ({tokens} tokens × hidden {hidden} for residual and out, hidden for weight)",
+                            elems(got),
+                            elems(want)
+                        ),
+                    ));
+                }
+            }
+            let shape = NormShape {
+                tokens,
+                hidden,
+                row_bytes,
+                eps: args.eps,
+            };
+            (x, output, Some(shape))
+        }
+    };
+    // 5. overlap: the one overlap each collective allows is its in-place form
+    let in_place = match call.kind {
+        Kind::AllReduce | Kind::Broadcast => {
+            let same = input.ptr == output.ptr;
+            if !same && input.overlaps(&output) {
+                return Err(Error::invalid(
+                    "output",
+                    match call.kind {
+                        Kind::AllReduce => "overlaps the input without being the same range (in place needs the same range)",
+                        _ => "overlaps the input without being the same range (in place: broadcast_in_place)",
+                    },
+                ));
+            }
+            same
+        }
+        Kind::ReduceScatter | Kind::AllGather => {
+            let (big, small) = match call.kind {
+                Kind::ReduceScatter => (&input, &output),
+                _ => (&output, &input),
+            };
+            let same = small.ptr as u128 == big.ptr as u128 + (rank * small.bytes) as u128;
+            if input.overlaps(&output) && !same {
+                return Err(Error::invalid(
+                    "output",
+                    match call.kind {
+                        Kind::ReduceScatter => "overlaps the input other than as its chunk of this rank (in place: reduce_scatter_in_place)",
+                        _ => "overlaps the input other than with the input as this rank's chunk (in place: all_gather_in_place)",
+                    },
+                ));
+            }
+            same && input.bytes > 0
+        }
+        Kind::Norm | Kind::LocalNorm => {
+            let (r, w) = (residual.unwrap_or(output), weight.unwrap_or(output));
+            // written: residual, out; read: x, weight. Only out == x may coincide.
+            let ops: [(&str, &Resolved<'_>); 4] = [
+                ("x", &input),
+                ("residual", &r),
+                ("weight", &w),
+                ("out", &output),
+            ];
+            for (a, b) in [(1, 0), (1, 2), (1, 3), (3, 2), (3, 0)] {
+                let (na, ra) = ops[a];
+                let (nb, rb) = ops[b];
+                if ra.overlaps(rb) && !((a, b) == (3, 0) && ra.ptr == rb.ptr) {
+                    return Err(Error::invalid(
+                        na,
+                        format!(
+                            "overlaps {nb}{}",
+                            if b == 0 && a == 3 {
+                                " without being the same range (out may be x itself)"
+                            } else {
+                                ""
+                            }
+                        ),
+                    ));
+                }
+            }
+            output.ptr == input.ptr
+        }
+    };
+    // 6. the root
+    if call.root >= n {
+        return Err(Error::invalid(
+            "root",
+            format!("{}; the team has ranks 0 to {}", call.root, n - 1),
+        ));
+    }
+    // 7. the norm's epsilon
+    if let Some(s) = norm {
+        if !s.eps.is_finite() || s.eps < 0.0 {
+            return Err(Error::invalid(
+                "eps",
+                format!("{}; expected a finite value >= 0", s.eps),
+            ));
+        }
+    }
+    Ok(Checked {
+        kind: call.kind,
+        dtype: call.dtype,
+        op: call.op,
+        root: call.root,
+        input,
+        output,
+        residual,
+        weight,
+        in_place,
+        norm,
+        names,
+    })
+}
+
+/// Bytes of one chunk of an in-place buffer: a whole number of elements per rank.
+fn in_place_chunk(buf: &Resolved<'_>, n: usize, es: usize, arg: &'static str) -> Result<usize> {
+    if buf.bytes % (n * es) != 0 {
+        return Err(Error::invalid(
+            arg,
+            format!(
+                "{} elements; not a whole number of chunks for {n} ranks",
+                buf.bytes / es
+            ),
+        ));
+    }
+    Ok(buf.bytes / n)
+}

@@ -1,0 +1,112 @@
+//! A rank this process drives: its device, the order of its calls, and the event that says
+//! whether its last call has finished.
+
+use std::sync::atomic::AtomicU64;
+
+use cuda_multimem::{Device, Error, Event, Result, StreamRef};
+use parking_lot::{Mutex, MutexGuard};
+
+/// A rank driven by this process.
+pub(crate) struct Local {
+    pub(crate) rank: usize,
+    /// Its position among the ranks this process drives (the executors' per-rank resources
+    /// are in this order).
+    pub(crate) slot: usize,
+    pub(crate) device: Device,
+    /// The stream of the last call (as an integer handle, compared, never used as a handle:
+    /// the caller may have destroyed it): one stream per rank at a time. Locked for the whole
+    /// of a call ([`CallEnd`]): one call of this rank queues its work at a time.
+    last_stream: Mutex<Option<usize>>,
+    /// Recorded on the caller's stream at the end of every call queued outside a graph capture:
+    /// whether the last such call has finished, asked when a call comes on another stream.
+    done: Event,
+    /// Calls queued by this rank so far.
+    pub(crate) calls: AtomicU64,
+}
+
+/// Returned by [`Local::begin`]; when the call that holds it returns, its work is queued, and
+/// the rank's event is recorded behind it (outside a graph capture: captured work runs when the
+/// graph does, and an event recorded in a capture says nothing until then). It also holds the
+/// rank's stream lock for the whole call, so calls of one rank from several threads queue their
+/// work one call after another, never interleaved (a call may be several launches and copies
+/// through the rank's staging).
+pub(crate) struct CallEnd<'s> {
+    done: &'s Event,
+    stream: StreamRef<'s>,
+    _serial: MutexGuard<'s, Option<usize>>,
+}
+
+impl Drop for CallEnd<'_> {
+    fn drop(&mut self) {
+        if let Ok(false) = self.stream.is_capturing() {
+            // A failed record leaves the event at an earlier call: the next check on another
+            // stream may then let it through early, as the check did before it existed.
+            let _ = self.done.record(self.stream);
+        }
+    }
+}
+
+impl Local {
+    pub(crate) fn new(rank: usize, slot: usize, device: &Device) -> Result<Local> {
+        Ok(Local {
+            rank,
+            slot,
+            device: device.clone(),
+            last_stream: Mutex::new(None),
+            done: Event::new(device, false)?,
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    /// `stream` must be a stream of this rank's device, of the communicator's driver.
+    pub(crate) fn check_stream(&self, stream: &StreamRef<'_>) -> Result<()> {
+        let d = &self.device;
+        if !stream.device().driver().same_as(d.driver()) {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "a stream from another Driver value; rank {} is device {} of the communicator's Driver",
+                    self.rank,
+                    d.ordinal()
+                ),
+            ));
+        }
+        if stream.device() != d {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "a stream of device {}; rank {} is device {}",
+                    stream.device().ordinal(),
+                    self.rank,
+                    d.ordinal()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Begin a call on `stream` (checked by [`Local::check_stream`]): take the rank's call lock
+    /// for the whole call. One stream per rank at a time: calls on two streams could run
+    /// concurrently and overtake each other's barriers. The previous stream is never queried
+    /// itself (the caller may have destroyed it since): the rank's own event, recorded at the
+    /// end of its last call outside a capture, says whether that call finished.
+    pub(crate) fn begin<'s>(&'s self, stream: &StreamRef<'s>) -> Result<CallEnd<'s>> {
+        let mut last = self.last_stream.lock();
+        let raw = stream.raw() as usize;
+        if last.is_some_and(|prev| prev != raw) && !self.done.is_complete()? {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "rank {} has collective work in flight on another stream; one team takes one stream per rank at a time (synchronise the other first)",
+                    self.rank
+                ),
+            ));
+        }
+        *last = Some(raw);
+        Ok(CallEnd {
+            done: &self.done,
+            stream: *stream,
+            _serial: last,
+        })
+    }
+}

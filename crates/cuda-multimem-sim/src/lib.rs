@@ -27,53 +27,45 @@
 //!
 //! Only one simulated machine is live per process at a time; a second [`Simulator::start`] from
 //! another thread waits for the first to be dropped.
+//!
+//! # Layout
+//!
+//! Imports run one way, from the top of this list to the bottom:
+//! - `select.rs` — choosing a `cuda_multimem::Driver` (the simulator or the real driver);
+//! - `session.rs` — [`Simulator`]: starting a machine, its loader entry, failure plans, call
+//!   counts and live resources, and the teardown order at its end;
+//! - `api/` — the `cu*` entry points, one file per driver area (devices, contexts, streams,
+//!   events, graphs, memory, VMM, managed memory, multicast, logical endpoints, modules,
+//!   launches), each a thin adapter from the driver's ABI (pointers in and out, the order of its
+//!   checks) to the model; `gate.rs`, which every call passes (initialisation, call count,
+//!   failure injection, sticky errors); and `table.rs`, the function table `cuGetProcAddress`
+//!   answers from;
+//! - `model/` — what the simulated GPU is: devices, contexts, streams, the memory map and copies,
+//!   plain, managed and VMM memory, multicast objects, logical endpoints, the tables processes
+//!   share, modules and launches; it never calls an entry point;
+//! - `state.rs` — the session's shared state (per-area tables, handle tags, counters, the
+//!   pending failure) and which session is current; `config.rs` — the machine's description.
+//!
+//! [`endpoint`] and [`multicast`] are the public faces of two model areas (the helpers that
+//! simulated kernels call).
 
 #![deny(missing_docs)]
 
+mod api;
 mod config;
-mod device;
-mod dispatch;
 pub mod endpoint;
-mod kernel;
-mod managed;
-mod memory;
+mod model;
 pub mod multicast;
 mod select;
-mod shared;
+mod session;
 mod state;
-mod stream;
-mod vmm;
 
+pub use api::table::implemented;
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
-pub use dispatch::implemented;
-pub use kernel::{
+pub use model::kernel::{
     kernel_registered, missing_kernel_message, register_kernel, KernelError, KernelFn, LaunchArgs,
 };
-pub use managed::DISCARD_POISON;
+pub use model::managed::DISCARD_POISON;
 pub use select::{driver_from_env, driver_from_selection, driver_over, simulated_driver};
-pub use state::{FailurePlan, Simulator, StartError};
-
-/// Every simulated area's exports.
-pub(crate) fn all_exports() -> Vec<dispatch::Export> {
-    [
-        dispatch::exports(),
-        device::exports(),
-        stream::exports(),
-        memory::exports(),
-        vmm::exports(),
-        managed::exports(),
-        kernel::exports(),
-        endpoint::exports(),
-        multicast::exports(),
-    ]
-    .concat()
-}
-
-/// End of a session: stop the stream workers, then free what is still allocated.
-pub(crate) fn teardown(st: &state::State) {
-    stream::shutdown_all(st);
-    vmm::teardown(st);
-    endpoint::teardown(st);
-    multicast::teardown(st);
-    memory::teardown(st);
-}
+pub use session::{Simulator, StartError};
+pub use state::FailurePlan;

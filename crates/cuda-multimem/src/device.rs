@@ -4,8 +4,8 @@ use std::ffi::c_char;
 
 use cuda_multimem_sys::{CUdevice, CUdevice_attribute as A};
 
+use crate::driver::Driver;
 use crate::error::{cu, Error, Result};
-use crate::Driver;
 
 /// A device: an ordinal of a [`Driver`].
 #[derive(Clone)]
@@ -26,6 +26,29 @@ impl PartialEq for Device {
     }
 }
 impl Eq for Device {}
+
+impl Driver {
+    /// Device `ordinal`.
+    pub fn device(&self, ordinal: usize) -> Result<Device> {
+        if ordinal >= self.device_count() {
+            return Err(Error::invalid(
+                "ordinal",
+                format!(
+                    "device {ordinal} does not exist; this machine has {} device(s)",
+                    self.device_count()
+                ),
+            ));
+        }
+        Ok(Device::new(self.clone(), ordinal as CUdevice))
+    }
+
+    /// Every device.
+    pub fn devices(&self) -> Vec<Device> {
+        (0..self.device_count() as CUdevice)
+            .map(|o| Device::new(self.clone(), o))
+            .collect()
+    }
+}
 
 impl Device {
     pub(crate) fn new(driver: Driver, ordinal: CUdevice) -> Self {

@@ -1,5 +1,6 @@
 //! The driver value a program holds: loaded from libcuda, or made by `cuda-multimem-sim` over a
-//! simulated machine ([`Driver::from_sys`]).
+//! simulated machine ([`Driver::from_sys`]). Its devices (`Driver::device`, `Driver::devices`)
+//! are made in `device.rs`, which depends on this file and not the other way round.
 
 use std::sync::{Arc, OnceLock};
 
@@ -7,7 +8,6 @@ use cuda_multimem_sys as sys;
 use sys::{CUcontext, CUdevice};
 
 use crate::error::{cu, Error, Result};
-use crate::Device;
 
 /// The environment variable that selects the driver: unset or `cuda` for the real driver,
 /// `sim` or `sim:<options>` for the simulated one (e.g. `sim:devices=8,version=13030`), which
@@ -150,27 +150,6 @@ impl Driver {
     /// Number of devices.
     pub fn device_count(&self) -> usize {
         self.inner.device_count as usize
-    }
-
-    /// Device `ordinal`.
-    pub fn device(&self, ordinal: usize) -> Result<Device> {
-        if ordinal >= self.device_count() {
-            return Err(Error::invalid(
-                "ordinal",
-                format!(
-                    "device {ordinal} does not exist; this machine has {} device(s)",
-                    self.device_count()
-                ),
-            ));
-        }
-        Ok(Device::new(self.clone(), ordinal as CUdevice))
-    }
-
-    /// Every device.
-    pub fn devices(&self) -> Vec<Device> {
-        (0..self.inner.device_count)
-            .map(|o| Device::new(self.clone(), o))
-            .collect()
     }
 
     /// The primary context of `ordinal`, retained on first use.

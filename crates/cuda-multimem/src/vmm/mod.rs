@@ -52,17 +52,18 @@
 
 mod allocation;
 mod buffer;
+mod import;
 mod mapping;
 mod reservation;
 pub(crate) mod share;
 
 pub use allocation::{
-    AllocationBuilder, AllocationSpec, FabricHandle, Granularity, HandleTypes, PhysicalAllocation,
-    Rounding,
+    AllocationBuilder, AllocationSpec, Granularity, HandleTypes, PhysicalAllocation, Rounding,
 };
 pub use buffer::VmmBuffer;
 pub use mapping::{Access, Mapping};
 pub use reservation::{Reservation, ReservationBuilder};
+pub use share::FabricHandle;
 
 use cuda_multimem_sys::{CUmemLocation, CUmemLocationType};
 

@@ -1,5 +1,5 @@
 //! The four raw shareable-handle calls, shared by physical allocations and multicast objects
-//! (both are generic allocation handles to the driver). Callers check handle types, sizes and the
+//! (both are generic allocation handles to the driver), and the fabric handle they exchange. Callers check handle types, sizes and the
 //! multicast guard; these only make the calls and own what comes back.
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -8,7 +8,6 @@ use cuda_multimem_sys::{
     CUmemAllocationHandleType as HT, CUmemFabricHandle, CUmemGenericAllocationHandle,
 };
 
-use super::FabricHandle;
 use crate::error::cu;
 use crate::{Driver, Error, Result};
 
@@ -95,4 +94,37 @@ pub(crate) fn import_fabric(
         )
     }?;
     Ok(h)
+}
+
+/// A fabric handle: 64 opaque bytes that a process on the same NVLink fabric imports with
+/// [`PhysicalAllocation::import_fabric`](super::PhysicalAllocation::import_fabric).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FabricHandle(pub [u8; 64]);
+
+impl std::fmt::Debug for FabricHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FabricHandle(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "…)")
+    }
+}
+
+impl FabricHandle {
+    /// The bytes to send to the importer.
+    pub fn as_bytes(&self) -> &[u8; 64] {
+        &self.0
+    }
+
+    /// From received bytes: exactly 64 of them.
+    pub fn from_bytes(bytes: &[u8]) -> Result<FabricHandle> {
+        let a: [u8; 64] = bytes.try_into().map_err(|_| {
+            Error::invalid(
+                "bytes",
+                format!("{} bytes; a fabric handle is exactly 64", bytes.len()),
+            )
+        })?;
+        Ok(FabricHandle(a))
+    }
 }

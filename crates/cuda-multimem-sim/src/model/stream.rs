@@ -1,7 +1,7 @@
 //! Streams (one worker thread each, so devices run concurrently), events, and graph capture.
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::{c_float, c_uint};
+use std::ffi::c_uint;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -10,9 +10,8 @@ use std::time::Instant;
 use cuda_multimem_sys::*;
 use parking_lot::{Condvar, Mutex};
 
-use crate::device::current_device;
-use crate::dispatch::sim_api;
-use crate::state::{is_kind, new_handle, out, Kind, SimResult, State};
+use super::context::{self, current_device};
+use crate::state::{is_kind, new_handle, Kind, SimResult, State};
 
 /// Work queued on a stream. `Fn`, not `FnOnce`: a captured graph replays it.
 pub(crate) type Op = Arc<dyn Fn() -> SimResult + Send + Sync>;
@@ -112,10 +111,10 @@ impl Stream {
             let r = catch_unwind(AssertUnwindSafe(|| op()))
                 .unwrap_or(Err(CUresult::CUDA_ERROR_UNKNOWN));
             if let Err(e) = r {
-                if crate::device::is_sticky(e) {
+                if context::is_sticky(e) {
                     // A kernel fault kills the device's context, not only this stream.
                     if let Some(st) = crate::state::current() {
-                        crate::device::poison(&st, self.device, e);
+                        context::poison(&st, self.device, e);
                     }
                 }
             }
@@ -241,7 +240,7 @@ impl Stream {
         q.error.take().map_or(Ok(()), Err)
     }
 
-    fn idle(&self) -> bool {
+    pub fn idle(&self) -> bool {
         let q = self.q.lock();
         q.completed == q.submitted
     }
@@ -458,7 +457,7 @@ impl Event {
     }
 }
 
-fn event(st: &State, h: CUevent) -> SimResult<Arc<Event>> {
+pub(crate) fn event(st: &State, h: CUevent) -> SimResult<Arc<Event>> {
     let h = h as u64;
     if !is_kind(h, Kind::Event) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
@@ -471,7 +470,7 @@ fn event(st: &State, h: CUevent) -> SimResult<Arc<Event>> {
         .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
 
-fn new_stream(st: &State, flags: c_uint) -> SimResult<u64> {
+pub(crate) fn new_stream(st: &State, flags: c_uint) -> SimResult<u64> {
     if flags > 1 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
@@ -485,225 +484,247 @@ fn new_stream(st: &State, flags: c_uint) -> SimResult<u64> {
     Ok(h)
 }
 
-sim_api! {
-    cuStreamCreate @ 2000 as PFN_cuStreamCreate_v2000 => fn stream_create(st, ph: *mut CUstream, flags: c_uint) {
-        if ph.is_null() {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = new_stream(st, flags)?;
-        out(ph, h as CUstream)
+/// Destroy stream `h`: its queued work finishes first, then its worker stops.
+pub(crate) fn destroy(st: &State, h: CUstream) -> SimResult {
+    let key = h as u64;
+    if !is_kind(key, Kind::Stream) {
+        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
     }
-    cuStreamCreateWithPriority @ 5050 as PFN_cuStreamCreateWithPriority_v5050 => fn stream_create_with_priority(st, ph: *mut CUstream, flags: c_uint, priority: i32) {
-        if ph.is_null() {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = new_stream(st, flags)?;
-        out(ph, h as CUstream)
-    }
-    cuStreamDestroy @ 4000 as PFN_cuStreamDestroy_v4000 => fn stream_destroy(st, h: CUstream) {
-        let key = h as u64;
-        if !is_kind(key, Kind::Stream) {
-            return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
-        }
-        let s = st.ext::<Streams>().by_handle.lock().remove(&key).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-        // Destroying a stream with queued work lets that work finish first.
-        let _ = s.synchronize();
-        s.shutdown();
-        st.live_add("streams", -1);
-        Ok(())
-    }
-    cuStreamSynchronize @ 2000 as PFN_cuStreamSynchronize_v2000 => fn stream_synchronize(st, h: CUstream) {
-        let s = stream(st, h)?;
-        let r = s.synchronize();
-        // A stream of a dead context reports the context's error, whichever context is current.
-        match crate::device::sticky_error(st, s.device) {
-            Some(code) => Err(code),
-            None => r,
-        }
-    }
-    cuStreamQuery @ 2000 as PFN_cuStreamQuery_v2000 => fn stream_query(st, h: CUstream) {
-        let s = stream(st, h)?;
-        if let Some(code) = crate::device::sticky_error(st, s.device) {
-            return Err(code);
-        }
-        if s.idle() { Ok(()) } else { Err(CUresult::CUDA_ERROR_NOT_READY) }
-    }
-    cuStreamWaitEvent @ 3020 as PFN_cuStreamWaitEvent_v3020 => fn stream_wait_event(st, h: CUstream, ev: CUevent, flags: c_uint) {
-        let e = event(st, ev)?;
-        let s = stream(st, h)?;
-        let mark = e.captured.lock().clone();
-        if let Some((origin, from, seq)) = mark {
-            // An event of a capture: the waiting stream joins that capture (a fork), or, already
-            // in it, has waited on `from`'s work up to `seq` (a join back). The graph is one
-            // list in program order, so nothing needs to wait at replay.
-            match s.capture_origin() {
-                Some(o) if Arc::ptr_eq(&o, &origin) => {
-                    let mut oq = origin.q.lock();
-                    if let Some(f) = oq.forks.iter_mut().find(|f| Arc::ptr_eq(&f.stream, &from)) {
-                        f.joined_upto = f.joined_upto.max(seq);
-                    }
-                }
-                Some(_) => return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE),
-                None => {
-                    let mut oq = origin.q.lock();
-                    if oq.capture.is_none() {
-                        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
-                    }
-                    oq.forks.push(Fork { stream: s.clone(), ops: 0, joined_upto: 0 });
-                    *s.joined.lock() = Some(origin.clone());
+    let s = st
+        .ext::<Streams>()
+        .by_handle
+        .lock()
+        .remove(&key)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    // Destroying a stream with queued work lets that work finish first.
+    let _ = s.synchronize();
+    s.shutdown();
+    st.live_add("streams", -1);
+    Ok(())
+}
+
+/// `cuStreamWaitEvent`: `s` waits, in stream order, for the work before `e`'s latest record.
+pub(crate) fn wait_event(st: &State, s: &Arc<Stream>, e: Arc<Event>) -> SimResult {
+    let mark = e.captured.lock().clone();
+    if let Some((origin, from, seq)) = mark {
+        // An event of a capture: the waiting stream joins that capture (a fork), or, already
+        // in it, has waited on `from`'s work up to `seq` (a join back). The graph is one
+        // list in program order, so nothing needs to wait at replay.
+        match s.capture_origin() {
+            Some(o) if Arc::ptr_eq(&o, &origin) => {
+                let mut oq = origin.q.lock();
+                if let Some(f) = oq.forks.iter_mut().find(|f| Arc::ptr_eq(&f.stream, &from)) {
+                    f.joined_upto = f.joined_upto.max(seq);
                 }
             }
-            return Ok(());
+            Some(_) => return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE),
+            None => {
+                let mut oq = origin.q.lock();
+                if oq.capture.is_none() {
+                    return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+                }
+                oq.forks.push(Fork {
+                    stream: s.clone(),
+                    ops: 0,
+                    joined_upto: 0,
+                });
+                *s.joined.lock() = Some(origin.clone());
+            }
         }
-        let generation = e.m.lock().recorded;
-        implicit_order(st, &s)?;
-        s.enqueue(Arc::new(move || {
-            e.wait_for(generation);
-            Ok(())
-        }))
+        return Ok(());
     }
-    cuStreamBeginCapture @ 10010 as PFN_cuStreamBeginCapture_v10010 => fn stream_begin_capture(st, h: CUstream, mode: CUstreamCaptureMode) {
-        if (h as u64) <= 2 {
-            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-        }
-        let s = stream(st, h)?;
-        if s.joined.lock().is_some() {
-            return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
-        }
-        let mut q = s.q.lock();
-        if q.capture.is_some() {
-            return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
-        }
-        q.capture = Some(Vec::new());
-        q.forks.clear();
-        Ok(())
-    }
-    cuStreamEndCapture @ 10000 as PFN_cuStreamEndCapture_v10000 => fn stream_end_capture(st, h: CUstream, graph: *mut CUgraph) {
-        if graph.is_null() {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let s = stream(st, h)?;
-        if s.joined.lock().is_some() {
-            // only the stream that began the capture ends it
-            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
-        }
-        let (ops, forks) = {
-            let mut q = s.q.lock();
-            let ops = q.capture.take().ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
-            (ops, std::mem::take(&mut q.forks))
-        };
-        // every fork leaves the capture; one with work the capture never waited on again is
-        // an unjoined fork, and the capture fails as the real driver's does
-        let mut unjoined = false;
-        for f in forks {
-            *f.stream.joined.lock() = None;
-            unjoined |= f.ops > f.joined_upto;
-        }
-        if unjoined {
-            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
-        }
-        let g = new_handle(Kind::Graph);
-        st.ext::<Streams>().graphs.lock().insert(g, Arc::new(ops));
-        st.live_add("graphs", 1);
-        out(graph, g as CUgraph)
-    }
-    cuStreamIsCapturing @ 10000 as PFN_cuStreamIsCapturing_v10000 => fn stream_is_capturing(st, h: CUstream, status: *mut CUstreamCaptureStatus) {
-        let c = stream(st, h)?.capturing();
-        out(status, if c { CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE } else { CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE })
-    }
-    cuGraphInstantiateWithFlags @ 11040 as PFN_cuGraphInstantiateWithFlags_v11040 => fn graph_instantiate(st, exec: *mut CUgraphExec, graph: CUgraph, flags: u64) {
-        let ops = st.ext::<Streams>().graphs.lock().get(&(graph as u64)).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-        let e = new_handle(Kind::GraphExec);
-        st.ext::<Streams>().execs.lock().insert(e, ops);
-        st.live_add("graph execs", 1);
-        out(exec, e as CUgraphExec)
-    }
-    cuGraphLaunch @ 10000 as PFN_cuGraphLaunch_v10000 => fn graph_launch(st, exec: CUgraphExec, h: CUstream) {
-        let ops = st.ext::<Streams>().execs.lock().get(&(exec as u64)).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-        let s = stream(st, h)?;
-        implicit_order(st, &s)?;
-        for op in ops.iter() {
-            s.enqueue(op.clone())?;
-        }
-        Ok(())
-    }
-    cuGraphDestroy @ 10000 as PFN_cuGraphDestroy_v10000 => fn graph_destroy(st, graph: CUgraph) {
-        st.ext::<Streams>().graphs.lock().remove(&(graph as u64)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-        st.live_add("graphs", -1);
-        Ok(())
-    }
-    cuGraphExecDestroy @ 10000 as PFN_cuGraphExecDestroy_v10000 => fn graph_exec_destroy(st, exec: CUgraphExec) {
-        st.ext::<Streams>().execs.lock().remove(&(exec as u64)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-        st.live_add("graph execs", -1);
-        Ok(())
-    }
-    cuEventCreate @ 2000 as PFN_cuEventCreate_v2000 => fn event_create(st, ph: *mut CUevent, flags: c_uint) {
-        if ph.is_null() || flags & !0xf != 0 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        current_device(st)?;
-        let timing = flags & CUevent_flags_enum::CU_EVENT_DISABLE_TIMING.0 == 0;
-        let h = new_handle(Kind::Event);
-        st.ext::<Streams>().events.lock().insert(h, Arc::new(Event { timing, m: Mutex::new(EventState::default()), cv: Condvar::new(), captured: Mutex::new(None) }));
-        st.live_add("events", 1);
-        out(ph, h as CUevent)
-    }
-    cuEventDestroy @ 4000 as PFN_cuEventDestroy_v4000 => fn event_destroy(st, ev: CUevent) {
-        event(st, ev)?;
-        st.ext::<Streams>().events.lock().remove(&(ev as u64));
-        st.live_add("events", -1);
-        Ok(())
-    }
-    cuEventRecord @ 2000 as PFN_cuEventRecord_v2000 => fn event_record(st, ev: CUevent, h: CUstream) {
-        let e = event(st, ev)?;
-        let s = stream(st, h)?;
-        if let Some(origin) = s.capture_origin() {
-            // recorded inside a capture: a marker for other streams to fork from or join on
-            let seq = if Arc::ptr_eq(&origin, &s) {
-                0
-            } else {
-                origin.q.lock().forks.iter().find(|f| Arc::ptr_eq(&f.stream, &s)).map_or(0, |f| f.ops)
-            };
-            *e.captured.lock() = Some((origin, s.clone(), seq));
-            return Ok(());
-        }
-        *e.captured.lock() = None;
-        implicit_order(st, &s)?;
-        let generation = {
-            let mut g = e.m.lock();
-            g.recorded += 1;
-            g.recorded
-        };
-        s.enqueue(Arc::new(move || {
-            let mut g = e.m.lock();
-            g.completed = g.completed.max(generation);
-            g.time = Some(Instant::now());
-            e.cv.notify_all();
-            Ok(())
-        }))
-    }
-    cuEventQuery @ 2000 as PFN_cuEventQuery_v2000 => fn event_query(st, ev: CUevent) {
-        let e = event(st, ev)?;
-        let g = e.m.lock();
-        if g.completed >= g.recorded { Ok(()) } else { Err(CUresult::CUDA_ERROR_NOT_READY) }
-    }
-    cuEventSynchronize @ 2000 as PFN_cuEventSynchronize_v2000 => fn event_synchronize(st, ev: CUevent) {
-        let e = event(st, ev)?;
-        let generation = e.m.lock().recorded;
+    let generation = e.m.lock().recorded;
+    implicit_order(st, s)?;
+    s.enqueue(Arc::new(move || {
         e.wait_for(generation);
         Ok(())
+    }))
+}
+
+/// Start capturing stream `s`.
+pub(crate) fn begin_capture(s: &Stream) -> SimResult {
+    if s.joined.lock().is_some() {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
     }
-    cuEventElapsedTime @ 2000 as PFN_cuEventElapsedTime_v2000 => fn event_elapsed_time(st, ms: *mut c_float, start: CUevent, end: CUevent) {
-        let (a, b) = (event(st, start)?, event(st, end)?);
-        if !a.timing || !b.timing {
-            return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
-        }
-        // One lock at a time: `start` and `end` may be the same event (parking_lot's mutex is
-        // not reentrant, and a tuple's temporaries live to the end of the statement).
-        let ga = a.m.lock().time;
-        let gb = b.m.lock().time;
-        let (ta, tb) = (ga.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?, gb.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?);
-        let d = if tb >= ta { (tb - ta).as_secs_f64() } else { -(ta - tb).as_secs_f64() };
-        out(ms, (d * 1e3) as c_float)
+    let mut q = s.q.lock();
+    if q.capture.is_some() {
+        return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
     }
+    q.capture = Some(Vec::new());
+    q.forks.clear();
+    Ok(())
+}
+
+/// End the capture that stream `s` began; the new graph's handle.
+pub(crate) fn end_capture(st: &State, s: &Stream) -> SimResult<u64> {
+    if s.joined.lock().is_some() {
+        // only the stream that began the capture ends it
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+    }
+    let (ops, forks) = {
+        let mut q = s.q.lock();
+        let ops = q.capture.take().ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
+        (ops, std::mem::take(&mut q.forks))
+    };
+    // every fork leaves the capture; one with work the capture never waited on again is
+    // an unjoined fork, and the capture fails as the real driver's does
+    let mut unjoined = false;
+    for f in forks {
+        *f.stream.joined.lock() = None;
+        unjoined |= f.ops > f.joined_upto;
+    }
+    if unjoined {
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED);
+    }
+    let g = new_handle(Kind::Graph);
+    st.ext::<Streams>().graphs.lock().insert(g, Arc::new(ops));
+    st.live_add("graphs", 1);
+    Ok(g)
+}
+
+/// Instantiate graph `graph`; the executable graph's handle.
+pub(crate) fn instantiate(st: &State, graph: CUgraph) -> SimResult<u64> {
+    let ops = st
+        .ext::<Streams>()
+        .graphs
+        .lock()
+        .get(&(graph as u64))
+        .cloned()
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    let e = new_handle(Kind::GraphExec);
+    st.ext::<Streams>().execs.lock().insert(e, ops);
+    st.live_add("graph execs", 1);
+    Ok(e)
+}
+
+/// Queue executable graph `exec`'s work on stream `h`.
+pub(crate) fn launch_graph(st: &State, exec: CUgraphExec, h: CUstream) -> SimResult {
+    let ops = st
+        .ext::<Streams>()
+        .execs
+        .lock()
+        .get(&(exec as u64))
+        .cloned()
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    let s = stream(st, h)?;
+    implicit_order(st, &s)?;
+    for op in ops.iter() {
+        s.enqueue(op.clone())?;
+    }
+    Ok(())
+}
+
+/// Destroy graph `graph`.
+pub(crate) fn destroy_graph(st: &State, graph: CUgraph) -> SimResult {
+    st.ext::<Streams>()
+        .graphs
+        .lock()
+        .remove(&(graph as u64))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    st.live_add("graphs", -1);
+    Ok(())
+}
+
+/// Destroy executable graph `exec`.
+pub(crate) fn destroy_graph_exec(st: &State, exec: CUgraphExec) -> SimResult {
+    st.ext::<Streams>()
+        .execs
+        .lock()
+        .remove(&(exec as u64))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    st.live_add("graph execs", -1);
+    Ok(())
+}
+
+/// A new event (`timing`: it records times); its handle.
+pub(crate) fn create_event(st: &State, timing: bool) -> u64 {
+    let h = new_handle(Kind::Event);
+    st.ext::<Streams>().events.lock().insert(
+        h,
+        Arc::new(Event {
+            timing,
+            m: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+            captured: Mutex::new(None),
+        }),
+    );
+    st.live_add("events", 1);
+    h
+}
+
+/// Destroy event `ev`.
+pub(crate) fn destroy_event(st: &State, ev: CUevent) -> SimResult {
+    event(st, ev)?;
+    st.ext::<Streams>().events.lock().remove(&(ev as u64));
+    st.live_add("events", -1);
+    Ok(())
+}
+
+/// `cuEventRecord`: record `e` on stream `s` (inside a capture: a marker to fork from or join on).
+pub(crate) fn record_event(st: &State, e: Arc<Event>, s: &Arc<Stream>) -> SimResult {
+    if let Some(origin) = s.capture_origin() {
+        // recorded inside a capture: a marker for other streams to fork from or join on
+        let seq = if Arc::ptr_eq(&origin, s) {
+            0
+        } else {
+            origin
+                .q
+                .lock()
+                .forks
+                .iter()
+                .find(|f| Arc::ptr_eq(&f.stream, s))
+                .map_or(0, |f| f.ops)
+        };
+        *e.captured.lock() = Some((origin, s.clone(), seq));
+        return Ok(());
+    }
+    *e.captured.lock() = None;
+    implicit_order(st, s)?;
+    let generation = {
+        let mut g = e.m.lock();
+        g.recorded += 1;
+        g.recorded
+    };
+    s.enqueue(Arc::new(move || {
+        let mut g = e.m.lock();
+        g.completed = g.completed.max(generation);
+        g.time = Some(Instant::now());
+        e.cv.notify_all();
+        Ok(())
+    }))
+}
+
+impl Event {
+    /// Whether the work before its latest record has completed.
+    pub fn is_complete(&self) -> bool {
+        let g = self.m.lock();
+        g.completed >= g.recorded
+    }
+
+    /// Wait for the work before its latest record.
+    pub fn synchronize(&self) {
+        let generation = self.m.lock().recorded;
+        self.wait_for(generation);
+    }
+}
+
+/// Milliseconds from event `a`'s completion to event `b`'s (both recorded with timing).
+pub(crate) fn elapsed_ms(a: &Event, b: &Event) -> SimResult<f32> {
+    if !a.timing || !b.timing {
+        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+    }
+    // One lock at a time: `start` and `end` may be the same event (parking_lot's mutex is
+    // not reentrant, and a tuple's temporaries live to the end of the statement).
+    let ga = a.m.lock().time;
+    let gb = b.m.lock().time;
+    let (ta, tb) = (
+        ga.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?,
+        gb.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?,
+    );
+    let d = if tb >= ta {
+        (tb - ta).as_secs_f64()
+    } else {
+        -(ta - tb).as_secs_f64()
+    };
+    Ok((d * 1e3) as f32)
 }

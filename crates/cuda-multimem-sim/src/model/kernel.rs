@@ -7,18 +7,16 @@
 //! concurrently and captured graphs replay them.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ffi::c_int;
 use std::sync::Arc;
-use std::time::Duration;
 
 use cuda_multimem_sys::*;
 use parking_lot::{Mutex, RwLock};
 
-use crate::device::current_device;
-use crate::dispatch::sim_api;
-use crate::memory::Memory;
-use crate::state::{is_kind, new_handle, out, Kind, SimResult, State};
+use super::delay::delay;
+use super::memory::Memory;
+use super::stream;
+use crate::state::{is_kind, new_handle, Kind, SimResult, State};
 
 /// Why a simulated kernel failed; the launch's stream reports it as the driver would (the next
 /// synchronisation returns the status).
@@ -48,7 +46,7 @@ pub enum KernelError {
 }
 
 impl KernelError {
-    fn code(&self) -> CUresult {
+    pub(crate) fn code(&self) -> CUresult {
         match self {
             KernelError::IllegalAddress { .. } => CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
             KernelError::Parameter { .. } => CUresult::CUDA_ERROR_INVALID_VALUE,
@@ -95,7 +93,7 @@ pub fn missing_kernel_message(name: &str) -> String {
 }
 
 /// The equivalent registered for `name`, or the launch's failure, said once per entry.
-fn registered_for_launch(name: &str) -> SimResult<KernelFn> {
+pub(crate) fn registered_for_launch(name: &str) -> SimResult<KernelFn> {
     if let Some(k) = registered(name) {
         return Ok(k);
     }
@@ -106,53 +104,6 @@ fn registered_for_launch(name: &str) -> SimResult<KernelFn> {
         eprintln!("{}", missing_kernel_message(name));
     }
     Err(CUresult::CUDA_ERROR_NOT_FOUND)
-}
-
-/// Random per-launch delays (for protocol tests): each launch, and each [`LaunchArgs::jitter`]
-/// call inside a kernel, sleeps a random time in `0..=max`.
-#[derive(Debug, Default)]
-pub(crate) struct Delays {
-    max_us: AtomicU64,
-    seed: AtomicU64,
-}
-
-impl Delays {
-    fn draw(&self) -> Duration {
-        let max = self.max_us.load(Ordering::Relaxed);
-        if max == 0 {
-            return Duration::ZERO;
-        }
-        // splitmix64 over a shared counter: cheap, thread-safe, reproducible in distribution.
-        let mut z = self
-            .seed
-            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
-            .wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        Duration::from_micros(z % (max + 1))
-    }
-}
-
-/// Sleep a random time if the session injects delays (kernel launches, host-side kernel steps,
-/// asynchronous copies).
-pub(crate) fn delay(st: &State) {
-    let d = st.ext::<Delays>().draw();
-    if !d.is_zero() {
-        std::thread::sleep(d);
-    }
-}
-
-/// Set the random delay bound of the session (see [`crate::Simulator::set_kernel_delays`]).
-pub(crate) fn set_delays(st: &State, max: Duration, seed: u64) {
-    let d = st.ext::<Delays>();
-    // whole microseconds, at most u64::MAX - 1 so that `draw`'s `max + 1` holds (a delay of
-    // half a million years is as good as any longer one)
-    let us = u64::try_from(max.as_micros())
-        .unwrap_or(u64::MAX)
-        .min(u64::MAX - 1);
-    d.max_us.store(us, Ordering::Relaxed);
-    d.seed.store(seed, Ordering::Relaxed);
 }
 
 /// One launch as a host-side equivalent sees it.
@@ -269,12 +220,22 @@ struct Module {
     entries: HashMap<String, Entry>,
 }
 
-struct Function {
+/// A kernel of a loaded module (`cuModuleGetFunction`).
+pub(crate) struct Function {
     module: u64,
-    device: i32,
-    name: String,
+    /// The device of the module's context.
+    pub device: i32,
+    /// The `.entry` name.
+    pub name: String,
     entry: Entry,
     attrs: Mutex<HashMap<i32, c_int>>,
+}
+
+impl Function {
+    /// The sizes of its parameters, in order.
+    pub fn param_sizes(&self) -> &[usize] {
+        &self.entry.params
+    }
 }
 
 #[derive(Default)]
@@ -348,7 +309,7 @@ fn parse_ptx(text: &str) -> Option<HashMap<String, Entry>> {
     Some(entries)
 }
 
-fn function(st: &State, f: CUfunction) -> SimResult<Arc<Function>> {
+pub(crate) fn function(st: &State, f: CUfunction) -> SimResult<Arc<Function>> {
     let h = f as u64;
     if !is_kind(h, Kind::Function) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
@@ -361,139 +322,132 @@ fn function(st: &State, f: CUfunction) -> SimResult<Arc<Function>> {
         .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
 
-impl crate::Simulator {
-    /// Inject random delays: every kernel launch, every [`LaunchArgs::jitter`] inside a
-    /// host-side kernel and every asynchronous copy first sleeps a random time in `0..=max`
-    /// (drawn from `seed`), so devices drift apart and protocol races show. `Duration::ZERO`
-    /// turns it off; `max` is taken in whole microseconds (up to `u64::MAX - 1` of them).
-    pub fn set_kernel_delays(&self, max: Duration, seed: u64) {
-        set_delays(&self.session.state, max, seed);
-    }
+/// Load PTX `text` as a module of device `dev`; the module's handle.
+pub(crate) fn load_ptx(st: &State, dev: i32, text: &str) -> SimResult<u64> {
+    let entries = parse_ptx(text).ok_or(CUresult::CUDA_ERROR_INVALID_PTX)?;
+    let h = new_handle(Kind::Module);
+    st.ext::<Kernels>().modules.lock().insert(
+        h,
+        Module {
+            device: dev,
+            entries,
+        },
+    );
+    st.live_add("modules", 1);
+    Ok(h)
 }
 
-sim_api! {
-    cuModuleLoadData @ 2000 as PFN_cuModuleLoadData_v2000 => fn module_load_data(st, module: *mut CUmodule, image: *const c_void) {
-        if module.is_null() || image.is_null() {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let dev = current_device(st)?;
-        let bytes = image as *const u8;
-        // ELF images (cubin, fatbin) are real machine code: the simulator cannot run them.
-        if std::slice::from_raw_parts(bytes, 4) == b"\x7fELF" {
-            return Err(CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU);
-        }
-        // PTX is NUL-terminated text.
-        let text = CStr::from_ptr(image as *const c_char).to_str().map_err(|_| CUresult::CUDA_ERROR_INVALID_PTX)?;
-        let entries = parse_ptx(text).ok_or(CUresult::CUDA_ERROR_INVALID_PTX)?;
-        let h = new_handle(Kind::Module);
-        st.ext::<Kernels>().modules.lock().insert(h, Module { device: dev, entries });
-        st.live_add("modules", 1);
-        out(module, h as CUmodule)
+/// `cuModuleUnload`: the module and its functions go.
+pub(crate) fn unload(st: &State, module: CUmodule) -> SimResult {
+    let h = module as u64;
+    if !is_kind(h, Kind::Module) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    cuModuleUnload @ 2000 as PFN_cuModuleUnload_v2000 => fn module_unload(st, module: CUmodule) {
-        let h = module as u64;
-        if !is_kind(h, Kind::Module) {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let k = st.ext::<Kernels>();
-        k.modules.lock().remove(&h).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        k.functions.lock().retain(|_, f| f.module != h);
-        st.live_add("modules", -1);
-        Ok(())
+    let k = st.ext::<Kernels>();
+    k.modules
+        .lock()
+        .remove(&h)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    k.functions.lock().retain(|_, f| f.module != h);
+    st.live_add("modules", -1);
+    Ok(())
+}
+
+/// `cuModuleGetFunction`: the handle of entry `name` of `module` (the same handle each time).
+pub(crate) fn get_function(st: &State, module: CUmodule, name: String) -> SimResult<u64> {
+    let h = module as u64;
+    let k = st.ext::<Kernels>();
+    let (device, entry) = {
+        let m = k.modules.lock();
+        let m = m.get(&h).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        (
+            m.device,
+            m.entries
+                .get(&name)
+                .cloned()
+                .ok_or(CUresult::CUDA_ERROR_NOT_FOUND)?,
+        )
+    };
+    let mut fs = k.functions.lock();
+    // The same name in the same module is the same function handle.
+    if let Some((fh, _)) = fs.iter().find(|(_, f)| f.module == h && f.name == name) {
+        return Ok(*fh);
     }
-    cuModuleGetFunction @ 2000 as PFN_cuModuleGetFunction_v2000 => fn module_get_function(st, hfunc: *mut CUfunction, module: CUmodule, name: *const c_char) {
-        if hfunc.is_null() || name.is_null() {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    let fh = new_handle(Kind::Function);
+    fs.insert(
+        fh,
+        Arc::new(Function {
+            module: h,
+            device,
+            name,
+            entry,
+            attrs: Mutex::new(HashMap::new()),
+        }),
+    );
+    Ok(fh)
+}
+
+/// `cuFuncSetAttribute`.
+pub(crate) fn set_attribute(f: &Function, attrib: CUfunction_attribute, value: c_int) -> SimResult {
+    use CUfunction_attribute as A;
+    match attrib {
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES if (0..=227 * 1024).contains(&value) => {
         }
-        let h = module as u64;
-        let name = CStr::from_ptr(name).to_str().map_err(|_| CUresult::CUDA_ERROR_NOT_FOUND)?.to_string();
-        let k = st.ext::<Kernels>();
-        let (device, entry) = {
-            let m = k.modules.lock();
-            let m = m.get(&h).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-            (m.device, m.entries.get(&name).cloned().ok_or(CUresult::CUDA_ERROR_NOT_FOUND)?)
-        };
-        let mut fs = k.functions.lock();
-        // The same name in the same module is the same function handle.
-        if let Some((fh, _)) = fs.iter().find(|(_, f)| f.module == h && f.name == name) {
-            return out(hfunc, *fh as CUfunction);
-        }
-        let fh = new_handle(Kind::Function);
-        fs.insert(fh, Arc::new(Function { module: h, device, name, entry, attrs: Mutex::new(HashMap::new()) }));
-        out(hfunc, fh as CUfunction)
+        A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT if (-1..=100).contains(&value) => {}
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     }
-    cuFuncSetAttribute @ 9000 as PFN_cuFuncSetAttribute_v9000 => fn func_set_attribute(st, f: CUfunction, attrib: CUfunction_attribute, value: c_int) {
-        let f = function(st, f)?;
-        use CUfunction_attribute as A;
-        match attrib {
-            A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES if (0..=227 * 1024).contains(&value) => {}
-            A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT if (-1..=100).contains(&value) => {}
-            _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
-        }
-        f.attrs.lock().insert(attrib.0 as i32, value);
-        Ok(())
-    }
-    cuFuncGetAttribute @ 2020 as PFN_cuFuncGetAttribute_v2020 => fn func_get_attribute(st, pi: *mut c_int, attrib: CUfunction_attribute, f: CUfunction) {
-        let f = function(st, f)?;
-        use CUfunction_attribute as A;
-        let v = match attrib {
-            A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
-            A::CU_FUNC_ATTRIBUTE_NUM_REGS => 32,
-            A::CU_FUNC_ATTRIBUTE_PTX_VERSION | A::CU_FUNC_ATTRIBUTE_BINARY_VERSION => 90,
-            A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES | A::CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES | A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES => 0,
-            a => match f.attrs.lock().get(&(a.0 as i32)) {
-                Some(v) => *v,
-                None if a.0 < A::CU_FUNC_ATTRIBUTE_MAX.0 => 0,
-                None => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
-            },
-        };
-        out(pi, v)
-    }
-    cuLaunchKernel @ 4000 as PFN_cuLaunchKernel_v4000 => fn launch_kernel(st, f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) {
-        let f = function(st, f)?;
-        // Declared in the PTX, but the simulator runs it only with a host equivalent, looked up
-        // at the launch (so it may be registered after the module was loaded).
-        let kernel = registered_for_launch(&f.name)?;
-        if gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0
-            || gy > 65535 || gz > 65535
-            || (bx as u64) * (by as u64) * (bz as u64) > 1024 || bz > 64
-            || shared > 227 * 1024
-        {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        if !extra.is_null() {
-            // Packed parameter buffers (CU_LAUNCH_PARAM_BUFFER_POINTER) are not simulated.
-            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
-        }
-        let s = crate::stream::stream(st, stream)?;
-        if s.device != f.device || current_device(st)? != f.device {
-            return Err(CUresult::CUDA_ERROR_INVALID_CONTEXT);
-        }
-        // The driver copies the parameter values at launch; the caller may reuse its memory.
-        let mut copied = Vec::with_capacity(f.entry.params.len());
-        if !f.entry.params.is_empty() && params.is_null() {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        for (i, size) in f.entry.params.iter().enumerate() {
-            let p = *params.add(i);
-            if p.is_null() {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
-            copied.push(std::slice::from_raw_parts(p as *const u8, *size).to_vec());
-        }
-        let args = Arc::new(LaunchArgs {
-            name: f.name.clone(),
-            device: f.device,
-            grid: (gx, gy, gz),
-            block: (bx, by, bz),
-            shared_mem: shared,
-            params: copied,
-            state: st.clone(),
-        });
-        crate::stream::implicit_order(st, &s)?;
-        s.enqueue(Arc::new(move || {
-            args.jitter();
-            kernel(&args).map_err(|e| e.code())
-        }))
-    }
+    f.attrs.lock().insert(attrib.0 as i32, value);
+    Ok(())
+}
+
+/// `cuFuncGetAttribute`.
+pub(crate) fn attribute(f: &Function, attrib: CUfunction_attribute) -> SimResult<c_int> {
+    use CUfunction_attribute as A;
+    Ok(match attrib {
+        A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
+        A::CU_FUNC_ATTRIBUTE_NUM_REGS => 32,
+        A::CU_FUNC_ATTRIBUTE_PTX_VERSION | A::CU_FUNC_ATTRIBUTE_BINARY_VERSION => 90,
+        A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        | A::CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES
+        | A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES => 0,
+        a => match f.attrs.lock().get(&(a.0 as i32)) {
+            Some(v) => *v,
+            None if a.0 < A::CU_FUNC_ATTRIBUTE_MAX.0 => 0,
+            None => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+        },
+    })
+}
+
+/// A launch's shape: grid and block dimensions, dynamic shared memory per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem: u32,
+}
+
+/// Queue a launch of `f` (its host equivalent `kernel`) on stream `s`, the launch checked and
+/// its parameters copied by the caller.
+pub(crate) fn launch(
+    st: &Arc<State>,
+    f: &Function,
+    kernel: KernelFn,
+    shape: Shape,
+    s: &Arc<stream::Stream>,
+    params: Vec<Vec<u8>>,
+) -> SimResult {
+    let args = Arc::new(LaunchArgs {
+        name: f.name.clone(),
+        device: f.device,
+        grid: shape.grid,
+        block: shape.block,
+        shared_mem: shape.shared_mem,
+        params,
+        state: st.clone(),
+    });
+    stream::implicit_order(st, s)?;
+    s.enqueue(Arc::new(move || {
+        args.jitter();
+        kernel(&args).map_err(|e| e.code())
+    }))
 }

@@ -1,5 +1,6 @@
-//! The simulated driver's entry points: `cuGetProcAddress` answers from the export lists of the
-//! simulated areas, as the real driver would for the configured version.
+//! The simulated driver's function table: every area's exports, and `cuGetProcAddress` (with
+//! `cuDriverGetVersion`, the loader's other entry) answering from it as the real driver would
+//! for the configured version.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -8,62 +9,35 @@ use std::sync::OnceLock;
 
 use cuda_multimem_sys::*;
 
-use crate::state::{current, out};
+use super::gate::{enter, out, sim_api, Export};
+use crate::state::current;
 
-/// One simulated entry point: symbol, ABI version, address.
-#[derive(Clone, Copy)]
-pub(crate) struct Export {
-    pub name: &'static str,
-    pub abi: i32,
-    pub addr: usize,
+/// Every simulated area's exports.
+fn all_exports() -> Vec<Export> {
+    [
+        exports(),
+        super::driver::exports(),
+        super::device::exports(),
+        super::context::exports(),
+        super::stream::exports(),
+        super::event::exports(),
+        super::graph::exports(),
+        super::memory::exports(),
+        super::vmm::exports(),
+        super::managed::exports(),
+        super::module::exports(),
+        super::launch::exports(),
+        super::endpoint::exports(),
+        super::multicast::exports(),
+    ]
+    .concat()
 }
-
-/// Define simulated driver calls and the module's export list.
-///
-/// ```ignore
-/// sim_api! {
-///     cuMemGetInfo @ 3020 as PFN_cuMemGetInfo_v3020 => fn mem_get_info(st, free: *mut usize, total: *mut usize) {
-///         ...; Ok(())
-///     }
-/// }
-/// ```
-/// Each block becomes an `unsafe extern "C"` function whose signature is checked against the
-/// generated `PFN_` type at compile time; the body sees the session state as `st` and returns
-/// `SimResult`. The macro also writes `pub(crate) fn exports() -> Vec<Export>` for the module:
-/// adding a simulated call is adding one block.
-macro_rules! sim_api {
-    ($(
-        $(#[$m:meta])*
-        $sym:ident @ $abi:literal as $pfn:ident => fn $f:ident ( $st:ident $(, $arg:ident : $ty:ty)* $(,)? ) $body:block
-    )*) => {
-        $(
-            $(#[$m])*
-            #[allow(non_snake_case, unused_variables, clippy::missing_safety_doc)]
-            pub(crate) unsafe extern "C" fn $f($($arg: $ty),*) -> ::cuda_multimem_sys::CUresult {
-                $crate::state::enter(stringify!($sym), |$st| {
-                    #[allow(unused_unsafe)]
-                    // SAFETY: the caller of a driver entry point passes pointers that are valid as
-                    // that call's documentation requires; each body checks for null.
-                    unsafe { $body }
-                })
-            }
-            const _: () = {
-                let _signature_matches: ::cuda_multimem_sys::$pfn = Some($f);
-            };
-        )*
-        /// This module's simulated entry points.
-        pub(crate) fn exports() -> Vec<$crate::dispatch::Export> {
-            vec![$($crate::dispatch::Export { name: stringify!($sym), abi: $abi, addr: $f as *const () as usize }),*]
-        }
-    };
-}
-pub(crate) use sim_api;
 
 fn table() -> &'static HashMap<&'static str, Vec<Export>> {
     static TABLE: OnceLock<HashMap<&'static str, Vec<Export>>> = OnceLock::new();
     TABLE.get_or_init(|| {
         let mut t: HashMap<&'static str, Vec<Export>> = HashMap::new();
-        for e in crate::all_exports() {
+        for e in all_exports() {
             t.entry(e.name).or_default().push(e);
         }
         for v in t.values_mut() {
@@ -106,7 +80,7 @@ pub(crate) unsafe extern "C" fn cuGetProcAddress_v12000(
     flags: cuuint64_t,
     status: *mut CUdriverProcAddressQueryResult,
 ) -> CUresult {
-    crate::state::enter("cuGetProcAddress", |st| {
+    enter("cuGetProcAddress", |st| {
         st.proc_address_requests.fetch_add(1, Ordering::Relaxed);
         if symbol.is_null() || pfn.is_null() || flags > 2 {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -158,26 +132,7 @@ pub(crate) unsafe extern "C" fn cuDriverGetVersion_v2020(v: *mut c_int) -> CUres
     }
 }
 
-fn error_string(code: CUresult) -> Option<&'static CStr> {
-    static NAMES: OnceLock<HashMap<u32, std::ffi::CString>> = OnceLock::new();
-    let names = NAMES.get_or_init(|| {
-        (0..1000u32)
-            .filter_map(|c| {
-                result_name(CUresult(c)).map(|n| (c, std::ffi::CString::new(n).unwrap_or_default()))
-            })
-            .collect()
-    });
-    names.get(&code.0).map(|c| c.as_c_str())
-}
-
 sim_api! {
-    cuInit @ 2000 as PFN_cuInit_v2000 => fn init(st, flags: u32) {
-        if flags != 0 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        st.initialized.store(true, Ordering::Release);
-        Ok(())
-    }
     cuDriverGetVersion @ 2020 as PFN_cuDriverGetVersion_v2020 => fn driver_get_version(st, v: *mut c_int) {
         out(v, st.version())
     }
@@ -186,13 +141,5 @@ sim_api! {
             CUresult::CUDA_SUCCESS => Ok(()),
             e => Err(e),
         }
-    }
-    cuGetErrorName @ 6000 as PFN_cuGetErrorName_v6000 => fn get_error_name(st, code: CUresult, s: *mut *const c_char) {
-        let n = error_string(code).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        out(s, n.as_ptr())
-    }
-    cuGetErrorString @ 6000 as PFN_cuGetErrorString_v6000 => fn get_error_string(st, code: CUresult, s: *mut *const c_char) {
-        let n = error_string(code).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-        out(s, n.as_ptr())
     }
 }

@@ -13,17 +13,16 @@
 //! not its completion.
 
 use std::collections::BTreeMap;
-use std::ffi::{c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cuda_multimem_sys::*;
 use parking_lot::Mutex;
 
-use crate::device::current_device;
-use crate::dispatch::sim_api;
-use crate::memory::{map_anonymous, unmap, Memory, Region, RegionKind};
-use crate::state::{out, SimResult, State};
+use super::context::current_device;
+use super::memory::{map_anonymous, unmap, Memory, Region, RegionKind};
+use super::stream;
+use crate::state::{SimResult, State};
 
 /// The CPU page size by which ranges are rounded (start down, end up).
 const PAGE: usize = 4096;
@@ -39,7 +38,7 @@ const DEVICE_INVALID: i32 = -2;
 
 /// A resolved location of managed pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Loc {
+pub(crate) enum Loc {
     Device(i32),
     Host,
     HostNuma(i32),
@@ -76,7 +75,7 @@ impl Loc {
 
 /// The state of one CPU page of a managed allocation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Page {
+pub(crate) struct Page {
     /// Where the page's data lives (`None`: not populated, or discarded).
     resident: Option<Loc>,
     read_mostly: bool,
@@ -110,7 +109,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A validated range: the allocation it lies in (start, id) and its pages.
 #[derive(Debug, Clone, Copy)]
-struct Span {
+pub(crate) struct Span {
     base: usize,
     id: u64,
     first_page: usize,
@@ -203,7 +202,7 @@ fn location_id(l: &CUmemLocation) -> i32 {
 /// host, a host NUMA node the host has, or the current thread's node. Every other type,
 /// device locality domains included, is `CUDA_ERROR_INVALID_VALUE` (as measured on a 13.0
 /// driver).
-fn prefetch_location(st: &State, l: &CUmemLocation) -> SimResult<Loc> {
+pub(crate) fn prefetch_location(st: &State, l: &CUmemLocation) -> SimResult<Loc> {
     use CUmemLocationType as T;
     match location_type(l) {
         T::CU_MEM_LOCATION_TYPE_DEVICE => managed_device(st, location_id(l)),
@@ -223,7 +222,7 @@ fn resolve(st: &State, l: Loc) -> Loc {
 }
 
 /// A legacy `CUdevice` argument: `CU_DEVICE_CPU` or a device ordinal.
-fn legacy_location(st: &State, dev: CUdevice) -> SimResult<Loc> {
+pub(crate) fn legacy_location(st: &State, dev: CUdevice) -> SimResult<Loc> {
     if dev == DEVICE_CPU {
         Ok(Loc::Host)
     } else {
@@ -232,7 +231,7 @@ fn legacy_location(st: &State, dev: CUdevice) -> SimResult<Loc> {
 }
 
 /// Apply `advice` (location already resolved where the advice takes one) to `[ptr, ptr+count)`.
-fn apply_advice(
+pub(crate) fn apply_advice(
     st: &State,
     ptr: CUdeviceptr,
     count: usize,
@@ -259,7 +258,7 @@ fn apply_advice(
     })
 }
 
-fn check_advice(advice: CUmem_advise) -> SimResult {
+pub(crate) fn check_advice(advice: CUmem_advise) -> SimResult {
     if !(1..=6).contains(&advice.0) {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
@@ -267,7 +266,7 @@ fn check_advice(advice: CUmem_advise) -> SimResult {
 }
 
 /// Whether `advice` takes a location argument (the others ignore it).
-fn advice_takes_location(advice: CUmem_advise) -> bool {
+pub(crate) fn advice_takes_location(advice: CUmem_advise) -> bool {
     use CUmem_advise as A;
     matches!(
         advice,
@@ -283,7 +282,11 @@ fn advice_takes_location(advice: CUmem_advise) -> bool {
 /// ordinal the machine lacks, a locality domain and every other type are
 /// `CUDA_ERROR_INVALID_VALUE` (as measured on a 13.0 driver); an existing device without
 /// concurrent managed access is `CUDA_ERROR_INVALID_DEVICE`.
-fn advice_location(st: &State, advice: CUmem_advise, l: &CUmemLocation) -> SimResult<Loc> {
+pub(crate) fn advice_location(
+    st: &State,
+    advice: CUmem_advise,
+    l: &CUmemLocation,
+) -> SimResult<Loc> {
     use CUmemLocationType as T;
     let device = |id: i32| {
         st.device(id)
@@ -308,7 +311,7 @@ fn advice_location(st: &State, advice: CUmem_advise, l: &CUmemLocation) -> SimRe
 
 /// One range operation, applied when its stream reaches it.
 #[derive(Debug, Clone, Copy)]
-enum RangeOp {
+pub(crate) enum RangeOp {
     Prefetch(Loc),
     Discard,
     DiscardAndPrefetch(Loc),
@@ -316,7 +319,7 @@ enum RangeOp {
 
 /// Validate a range and record the request (last prefetch location); returns what the queued
 /// operation needs.
-fn request(
+pub(crate) fn request(
     st: &State,
     ptr: CUdeviceptr,
     size: usize,
@@ -361,99 +364,27 @@ fn perform(st: &State, ops: &[(Span, usize, usize, RangeOp)]) -> SimResult {
     Ok(())
 }
 
-fn enqueue_ops(
+pub(crate) fn enqueue_ops(
     st: &Arc<State>,
     stream: CUstream,
     ops: Vec<(Span, usize, usize, RangeOp)>,
 ) -> SimResult {
     let s2 = st.clone();
     let ops = Arc::new(ops);
-    crate::stream::enqueue(st, stream, Arc::new(move || perform(&s2, &ops)))
+    stream::enqueue(st, stream, Arc::new(move || perform(&s2, &ops)))
 }
 
 /// The device of `stream` must access managed memory concurrently (documented for prefetches to
 /// a device).
-fn check_stream_device(st: &State, stream: CUstream) -> SimResult {
-    let dev = crate::stream::stream(st, stream)?.device;
+pub(crate) fn check_stream_device(st: &State, stream: CUstream) -> SimResult {
+    let dev = stream::stream(st, stream)?.device;
     if !concurrent(st, dev)? {
         return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
     }
     Ok(())
 }
 
-/// Checks shared by the batch calls: every device has concurrent managed access, the stream is
-/// not the legacy NULL stream, flags are zero, the arrays are present.
-fn check_batch(
-    st: &State,
-    dptrs: *mut CUdeviceptr,
-    sizes: *mut usize,
-    count: usize,
-    flags: c_ulonglong,
-    stream: CUstream,
-) -> SimResult<Vec<(CUdeviceptr, usize)>> {
-    if dptrs.is_null() || sizes.is_null() || count == 0 || flags != 0 {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    // The legacy NULL stream: 0 or CU_STREAM_LEGACY (0x1).
-    if (stream as usize) <= 1 {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    crate::stream::stream(st, stream)?;
-    if st
-        .config
-        .devices
-        .iter()
-        .any(|d| !d.concurrent_managed_access)
-    {
-        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
-    }
-    // SAFETY: the caller passes `count` entries in each array (non-null, checked above).
-    let (d, s) = unsafe {
-        (
-            std::slice::from_raw_parts(dptrs, count),
-            std::slice::from_raw_parts(sizes, count),
-        )
-    };
-    Ok(d.iter().copied().zip(s.iter().copied()).collect())
-}
-
-/// The per-operation locations of a batch from `prefetchLocs`/`prefetchLocIdxs`: the first index
-/// is 0, indices strictly increase and stay below `count`, and there are at most `count` entries.
-fn batch_locations(
-    st: &State,
-    locs: *mut CUmemLocation,
-    idxs: *mut usize,
-    n: usize,
-    count: usize,
-) -> SimResult<Vec<Loc>> {
-    if locs.is_null() || idxs.is_null() || n == 0 || n > count {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    // SAFETY: the caller passes `n` entries in each array (non-null, checked above).
-    let (locs, idxs) = unsafe {
-        (
-            std::slice::from_raw_parts(locs, n),
-            std::slice::from_raw_parts(idxs, n),
-        )
-    };
-    // Documented: "each entry must be greater than the previous entry". (A 13.0 driver was
-    // measured to accept equal neighbours; the simulator holds callers to the documentation.)
-    if idxs[0] != 0 || idxs.windows(2).any(|w| w[1] <= w[0]) || idxs[n - 1] >= count {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    let resolved = locs
-        .iter()
-        .map(|l| prefetch_location(st, l))
-        .collect::<SimResult<Vec<_>>>()?;
-    let mut per_op = Vec::with_capacity(count);
-    for k in 0..n {
-        let end = if k + 1 < n { idxs[k + 1] } else { count };
-        per_op.extend(std::iter::repeat_n(resolved[k], end - idxs[k]));
-    }
-    Ok(per_op)
-}
-
-fn batch(
+pub(crate) fn batch(
     st: &Arc<State>,
     ranges: Vec<(CUdeviceptr, usize)>,
     ops: Vec<RangeOp>,
@@ -475,20 +406,28 @@ fn batch(
     enqueue_ops(st, stream, queued)
 }
 
-/// What a range attribute answers for `pages`.
-// `usize::is_multiple_of` needs Rust 1.87; `%` keeps this building on older toolchains too.
-#[allow(clippy::manual_is_multiple_of)]
-fn attribute(
+/// What a range attribute answers for a range's pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RangeValue {
+    /// One 32-bit value.
+    Int(i32),
+    /// `CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY`: the processors with the advice on every page
+    /// (devices in order, then `CU_DEVICE_CPU`); the caller's array is padded with
+    /// `CU_DEVICE_INVALID`.
+    Processors(Vec<i32>),
+}
+
+/// `CU_DEVICE_INVALID`, which pads an accessed-by answer.
+pub(crate) const NO_DEVICE: i32 = DEVICE_INVALID;
+
+/// What range attribute `attr` answers for `pages` (`CUDA_ERROR_INVALID_VALUE` for an attribute
+/// the driver version lacks or does not know).
+pub(crate) fn range_attribute(
     st: &State,
     attr: CUmem_range_attribute,
     pages: &[Page],
-    data: *mut c_void,
-    size: usize,
-) -> SimResult {
+) -> SimResult<RangeValue> {
     use CUmem_range_attribute as R;
-    if data.is_null() {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
     if attr.0 >= 5 && st.version() < 12020 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
@@ -496,42 +435,30 @@ fn attribute(
         let first = f(pages.first()?)?;
         pages.iter().all(|p| f(p) == Some(first)).then_some(first)
     };
-    let write_i32 = |v: i32| -> SimResult {
-        if size != 4 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        // SAFETY: non-null; the caller passes `size` (4) writable bytes.
-        unsafe { (data as *mut i32).write_unaligned(v) };
-        Ok(())
-    };
     let preferred = all_same(&|p| p.preferred);
     let prefetched = all_same(&|p| p.last_prefetch);
-    match attr {
-        R::CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY => {
-            write_i32(pages.iter().all(|p| p.read_mostly) as i32)
-        }
+    let int = RangeValue::Int;
+    Ok(match attr {
+        R::CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY => int(pages.iter().all(|p| p.read_mostly) as i32),
         R::CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION => {
-            write_i32(preferred.map_or(DEVICE_INVALID, Loc::legacy))
+            int(preferred.map_or(DEVICE_INVALID, Loc::legacy))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION => {
-            write_i32(prefetched.map_or(DEVICE_INVALID, Loc::legacy))
+            int(prefetched.map_or(DEVICE_INVALID, Loc::legacy))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_TYPE => {
-            write_i32(preferred.map_or(0, |l| l.type_and_id().0 .0 as i32))
+            int(preferred.map_or(0, |l| l.type_and_id().0 .0 as i32))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_ID => {
-            write_i32(preferred.map_or(DEVICE_INVALID, |l| l.type_and_id().1))
+            int(preferred.map_or(DEVICE_INVALID, |l| l.type_and_id().1))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_TYPE => {
-            write_i32(prefetched.map_or(0, |l| l.type_and_id().0 .0 as i32))
+            int(prefetched.map_or(0, |l| l.type_and_id().0 .0 as i32))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_ID => {
-            write_i32(prefetched.map_or(DEVICE_INVALID, |l| l.type_and_id().1))
+            int(prefetched.map_or(DEVICE_INVALID, |l| l.type_and_id().1))
         }
         R::CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY => {
-            if size == 0 || size % 4 != 0 {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
             let common = pages.iter().fold(u128::MAX, |acc, p| acc & p.accessed_by);
             let mut ids: Vec<i32> = (0..st.device_count() as i32)
                 .filter(|d| common & Loc::Device(*d).bit() != 0)
@@ -539,16 +466,15 @@ fn attribute(
             if common & 1 != 0 {
                 ids.push(DEVICE_CPU);
             }
-            let slots = size / 4;
-            for i in 0..slots {
-                let v = ids.get(i).copied().unwrap_or(DEVICE_INVALID);
-                // SAFETY: `i < size / 4`, inside the caller's buffer.
-                unsafe { (data as *mut i32).add(i).write_unaligned(v) };
-            }
-            Ok(())
+            RangeValue::Processors(ids)
         }
-        _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
-    }
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    })
+}
+
+/// The pages of the managed range `[ptr, ptr + count)`, as they are now.
+pub(crate) fn range_pages(st: &State, ptr: CUdeviceptr, count: usize) -> SimResult<Vec<Page>> {
+    with_pages(st, ptr, count, |p| p.to_vec())
 }
 
 /// Free a managed allocation (`cuMemFree` of a pointer that `cuMemAlloc` did not return).
@@ -560,7 +486,7 @@ pub(crate) fn free(st: &State, ptr: usize) -> SimResult {
         .remove(&ptr)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     if let Ok(dev) = current_device(st) {
-        crate::stream::synchronize_device(st, dev)?;
+        stream::synchronize_device(st, dev)?;
     }
     st.ext::<Memory>().remove(ptr);
     unmap(ptr, alloc.len);
@@ -568,98 +494,37 @@ pub(crate) fn free(st: &State, ptr: usize) -> SimResult {
     Ok(())
 }
 
-sim_api! {
-    cuMemAllocManaged @ 6000 as PFN_cuMemAllocManaged_v6000 => fn mem_alloc_managed(st, dptr: *mut CUdeviceptr, size: usize, flags: c_uint) {
-        if dptr.is_null() || size == 0 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        if flags != CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL.0 && flags != CUmemAttach_flags::CU_MEM_ATTACH_HOST.0 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        current_device(st)?;
-        let a = map_anonymous(size)?;
-        st.ext::<Memory>().insert(a, Region { len: size, kind: RegionKind::Managed, device: None, readable: true, writable: true, redirect: None });
-        let alloc = Alloc { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), len: size, pages: vec![Page::default(); size.div_ceil(PAGE)] };
-        st.ext::<Managed>().allocs.lock().insert(a, alloc);
-        st.live_add("managed allocations", 1);
-        out(dptr, a as CUdeviceptr)
-    }
-    cuMemAdvise @ 8000 as PFN_cuMemAdvise_v8000 => fn mem_advise_v8000(st, ptr: CUdeviceptr, count: usize, advice: CUmem_advise, dev: CUdevice) {
-        check_advice(advice)?;
-        let loc = if advice_takes_location(advice) { Some(legacy_location(st, dev)?) } else { None };
-        apply_advice(st, ptr, count, advice, loc)
-    }
-    cuMemAdvise @ 12020 as PFN_cuMemAdvise_v12020 => fn mem_advise_v12020(st, ptr: CUdeviceptr, count: usize, advice: CUmem_advise, location: CUmemLocation) {
-        check_advice(advice)?;
-        let loc = if advice_takes_location(advice) { Some(advice_location(st, advice, &location)?) } else { None };
-        apply_advice(st, ptr, count, advice, loc)
-    }
-    cuMemPrefetchAsync @ 8000 as PFN_cuMemPrefetchAsync_v8000 => fn mem_prefetch_async_v8000(st, ptr: CUdeviceptr, count: usize, dev: CUdevice, stream: CUstream) {
-        let loc = legacy_location(st, dev)?;
-        if let Loc::Device(_) = loc {
-            check_stream_device(st, stream)?;
-        } else {
-            crate::stream::stream(st, stream)?;
-        }
-        let (s, p, n) = request(st, ptr, count, RangeOp::Prefetch(loc))?;
-        enqueue_ops(st, stream, vec![(s, p, n, RangeOp::Prefetch(loc))])
-    }
-    cuMemPrefetchAsync @ 12020 as PFN_cuMemPrefetchAsync_v12020 => fn mem_prefetch_async_v12020(st, ptr: CUdeviceptr, count: usize, location: CUmemLocation, flags: c_uint, stream: CUstream) {
-        if flags != 0 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let loc = prefetch_location(st, &location)?;
-        if let Loc::Device(_) = loc {
-            check_stream_device(st, stream)?;
-        } else {
-            crate::stream::stream(st, stream)?;
-        }
-        let (s, p, n) = request(st, ptr, count, RangeOp::Prefetch(loc))?;
-        enqueue_ops(st, stream, vec![(s, p, n, RangeOp::Prefetch(loc))])
-    }
-    cuMemPrefetchBatchAsync @ 13000 as PFN_cuMemPrefetchBatchAsync_v13000 => fn mem_prefetch_batch_async(st, dptrs: *mut CUdeviceptr, sizes: *mut usize, count: usize, locs: *mut CUmemLocation, idxs: *mut usize, nlocs: usize, flags: c_ulonglong, stream: CUstream) {
-        let ranges = check_batch(st, dptrs, sizes, count, flags, stream)?;
-        let per_op = batch_locations(st, locs, idxs, nlocs, count)?;
-        batch(st, ranges, per_op.into_iter().map(RangeOp::Prefetch).collect(), stream)
-    }
-    cuMemDiscardBatchAsync @ 13000 as PFN_cuMemDiscardBatchAsync_v13000 => fn mem_discard_batch_async(st, dptrs: *mut CUdeviceptr, sizes: *mut usize, count: usize, flags: c_ulonglong, stream: CUstream) {
-        let ranges = check_batch(st, dptrs, sizes, count, flags, stream)?;
-        let ops = vec![RangeOp::Discard; ranges.len()];
-        batch(st, ranges, ops, stream)
-    }
-    cuMemDiscardAndPrefetchBatchAsync @ 13000 as PFN_cuMemDiscardAndPrefetchBatchAsync_v13000 => fn mem_discard_and_prefetch_batch_async(st, dptrs: *mut CUdeviceptr, sizes: *mut usize, count: usize, locs: *mut CUmemLocation, idxs: *mut usize, nlocs: usize, flags: c_ulonglong, stream: CUstream) {
-        let ranges = check_batch(st, dptrs, sizes, count, flags, stream)?;
-        let per_op = batch_locations(st, locs, idxs, nlocs, count)?;
-        batch(st, ranges, per_op.into_iter().map(RangeOp::DiscardAndPrefetch).collect(), stream)
-    }
-    cuMemRangeGetAttribute @ 8000 as PFN_cuMemRangeGetAttribute_v8000 => fn mem_range_get_attribute(st, data: *mut c_void, size: usize, attr: CUmem_range_attribute, ptr: CUdeviceptr, count: usize) {
-        let pages = with_pages(st, ptr, count, |p| p.to_vec())?;
-        attribute(st, attr, &pages, data, size)
-    }
-    cuMemRangeGetAttributes @ 8000 as PFN_cuMemRangeGetAttributes_v8000 => fn mem_range_get_attributes(st, data: *mut *mut c_void, sizes: *mut usize, attrs: *mut CUmem_range_attribute, n: usize, ptr: CUdeviceptr, count: usize) {
-        if data.is_null() || sizes.is_null() || attrs.is_null() || n == 0 {
-            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-        }
-        let pages = with_pages(st, ptr, count, |p| p.to_vec())?;
-        for i in 0..n {
-            attribute(st, *attrs.add(i), &pages, *data.add(i), *sizes.add(i))?;
-        }
-        Ok(())
-    }
+/// `cuMemAllocManaged` of `size` bytes (non-zero); the address.
+pub(crate) fn alloc(st: &State, size: usize) -> SimResult<usize> {
+    let a = map_anonymous(size)?;
+    st.ext::<Memory>().insert(
+        a,
+        Region {
+            len: size,
+            kind: RegionKind::Managed,
+            device: None,
+            readable: true,
+            writable: true,
+            redirect: None,
+        },
+    );
+    let alloc = Alloc {
+        id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        len: size,
+        pages: vec![Page::default(); size.div_ceil(PAGE)],
+    };
+    st.ext::<Managed>().allocs.lock().insert(a, alloc);
+    st.live_add("managed allocations", 1);
+    Ok(a)
 }
 
-impl crate::Simulator {
-    /// Where the simulated driver keeps the managed range `[ptr, ptr + len)` now: the location
-    /// type and id when every page of it lives at one location (after the stream operations that
-    /// moved it ran), `None` when its pages are spread, not populated, discarded, or the range is
-    /// not managed memory. For tests; the real driver has no such query.
-    pub fn managed_residence(&self, ptr: u64, len: usize) -> Option<(CUmemLocationType, i32)> {
-        let st = &self.session.state;
-        let pages = with_pages(st, ptr as CUdeviceptr, len, |p| p.to_vec()).ok()?;
-        let first = pages.first()?.resident?;
-        pages
-            .iter()
-            .all(|p| p.resident == Some(first))
-            .then(|| first.type_and_id())
-    }
+/// Where the managed range `[ptr, ptr + len)` lives now, when all of it lives at one location
+/// (see `Simulator::managed_residence`).
+pub(crate) fn residence(st: &State, ptr: u64, len: usize) -> Option<(CUmemLocationType, i32)> {
+    let pages = range_pages(st, ptr as CUdeviceptr, len).ok()?;
+    let first = pages.first()?.resident?;
+    pages
+        .iter()
+        .all(|p| p.resident == Some(first))
+        .then(|| first.type_and_id())
 }

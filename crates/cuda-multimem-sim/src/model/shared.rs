@@ -130,7 +130,7 @@ impl RemoteViews {
     /// Unmap every view.
     pub fn unmap_all(&mut self) {
         for (_, (a, l)) in self.0.drain() {
-            crate::memory::unmap(a, l);
+            super::memory::unmap(a, l);
         }
     }
 }
@@ -248,6 +248,6 @@ impl<T> Table<T> {
 
 impl<T> Drop for Table<T> {
     fn drop(&mut self) {
-        crate::memory::unmap(self.base, self.len);
+        super::memory::unmap(self.base, self.len);
     }
 }

@@ -25,6 +25,10 @@
 //! [`driver_over`] or [`driver_from_env`] (`CUDA_MULTIMEM_DRIVER=sim:...`): `cuda-multimem`
 //! does not depend on this crate, so only a program that links it can select the simulator.
 //!
+//! Kernels have an occupancy ([`register_kernel_with`] and [`KernelAttrs`]): the occupancy
+//! queries answer from an H100/H200-like multiprocessor model, and launches of one device are
+//! co-resident only as far as they fit (`docs/simulator.md`, "Occupancy and co-residency").
+//!
 //! Only one simulated machine is live per process at a time; a second [`Simulator::start`] from
 //! another thread waits for the first to be dropped.
 //!
@@ -42,7 +46,8 @@
 //!   answers from;
 //! - `model/` — what the simulated GPU is: devices, contexts, streams, the memory map and copies,
 //!   plain, managed and VMM memory, multicast objects, logical endpoints, the tables processes
-//!   share, modules and launches; it never calls an entry point;
+//!   share, modules and launches, the occupancy of a multiprocessor and the resident-block slots
+//!   launches take; it never calls an entry point;
 //! - `state.rs` — the session's shared state (per-area tables, handle tags, counters, the
 //!   pending failure) and which session is current; `config.rs` — the machine's description.
 //!
@@ -63,9 +68,11 @@ mod state;
 pub use api::table::implemented;
 pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
 pub use model::kernel::{
-    kernel_registered, missing_kernel_message, register_kernel, KernelError, KernelFn, LaunchArgs,
+    kernel_registered, missing_kernel_message, register_kernel, register_kernel_with, KernelAttrs,
+    KernelError, KernelFn, LaunchArgs,
 };
 pub use model::managed::DISCARD_POISON;
+pub use model::residency::DEFAULT_LIMIT as RESIDENCY_LIMIT;
 pub use select::{driver_from_env, driver_from_selection, driver_over, simulated_driver};
 pub use session::{Simulator, StartError};
 pub use state::FailurePlan;

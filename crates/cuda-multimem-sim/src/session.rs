@@ -38,10 +38,13 @@ impl Drop for Session {
     }
 }
 
-/// End of a session, in order: stop the stream workers (nothing runs any more), then free what
+/// End of a session, in order: end the launches' waits for slots and stop the stream workers
+/// (nothing runs any more), then free what
 /// is still allocated — VMM ranges (whose deferred unmaps waited for those workers) first, then
 /// the endpoints' and multicast objects' views, then plain memory.
 fn teardown(st: &State) {
+    // A launch waiting for resident-block slots would keep its stream's worker from stopping.
+    model::residency::close(st);
     model::stream::shutdown_all(st);
     model::vmm::teardown(st);
     model::endpoint::teardown(st);
@@ -155,6 +158,21 @@ impl Simulator {
     /// [`LaunchArgs::jitter`]: crate::LaunchArgs::jitter
     pub fn set_kernel_delays(&self, max: Duration, seed: u64) {
         model::delay::set(self.state(), max, seed);
+    }
+
+    /// How many kernel launches so far found too few free resident-block slots on their device
+    /// and waited for running kernels to end (co-residency, see `docs/simulator.md`).
+    pub fn residency_waits(&self) -> u64 {
+        model::residency::waits(self.state())
+    }
+
+    /// How long a launch may wait for resident-block slots before it fails with
+    /// `CUDA_ERROR_LAUNCH_TIMEOUT` ([`RESIDENCY_LIMIT`] by default); applies to waits that
+    /// start afterwards.
+    ///
+    /// [`RESIDENCY_LIMIT`]: crate::RESIDENCY_LIMIT
+    pub fn set_residency_limit(&self, limit: Duration) {
+        model::residency::set_limit(self.state(), limit);
     }
 
     /// Unmapped ranges whose host pages still wait for work queued before the unmap on the

@@ -32,7 +32,7 @@ pub use driver::{Driver, DRIVER_ENV};
 pub use error::{Error, Result};
 pub use graph::{CaptureMode, Graph, GraphExec};
 pub use memory::{DeviceBuffer, DeviceRepr};
-pub use module::{Function, LaunchConfig, Module, MAX_THREADS_PER_BLOCK};
+pub use module::{Function, FunctionAttributes, LaunchConfig, Module, MAX_THREADS_PER_BLOCK};
 pub use stream::{Event, Stream, StreamRef};
 
 /// The raw bindings and loader, for calls this crate does not wrap.

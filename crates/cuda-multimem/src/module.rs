@@ -1,9 +1,13 @@
-//! Modules of PTX text loaded on one device, their functions, and kernel launches.
+//! Modules of PTX text loaded on one device, their functions (attributes and occupancy), and
+//! kernel launches.
 
-use std::ffi::{c_uint, c_void, CString};
+use std::ffi::{c_int, c_uint, c_void, CString};
 use std::sync::Arc;
 
-use cuda_multimem_sys::{CUfunction, CUjit_option, CUmodule};
+use cuda_multimem_sys::{
+    CUfunction, CUfunction_attribute as FA, CUjit_option, CUlaunchAttribute, CUlaunchAttributeID,
+    CUlaunchConfig, CUmodule,
+};
 
 use crate::driver::Raw;
 use crate::error::{cu, Error, Result};
@@ -235,6 +239,33 @@ impl LaunchConfig {
     }
 }
 
+/// What a kernel needs of a multiprocessor, as the driver reports it for the compiled code
+/// (`cuFuncGetAttribute`); with a launch's block size and dynamic shared memory it decides how
+/// many blocks fit on a multiprocessor ([`Function::max_active_blocks_per_multiprocessor`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct FunctionAttributes {
+    /// Registers per thread (`CU_FUNC_ATTRIBUTE_NUM_REGS`).
+    pub num_regs: u32,
+    /// Static shared memory per block, in bytes (`CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES`); a
+    /// launch's dynamic shared memory comes on top.
+    pub shared_size_bytes: u32,
+    /// The most threads a block of this kernel may have
+    /// (`CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`): at most [`MAX_THREADS_PER_BLOCK`], less
+    /// when the kernel uses many registers or its PTX says `.maxntid`.
+    pub max_threads_per_block: u32,
+}
+
+/// A count the driver reported as a C `int`: negative is an error naming the call.
+fn count(call: &'static str, what: &str, v: c_int) -> Result<u32> {
+    u32::try_from(v).map_err(|_| {
+        Error::invalid(
+            "driver answer",
+            format!("{call} reported {what} = {v}; expected a count, 0 or more"),
+        )
+    })
+}
+
 impl Function {
     /// The kernel's name.
     pub fn name(&self) -> &str {
@@ -254,6 +285,149 @@ impl Function {
     /// The raw handle (valid while `self` lives).
     pub fn raw(&self) -> CUfunction {
         self.raw.0
+    }
+
+    /// One attribute of the compiled kernel (`cuFuncGetAttribute`).
+    fn attribute(&self, attr: FA, what: &str) -> Result<u32> {
+        let d = self.device();
+        d.bind()?;
+        let mut v: c_int = 0;
+        // SAFETY: a live function of the current context; one int written through a valid
+        // pointer.
+        unsafe { cu!(d.driver(), cuFuncGetAttribute(&mut v, attr, self.raw.0)) }?;
+        count("cuFuncGetAttribute", what, v)
+    }
+
+    /// Registers per thread, static shared memory and the block limit of the compiled kernel
+    /// (three `cuFuncGetAttribute` calls).
+    pub fn attributes(&self) -> Result<FunctionAttributes> {
+        Ok(FunctionAttributes {
+            num_regs: self.attribute(FA::CU_FUNC_ATTRIBUTE_NUM_REGS, "NUM_REGS")?,
+            shared_size_bytes: self
+                .attribute(FA::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, "SHARED_SIZE_BYTES")?,
+            max_threads_per_block: self.attribute(
+                FA::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                "MAX_THREADS_PER_BLOCK",
+            )?,
+        })
+    }
+
+    /// How many blocks of `block_threads` threads, each with `dynamic_smem_bytes` of dynamic
+    /// shared memory, one multiprocessor of the function's device holds at once
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`): the kernel's real occupancy, from its
+    /// registers, shared memory and block limit. Times the device's
+    /// [`multiprocessor_count`](Device::multiprocessor_count), it is how many blocks of one
+    /// launch can be resident together — what a grid whose blocks wait for each other must not
+    /// exceed. 0 when such a block cannot run at all. `block_threads` must be 1 to
+    /// [`MAX_THREADS_PER_BLOCK`] (checked before the call); drivers before 6.5 lack the call
+    /// ([`Error::Unsupported`]).
+    pub fn max_active_blocks_per_multiprocessor(
+        &self,
+        block_threads: u32,
+        dynamic_smem_bytes: usize,
+    ) -> Result<u32> {
+        if !(1..=MAX_THREADS_PER_BLOCK).contains(&block_threads) {
+            return Err(Error::invalid(
+                "block_threads",
+                format!("{block_threads} threads; expected 1 to {MAX_THREADS_PER_BLOCK}"),
+            ));
+        }
+        let d = self.device();
+        d.bind()?;
+        let mut n: c_int = 0;
+        // SAFETY: a live function of the current context; one int written through a valid
+        // pointer; the block size fits a C int (at most 1024).
+        unsafe {
+            cu!(
+                d.driver(),
+                cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut n,
+                    self.raw.0,
+                    block_threads as c_int,
+                    dynamic_smem_bytes
+                )
+            )
+        }?;
+        count(
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            "numBlocks",
+            n,
+        )
+    }
+
+    /// How many thread-block clusters of the launch `config` the function's device holds at
+    /// once (`cuOccupancyMaxActiveClusters`, drivers from 11.7, [`Error::Unsupported`] before).
+    /// `cluster` is the cluster's shape in blocks; `None` takes the shape the kernel was
+    /// compiled with (PTX `.reqnctapercluster`, as the fused norm's split forms are — a kernel
+    /// without one then fails with `CUDA_ERROR_INVALID_CLUSTER_SIZE`), and a shape given for
+    /// such a kernel must equal it. The grid must be whole clusters; each dimension of
+    /// `cluster` is at least 1 (both checked before the call). The driver counts clusters
+    /// where they can run (inside one GPC), so the answer times the cluster size can be less
+    /// than [`max_active_blocks_per_multiprocessor`](Function::max_active_blocks_per_multiprocessor)
+    /// times the multiprocessors.
+    pub fn max_active_clusters(
+        &self,
+        config: &LaunchConfig,
+        cluster: Option<[u32; 3]>,
+    ) -> Result<u32> {
+        config.validate()?;
+        if let Some(c) = cluster {
+            if c.contains(&0) {
+                return Err(Error::invalid(
+                    "cluster",
+                    format!("cluster {c:?} has a zero dimension"),
+                ));
+            }
+            if config.grid.iter().zip(c).any(|(g, c)| g % c != 0) {
+                return Err(Error::invalid(
+                    "cluster",
+                    format!(
+                        "grid {:?} is not whole clusters of {c:?} (each grid dimension must be a multiple)",
+                        config.grid
+                    ),
+                ));
+            }
+        }
+        let d = self.device();
+        d.bind()?;
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            ..Default::default()
+        };
+        if let Some([x, y, z]) = cluster {
+            attr.value.clusterDim.x = x;
+            attr.value.clusterDim.y = y;
+            attr.value.clusterDim.z = z;
+        }
+        let [gx, gy, gz] = config.grid;
+        let [bx, by, bz] = config.block;
+        let cfg = CUlaunchConfig {
+            gridDimX: gx,
+            gridDimY: gy,
+            gridDimZ: gz,
+            blockDimX: bx,
+            blockDimY: by,
+            blockDimZ: bz,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: std::ptr::null_mut(),
+            attrs: if cluster.is_some() {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: cluster.is_some() as c_uint,
+        };
+        let mut n: c_int = 0;
+        // SAFETY: a live function of the current context; `cfg` and the attribute it points to
+        // (when `numAttrs` is 1) live across the call, which only reads them; one int written
+        // through a valid pointer.
+        unsafe {
+            cu!(
+                d.driver(),
+                cuOccupancyMaxActiveClusters(&mut n, self.raw.0, &cfg)
+            )
+        }?;
+        count("cuOccupancyMaxActiveClusters", "numClusters", n)
     }
 
     /// Queue the kernel on `stream` (`cuLaunchKernel`). Checked first: the stream is of the

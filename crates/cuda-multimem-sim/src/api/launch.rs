@@ -1,10 +1,11 @@
-//! Execution control: function attributes and kernel launches.
+//! Execution control and occupancy: function attributes, kernel launches, and the occupancy
+//! queries (blocks per multiprocessor, clusters per device).
 
 use std::ffi::{c_int, c_uint, c_void};
 
 use cuda_multimem_sys::*;
 
-use super::gate::{out, sim_api};
+use super::gate::{out, read, sim_api};
 use crate::model::context::current_device;
 use crate::model::kernel::{self, function};
 use crate::model::stream;
@@ -58,5 +59,41 @@ sim_api! {
             shared_mem: shared,
         };
         kernel::launch(st, &f, k, shape, &s, copied)
+    }
+    cuOccupancyMaxActiveBlocksPerMultiprocessor @ 6050 as PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050 => fn occupancy_max_active_blocks(st, num: *mut c_int, func: CUfunction, block_size: c_int, dynamic_smem: usize) {
+        let f = function(st, func)?;
+        let n = kernel::max_active_blocks(&f, block_size, dynamic_smem)?;
+        out(num, n)
+    }
+    cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags @ 7000 as PFN_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags_v7000 => fn occupancy_max_active_blocks_with_flags(st, num: *mut c_int, func: CUfunction, block_size: c_int, dynamic_smem: usize, flags: c_uint) {
+        // CU_OCCUPANCY_DEFAULT or CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE: the simulated
+        // multiprocessor has no cache carve-out to override, so both answer the same.
+        if flags > 1 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let f = function(st, func)?;
+        let n = kernel::max_active_blocks(&f, block_size, dynamic_smem)?;
+        out(num, n)
+    }
+    cuOccupancyMaxActiveClusters @ 11070 as PFN_cuOccupancyMaxActiveClusters_v11070 => fn occupancy_max_active_clusters(st, num: *mut c_int, func: CUfunction, config: *const CUlaunchConfig) {
+        let f = function(st, func)?;
+        let c = read(config)?;
+        if c.numAttrs > 0 && c.attrs.is_null() {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let attrs = if c.numAttrs == 0 { &[][..] } else { std::slice::from_raw_parts(c.attrs, c.numAttrs as usize) };
+        // The last cluster-dimension attribute counts; the others do not change occupancy here.
+        let cluster = attrs
+            .iter()
+            .filter(|a| a.id == CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+            .map(|a| (a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z))
+            .next_back();
+        let shape = kernel::Shape {
+            grid: (c.gridDimX, c.gridDimY, c.gridDimZ),
+            block: (c.blockDimX, c.blockDimY, c.blockDimZ),
+            shared_mem: c.sharedMemBytes,
+        };
+        let n = kernel::max_active_clusters(st, &f, shape, cluster)?;
+        out(num, n)
     }
 }

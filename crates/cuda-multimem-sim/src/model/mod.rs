@@ -5,8 +5,8 @@
 //! entry point and never see an out-pointer — `api/` turns the driver's ABI into these calls.
 //!
 //! Imports run one way, from the later to the earlier of: `device` (what a device is),
-//! `context`, `delay`, `stream`, `memory`, `shared`, `managed`, `vmm`, `multicast`, `endpoint`,
-//! `kernel`.
+//! `context`, `delay`, `occupancy` (the multiprocessor model), `residency` (the slots launches
+//! take), `stream`, `memory`, `shared`, `managed`, `vmm`, `multicast`, `endpoint`, `kernel`.
 
 pub(crate) mod context;
 pub(crate) mod delay;
@@ -16,6 +16,8 @@ pub(crate) mod kernel;
 pub(crate) mod managed;
 pub(crate) mod memory;
 pub(crate) mod multicast;
+pub(crate) mod occupancy;
+pub(crate) mod residency;
 pub(crate) mod shared;
 pub(crate) mod stream;
 pub(crate) mod vmm;

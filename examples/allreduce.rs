@@ -6,8 +6,12 @@
 //! runs for the sizes where it pays off. Prints what each call ran; exits non-zero if any result
 //! differs from the reference.
 //!
-//! `cargo run --release --example allreduce` (`CUDA_MULTIMEM_DRIVER=sim:devices=N,version=V`
-//! picks a simulated machine).
+//! `--ranks N` runs a team of N ranks (default: one per GPU); with more ranks than GPUs they are
+//! placed round-robin, several on one GPU (`CommunicatorBuilder::allow_shared_devices`), and it
+//! says so — one GPU then runs the real kernels of a team of N.
+//!
+//! `cargo run --release --example allreduce [-- --ranks N]`
+//! (`CUDA_MULTIMEM_DRIVER=sim:devices=N,version=V` picks a simulated machine).
 
 use std::process::ExitCode;
 
@@ -117,16 +121,44 @@ fn case<T: Element + Default>(
     Ok((choice, ok))
 }
 
+/// `--ranks N`, if given.
+fn ranks_arg() -> Res<Option<usize>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [] => Ok(None),
+        [flag, n] if flag == "--ranks" => match n.parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(format!("--ranks {n}: expected a number of ranks, at least 1").into()),
+        },
+        _ => Err(format!("unexpected arguments {args:?}; usage: allreduce [--ranks N]").into()),
+    }
+}
+
 fn run() -> Res<bool> {
-    let (driver, what) = pick_driver(2, 8)?;
+    let ranks = ranks_arg()?;
+    // with --ranks, one GPU is enough: its ranks share it
+    let (driver, what) = pick_driver(if ranks.is_some() { 1 } else { 2 }, 8)?;
     println!("running on {what}");
-    let devices = driver.devices();
-    let comm = Communicator::new(&devices)?;
+    let gpus = driver.devices();
+    let n = ranks.unwrap_or(gpus.len());
+    // rank r on GPU r mod G
+    let devices: Vec<_> = (0..n).map(|r| gpus[r % gpus.len()].clone()).collect();
+    if n > gpus.len() {
+        println!(
+            "{n} ranks on {} GPU(s): placed round-robin, up to {} ranks share a GPU (timings of such a team say nothing about {n} GPUs)",
+            gpus.len(),
+            n.div_ceil(gpus.len())
+        );
+    }
+    let comm = Communicator::builder(&devices)
+        .allow_shared_devices(n > gpus.len())
+        .build()?;
     match comm.multimem_unavailable_reason() {
         None => println!("multimem path: on (NVLink multicast)"),
         Some(why) => println!("multimem path: off ({why})"),
     }
     let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
+    println!("a team of {n} ranks");
     let mut seed = 0x1234_5678_9abc_def1u64;
     let mut all_ok = true;
     println!(

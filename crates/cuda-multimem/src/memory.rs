@@ -39,7 +39,9 @@ device_repr!(
     f32,
     f64,
     half::f16,
-    half::bf16
+    half::bf16,
+    float8::F8E4M3,
+    float8::F8E5M2
 );
 
 /// The bytes of `data`.

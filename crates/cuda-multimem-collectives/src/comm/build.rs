@@ -15,6 +15,7 @@ use crate::engine::TeamFacts;
 use crate::exec::multimem::Mm;
 use crate::exec::p2p::P2p;
 use crate::kernels::MAX_RANKS;
+use crate::team::placement::{busiest, device_key};
 use crate::team::{Local, Ranks};
 use crate::types::{multimem_pays_off, MulticastPolicy};
 
@@ -31,6 +32,7 @@ pub struct CommunicatorBuilder {
     members: Members,
     config: CommConfig,
     multicast: MulticastPolicy,
+    shared: bool,
 }
 
 impl std::fmt::Debug for CommunicatorBuilder {
@@ -38,6 +40,7 @@ impl std::fmt::Debug for CommunicatorBuilder {
         f.debug_struct("CommunicatorBuilder")
             .field("config", &self.config)
             .field("multicast", &self.multicast)
+            .field("shared_devices", &self.shared)
             .finish_non_exhaustive()
     }
 }
@@ -55,6 +58,20 @@ impl CommunicatorBuilder {
         self
     }
 
+    /// Let several ranks of the team use one device (default: refused, naming the device):
+    /// in one process a device list with repeats, across processes several processes on one
+    /// GPU. The real kernels then run at any team size on any GPU — a tensor-parallel engine
+    /// of 8 ranks tested on one GPU — with each rank's grid capped to its share of the device
+    /// (the kernels' occupancy, `cuOccupancyMaxActiveBlocksPerMultiprocessor`, over the ranks
+    /// on the busiest device), so that every rank's spin-waiting blocks are resident at once.
+    /// The multimem path is off (multicast needs a device per rank). Timings of such teams
+    /// say nothing about a team of distinct GPUs. Every rank of a team across processes passes
+    /// the same setting.
+    pub fn allow_shared_devices(mut self, allow: bool) -> Self {
+        self.shared = allow;
+        self
+    }
+
     /// Build: check the members, allocate and map the symmetric areas, load the kernels, and
     /// (by the multicast policy) build the multicast team. Across processes every rank builds
     /// with the same configuration and policy, at the same point of its program.
@@ -62,15 +79,22 @@ impl CommunicatorBuilder {
         self.config.validate()?;
         let id = NEXT_COMM.fetch_add(1, Ordering::Relaxed);
         match self.members {
-            Members::Local(devices) => build_local(id, devices, self.config, self.multicast),
-            Members::Process(device, bootstrap) => {
-                build_process(id, device, bootstrap, self.config, self.multicast)
+            Members::Local(devices) => {
+                build_local(id, devices, self.config, self.multicast, self.shared)
             }
+            Members::Process(device, bootstrap) => build_process(
+                id,
+                device,
+                bootstrap,
+                self.config,
+                self.multicast,
+                self.shared,
+            ),
         }
     }
 }
 
-fn check_devices(devices: &[Device]) -> Result<()> {
+fn check_devices(devices: &[Device], shared: bool) -> Result<()> {
     for (i, d) in devices.iter().enumerate() {
         if !d.driver().same_as(devices[0].driver()) {
             return Err(Error::invalid(
@@ -83,9 +107,16 @@ fn check_devices(devices: &[Device]) -> Result<()> {
             ));
         }
         if devices[..i].contains(d) {
+            if shared {
+                // checked once, where it first appears
+                continue;
+            }
             return Err(Error::invalid(
                 "devices",
-                format!("device {} appears twice", d.ordinal()),
+                format!(
+                    "device {} appears twice (several ranks on one device: CommunicatorBuilder::allow_shared_devices(true))",
+                    d.ordinal()
+                ),
             ));
         }
         if !d.supports_vmm()? {
@@ -113,6 +144,7 @@ impl Communicator {
             members: Members::Local(devices.to_vec()),
             config: CommConfig::default(),
             multicast: MulticastPolicy::default(),
+            shared: false,
         }
     }
 
@@ -129,6 +161,7 @@ impl Communicator {
             members: Members::Process(device.clone(), bootstrap),
             config: CommConfig::default(),
             multicast: MulticastPolicy::default(),
+            shared: false,
         }
     }
 }
@@ -142,6 +175,7 @@ fn build_local(
     devices: Vec<Device>,
     config: CommConfig,
     policy: MulticastPolicy,
+    shared: bool,
 ) -> Result<Communicator> {
     let n = devices.len();
     if !(2..=MAX_RANKS).contains(&n) {
@@ -150,7 +184,9 @@ fn build_local(
             format!("{n} device(s); a team has 2 to {MAX_RANKS}"),
         ));
     }
-    check_devices(&devices)?;
+    check_devices(&devices, shared)?;
+    let keys: Vec<u64> = devices.iter().map(|d| d.ordinal() as u64).collect();
+    let (per_device, _) = busiest(&keys);
     let mut fewest = u32::MAX;
     let mut locals = Vec::new();
     for (rank, d) in devices.iter().enumerate() {
@@ -159,7 +195,20 @@ fn build_local(
     }
     let ranks = Ranks::new(n, locals, None);
     let p2p = P2p::new(id, &ranks, &config)?;
+    let caps = co_residency(&p2p, &config, per_device, fewest, None)?;
     let (mm, mm_status) = match policy {
+        _ if per_device > 1 && policy == MulticastPolicy::Always => {
+            return Err(Error::invalid(
+                "multicast",
+                "Always: ranks share devices, and multicast needs one device per rank",
+            ))
+        }
+        _ if per_device > 1 => (
+            None,
+            Some(format!(
+                "{per_device} ranks share a device (multicast needs one device per rank)"
+            )),
+        ),
         MulticastPolicy::Never => (None, Some("the multicast policy is Never".to_string())),
         MulticastPolicy::WhenItPaysOff if !multimem_pays_off(n) => (
             None,
@@ -174,7 +223,7 @@ fn build_local(
         },
     };
     Ok(communicator(Inner::new(
-        id, ranks, config, policy, p2p, mm, mm_status, fewest,
+        id, ranks, config, policy, p2p, mm, mm_status, fewest, caps,
     )))
 }
 
@@ -184,6 +233,7 @@ fn build_process(
     bootstrap: Box<dyn Bootstrap>,
     config: CommConfig,
     policy: MulticastPolicy,
+    shared: bool,
 ) -> Result<Communicator> {
     let (rank, n) = (bootstrap.rank(), bootstrap.size());
     if !(2..=MAX_RANKS).contains(&n) || rank >= n {
@@ -192,7 +242,7 @@ fn build_process(
             format!("rank {rank} of {n}; a team has 2 to {MAX_RANKS} ranks"),
         ));
     }
-    check_devices(std::slice::from_ref(&device))?;
+    check_devices(std::slice::from_ref(&device), shared)?;
     let ranks = Ranks::new(n, vec![Local::new(rank, 0, &device)?], Some(bootstrap));
     let mine = multiprocessors(&device)?;
     let all = ranks.exchange("multiprocessor counts", &mine.to_le_bytes(), Some(4))?;
@@ -204,13 +254,29 @@ fn build_process(
         .max(1);
     let mut fp = config.fingerprint(n, fewest);
     fp.push(policy as u8);
+    fp.push(shared as u8);
     let all = ranks.exchange("configurations", &fp, Some(fp.len()))?;
     if let Some(r) = all.iter().position(|x| *x != fp) {
         return Err(Error::RanksDisagree {
             what: format!(
-                "rank {r} passed another configuration or multicast policy than rank {rank}; every rank must pass the same"
+                "rank {r} passed another configuration, multicast policy or shared-device setting than rank {rank}; every rank must pass the same"
             ),
         });
+    }
+    // which ranks share a GPU: every rank sees every key, so all refuse or accept alike
+    let all = ranks.exchange("device keys", &device_key(&device).to_le_bytes(), Some(8))?;
+    let keys: Vec<u64> = all
+        .iter()
+        .map(|b| u64::from_le_bytes(b[..8].try_into().unwrap_or_default()))
+        .collect();
+    let (per_device, pair) = busiest(&keys);
+    if let (Some((a, b)), false) = (pair, shared) {
+        return Err(Error::invalid(
+            "device",
+            format!(
+                "ranks {a} and {b} use the same GPU; several ranks on one device need CommunicatorBuilder::allow_shared_devices(true) on every rank"
+            ),
+        ));
     }
     if policy == MulticastPolicy::Always {
         return Err(Error::invalid(
@@ -219,6 +285,7 @@ fn build_process(
         ));
     }
     let p2p = P2p::new(id, &ranks, &config)?;
+    let caps = co_residency(&p2p, &config, per_device, fewest, Some(&ranks))?;
     Ok(communicator(Inner::new(
         id,
         ranks,
@@ -228,6 +295,7 @@ fn build_process(
         None,
         Some("multicast teams across processes are not supported yet".into()),
         fewest,
+        caps,
     )))
 }
 
@@ -248,6 +316,7 @@ impl Inner {
         mm: Option<Mm>,
         mm_status: Option<String>,
         multiprocessors: u32,
+        caps: Caps,
     ) -> Inner {
         let facts = TeamFacts {
             n: ranks.n,
@@ -258,6 +327,8 @@ impl Inner {
             scratch_region: p2p.scratch_region(),
             mm_region: mm.as_ref().map(Mm::region),
             policy,
+            block_cap: caps.blocks,
+            cluster_cap: caps.clusters,
         };
         Inner {
             id,
@@ -272,4 +343,57 @@ impl Inner {
             alloc_lock: Mutex::new(()),
         }
     }
+}
+
+/// What each rank's launches may take of its device when ranks share devices.
+#[derive(Debug, Clone, Copy)]
+struct Caps {
+    /// Blocks per launch.
+    blocks: u32,
+    /// Thread-block clusters per launch (the fused norm's split forms).
+    clusters: u32,
+}
+
+/// Each rank's share of the busiest device, `per_device` ranks on it: the fewest blocks of any
+/// of our kernels one multiprocessor holds (their real occupancy at the block sizes they
+/// launch), times the fewest multiprocessors, over the ranks on it; the same for the split
+/// norm's clusters. Across processes (`ranks`), the fewest of every rank's. No cap when every
+/// rank has its own device.
+fn co_residency(
+    p2p: &P2p,
+    config: &CommConfig,
+    per_device: usize,
+    fewest: u32,
+    ranks: Option<&Ranks>,
+) -> Result<Caps> {
+    if per_device <= 1 {
+        return Ok(Caps {
+            blocks: u32::MAX,
+            clusters: u32::MAX,
+        });
+    }
+    let (mut blocks, mut clusters) = p2p.occupancy(config)?;
+    if let Some(ranks) = ranks {
+        let mut mine = blocks.to_le_bytes().to_vec();
+        mine.extend_from_slice(&clusters.to_le_bytes());
+        let all = ranks.exchange("kernel occupancy", &mine, Some(8))?;
+        for b in all {
+            blocks = blocks.min(u32::from_le_bytes(b[..4].try_into().unwrap_or_default()));
+            clusters = clusters.min(u32::from_le_bytes(b[4..8].try_into().unwrap_or_default()));
+        }
+    }
+    let per = per_device as u64;
+    let block_cap = (blocks as u64 * fewest as u64 / per) as u32;
+    if block_cap == 0 {
+        return Err(Error::invalid(
+            "devices",
+            format!(
+                "{per_device} ranks on one device: its {fewest} multiprocessors hold {blocks} block(s) of our kernels each, fewer than one block per rank at once"
+            ),
+        ));
+    }
+    Ok(Caps {
+        blocks: block_cap,
+        clusters: (clusters as u64 / per) as u32,
+    })
 }

@@ -33,4 +33,9 @@ pub(crate) struct TeamFacts {
     pub(crate) mm_region: Option<usize>,
     /// The multicast policy.
     pub(crate) policy: MulticastPolicy,
+    /// Most blocks of one launch, where ranks share devices (each rank's share of the busiest
+    /// device, so that every rank's blocks are resident at once); `u32::MAX` otherwise.
+    pub(crate) block_cap: u32,
+    /// Most thread-block clusters of one launch (the fused norm's split forms), likewise.
+    pub(crate) cluster_cap: u32,
 }

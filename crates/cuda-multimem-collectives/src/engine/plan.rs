@@ -616,9 +616,11 @@ fn norm_split(
     row_bytes: usize,
 ) -> NormKernel {
     let max_blocks = shape::norm_max_blocks(t, c);
+    // every cluster of the launch resident at once, where ranks share devices
     let fits = tokens
         .checked_mul(nk::SPLIT)
-        .is_some_and(|b| b > 0 && b <= max_blocks);
+        .is_some_and(|b| b > 0 && b <= max_blocks)
+        && tokens <= t.cluster_cap as usize;
     match k {
         NormKernel::OneShotLl if row_bytes >= nk::SPLIT_MIN_ROW_BYTES && fits => {
             NormKernel::OneShotLlSplit

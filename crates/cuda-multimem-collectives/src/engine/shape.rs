@@ -31,22 +31,30 @@ impl Shape {
 }
 
 /// One block per multiprocessor, a power of two of them (block ranges of power-of-two messages
-/// stay whole lines and the rounds even), or `config.max_blocks`.
+/// stay whole lines and the rounds even), or `config.max_blocks`; at most the team's block cap
+/// (ranks sharing devices), rounded down to a power of two.
 fn pow2_blocks(t: &TeamFacts, c: &CommConfig) -> u64 {
-    if c.max_blocks != 0 {
+    let b = if c.max_blocks != 0 {
         c.max_blocks as u64
     } else {
         1u64 << t.multiprocessors.clamp(1, MAX_BLOCKS as u32).ilog2()
+    };
+    if b > t.block_cap as u64 {
+        1u64 << t.block_cap.max(1).ilog2()
+    } else {
+        b
     }
 }
 
-/// Two blocks per multiprocessor (at most `MAX_BLOCKS`), or `config.max_blocks`.
+/// Two blocks per multiprocessor (at most `MAX_BLOCKS`), or `config.max_blocks`; at most the
+/// team's block cap (ranks sharing devices).
 fn twice_blocks(t: &TeamFacts, c: &CommConfig) -> u64 {
-    if c.max_blocks != 0 {
+    let b = if c.max_blocks != 0 {
         c.max_blocks as u64
     } else {
         (2 * t.multiprocessors).min(MAX_BLOCKS as u32) as u64
-    }
+    };
+    b.min(t.block_cap.max(1) as u64)
 }
 
 /// Blocks for `per_rank` units of at most `max_threads` per block, at most `max_blocks`; then

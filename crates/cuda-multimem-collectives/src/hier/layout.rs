@@ -3,6 +3,7 @@
 use cuda_multimem::{Device, Error, Result};
 
 use crate::bootstrap::Bootstrap;
+use crate::team::placement::{fnv, hostname, pci_id};
 
 /// How the team is cut into NVLink domains and rails.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,33 +122,6 @@ pub enum RankOrder {
     /// Neither (explicit domain ids that scatter the ranks): reduce-scatter and all-gather fall
     /// back to the hierarchical allreduce of the whole buffer.
     Other,
-}
-
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most `len` bytes into a buffer of that size.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if r != 0 {
-        return String::from("?");
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
-fn pci_id(d: &Device) -> Option<[i32; 3]> {
-    use cuda_multimem::sys::CUdevice_attribute as A;
-    let get = |a| d.attribute(a).ok();
-    Some([
-        get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
-        get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
-        get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
-    ])
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
-    })
 }
 
 /// Every rank's domain key, through the bootstrap: the explicit ids where given (every rank

@@ -3,6 +3,7 @@
 //! stream discipline), and symmetric memory ([`Sym`]: every rank's part mapped on every peer).
 
 mod local;
+pub(crate) mod placement;
 mod ranks;
 mod sym;
 

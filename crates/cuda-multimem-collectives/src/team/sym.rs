@@ -43,11 +43,14 @@ impl Sym {
         let mut maps = Vec::new();
         match &ranks.bootstrap {
             None => {
-                let access: Vec<(Location, Access)> = ranks
-                    .locals
-                    .iter()
-                    .map(|l| (Location::Device(l.device.ordinal()), Access::ReadWrite))
-                    .collect();
+                // every device of the team once (ranks may share a device)
+                let mut access: Vec<(Location, Access)> = Vec::new();
+                for l in &ranks.locals {
+                    let at = (Location::Device(l.device.ordinal()), Access::ReadWrite);
+                    if !access.contains(&at) {
+                        access.push(at);
+                    }
+                }
                 for l in &ranks.locals {
                     let a = PhysicalAllocation::builder(
                         l.device.driver(),
@@ -119,7 +122,12 @@ impl Sym {
                 }
             }
         }
-        let devices = ranks.locals.iter().map(|l| l.device.clone()).collect();
+        let mut devices: Vec<Device> = Vec::new();
+        for l in &ranks.locals {
+            if !devices.contains(&l.device) {
+                devices.push(l.device.clone());
+            }
+        }
         let sym = Sym {
             addrs,
             bytes,

@@ -47,6 +47,11 @@ pub(crate) fn attribute(st: &State, attr: CUdevice_attribute, dev: i32) -> SimRe
         A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => d.multiprocessors,
         A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
         A::CU_DEVICE_ATTRIBUTE_WARP_SIZE => 32,
+        // a PCI location of its own per device (a real machine's GPUs sit on distinct buses),
+        // the same in every process that starts the same machine
+        A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID => 0,
+        A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID => 0x18 + dev,
+        A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID => 0,
         A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING => 1,
         A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY => 1,
         A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED => b(d.vmm),

@@ -24,6 +24,11 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
+    /// Every function.
+    pub(super) fn all(&self) -> impl Iterator<Item = &Function> {
+        self.main.values().chain([&self.copy, &self.meet])
+    }
+
     /// Load every reduce-scatter, all-gather and broadcast kernel on `device`.
     pub(super) fn load(device: &Device) -> Result<Kernels> {
         let mut main = HashMap::new();

@@ -31,6 +31,22 @@ pub(crate) struct RankKernels {
 }
 
 impl RankKernels {
+    /// Every function with the most threads a launch of it takes under `config`.
+    fn functions<'k>(&'k self, config: &CommConfig) -> Vec<(&'k Function, u32)> {
+        let most = config.threads.max(config.push_threads);
+        let mut v: Vec<(&Function, u32)> = Vec::new();
+        for ((k, _, _), f) in &self.allreduce {
+            let t = match k {
+                Kernel::P2pTwoShotPush | Kernel::P2pTwoShotCe => config.push_threads,
+                _ => config.threads,
+            };
+            v.push((f, t));
+        }
+        v.extend(self.gather.all().map(|f| (f, most)));
+        v.extend(self.norm.all().map(|(f, _)| (f, 1024)));
+        v
+    }
+
     fn load(device: &Device) -> Result<RankKernels> {
         let mut allreduce = HashMap::new();
         for k in Kernel::ALL {
@@ -155,6 +171,29 @@ impl P2p {
             )
         })?;
         Ok((s.sym.addrs[l.rank], s))
+    }
+
+    /// How many blocks of the least resident of this executor's kernels one multiprocessor of
+    /// every local rank's device holds (`cuOccupancyMaxActiveBlocksPerMultiprocessor` at the
+    /// most threads a launch of it takes), and how many thread-block clusters of the fused
+    /// norm's split forms the device holds (`cuOccupancyMaxActiveClusters`, 1024 threads).
+    pub(crate) fn occupancy(&self, config: &CommConfig) -> Result<(u32, u32)> {
+        let (mut blocks, mut clusters) = (u32::MAX, u32::MAX);
+        for k in &self.ranks {
+            for (f, threads) in k.functions(config) {
+                blocks = blocks.min(f.max_active_blocks_per_multiprocessor(threads.max(1), 0)?);
+            }
+            for (f, split) in k.norm.all() {
+                if split {
+                    let cfg = cuda_multimem::LaunchConfig::linear(
+                        crate::kernels::norm::SPLIT as u32,
+                        1024,
+                    );
+                    clusters = clusters.min(f.max_active_clusters(&cfg, None)?);
+                }
+            }
+        }
+        Ok((blocks, clusters))
     }
 
     /// The error word of local rank `rank`.

@@ -22,6 +22,19 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
+    /// Every function, and whether it is a split form (launched in clusters).
+    pub(super) fn all(&self) -> impl Iterator<Item = (&Function, bool)> {
+        self.fused
+            .iter()
+            .map(|((k, _), f)| {
+                (
+                    f,
+                    matches!(k, NormKernel::OneShotSplit | NormKernel::OneShotLlSplit),
+                )
+            })
+            .chain(self.unfused.values().map(|f| (f, false)))
+    }
+
     pub(super) fn load(device: &Device) -> Result<Kernels> {
         let m = load_module(device, nk::FILE, nk::PTX)?;
         let mut fused = HashMap::new();

@@ -207,6 +207,8 @@ pub enum Path {
     PeerToPeer,
     /// `multimem` loads, stores and reductions through a multicast address (NVLink SHARP).
     Multimem,
+    /// Nothing travels: a team of one rank (a local copy, or nothing in place).
+    Local,
 }
 
 impl std::fmt::Display for Path {
@@ -214,6 +216,7 @@ impl std::fmt::Display for Path {
         f.write_str(match self {
             Path::PeerToPeer => "peer-to-peer",
             Path::Multimem => "multimem",
+            Path::Local => "local",
         })
     }
 }
@@ -281,6 +284,9 @@ pub enum Algorithm {
     NormOneShotLl,
     /// [`Algorithm::NormOneShotLl`] with each row cut over a thread-block cluster.
     NormOneShotLlSplit,
+    /// A team of one rank ([`Path::Local`]): the output is a copy of the input (nothing in
+    /// place); the fused norm runs its local add + RMSNorm kernel.
+    Local,
     /// The fused norm, two-shot: each rank sums its rows' share, normalises it and pushes the
     /// residual and the output to every rank (large calls, teams above 3 ranks).
     NormTwoShot,
@@ -300,6 +306,13 @@ impl Algorithm {
             }
             Algorithm::PushDirect | Algorithm::CopyEngine => &["all_gather", "broadcast"],
             Algorithm::LoadReduce => &["reduce_scatter"],
+            Algorithm::Local => &[
+                "all_reduce",
+                "reduce_scatter",
+                "all_gather",
+                "broadcast",
+                "all_reduce_add_rms_norm",
+            ],
             Algorithm::NormOneShot
             | Algorithm::NormOneShotSplit
             | Algorithm::NormOneShotLl
@@ -326,6 +339,7 @@ impl std::fmt::Display for Algorithm {
             Algorithm::NormOneShotSplit => "norm-one-shot-split",
             Algorithm::NormOneShotLl => "norm-one-shot-ll",
             Algorithm::NormOneShotLlSplit => "norm-one-shot-ll-split",
+            Algorithm::Local => "local",
             Algorithm::NormTwoShot => "norm-two-shot",
         })
     }
@@ -361,6 +375,9 @@ pub struct Choice {
 
 impl std::fmt::Display for Choice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.path == Path::Local && self.algorithm == Algorithm::Local {
+            return f.write_str("local (a team of one: a copy, or nothing in place)");
+        }
         write!(
             f,
             "{} {} ({} x {})",

@@ -55,6 +55,18 @@ pub enum Error {
         /// The capability.
         what: &'static str,
     },
+    /// A device or its driver is older than what kernels need (their PTX target and ISA).
+    #[error("device {device} ({has}) cannot run {what}: it needs {needs}")]
+    HardwareTooOld {
+        /// The device ordinal.
+        device: i32,
+        /// What it is: compute capability and driver version.
+        has: String,
+        /// The kernels that cannot run.
+        what: String,
+        /// What they need.
+        needs: String,
+    },
     /// A feature is switched off by the site's policy (environment variables).
     #[error("{feature} is disabled: {reason}")]
     Disabled {

@@ -178,10 +178,10 @@ fn build_local(
     shared: bool,
 ) -> Result<Communicator> {
     let n = devices.len();
-    if !(2..=MAX_RANKS).contains(&n) {
+    if !(1..=MAX_RANKS).contains(&n) {
         return Err(Error::invalid(
             "devices",
-            format!("{n} device(s); a team has 2 to {MAX_RANKS}"),
+            format!("{n} device(s); a team has 1 to {MAX_RANKS}"),
         ));
     }
     check_devices(&devices, shared)?;
@@ -210,6 +210,9 @@ fn build_local(
             )),
         ),
         MulticastPolicy::Never => (None, Some("the multicast policy is Never".to_string())),
+        MulticastPolicy::WhenItPaysOff if n == 1 => {
+            (None, Some("a team of one has no peer".to_string()))
+        }
         MulticastPolicy::WhenItPaysOff if !multimem_pays_off(n) => (
             None,
             Some(format!(
@@ -236,10 +239,10 @@ fn build_process(
     shared: bool,
 ) -> Result<Communicator> {
     let (rank, n) = (bootstrap.rank(), bootstrap.size());
-    if !(2..=MAX_RANKS).contains(&n) || rank >= n {
+    if !(1..=MAX_RANKS).contains(&n) || rank >= n {
         return Err(Error::invalid(
             "bootstrap",
-            format!("rank {rank} of {n}; a team has 2 to {MAX_RANKS} ranks"),
+            format!("rank {rank} of {n}; a team has 1 to {MAX_RANKS} ranks"),
         ));
     }
     check_devices(std::slice::from_ref(&device), shared)?;

@@ -72,6 +72,14 @@ impl RankHandle<'_> {
                 }
             }
             Exec::LocalNorm { shape } => norm::run_local(&inner.p2p, l, &checked, *shape, stream)?,
+            Exec::LocalCopy => {
+                if !checked.in_place && checked.input.ptr != checked.output.ptr {
+                    let (o, i) = (checked.output, checked.input);
+                    // SAFETY: both operands checked (the same length: a team of one), this
+                    // rank's device, disjoint or the same (the in-place rule).
+                    unsafe { stream.copy_dtod_async(o.ptr, i.ptr, o.bytes.min(i.bytes)) }?;
+                }
+            }
         }
         Ok(choice)
     }

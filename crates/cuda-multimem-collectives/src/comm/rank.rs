@@ -12,10 +12,13 @@ use crate::types::{Choice, DType, Element, ReduceOp};
 /// One rank's view of a [`Communicator`]: the calls that rank makes, on a stream of its device.
 /// Every rank makes the same calls (sizes, types, operators, symmetric offsets) in the same order.
 ///
-/// A rank takes one stream at a time (a call on another stream while the last call has not
-/// finished is refused naming `stream`), and its calls from several threads queue their work
-/// one whole call after another (each call holds the rank's lock while it queues); which of two
-/// concurrent calls goes first is up to the threads, and every rank must see the same order.
+/// A rank's calls may take any stream of its device: a call on another stream than the rank's
+/// previous call waits on the GPU for that call to finish (as NCCL orders a communicator's
+/// work), so an engine can alternate a communication stream and its compute stream without
+/// blocking the host; inside a graph capture the graph's order holds. Its calls from several
+/// threads queue their work one whole call after another (each call holds the rank's lock while
+/// it queues); which of two concurrent calls goes first is up to the threads, and every rank
+/// must see the same order.
 #[derive(Clone, Copy)]
 pub struct RankHandle<'a> {
     pub(crate) comm: &'a Communicator,

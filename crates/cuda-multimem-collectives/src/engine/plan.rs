@@ -48,6 +48,8 @@ pub(crate) enum Exec {
     Norm(NormPlan),
     /// The local (unfused) add + RMSNorm kernel.
     LocalNorm { shape: Shape },
+    /// A team of one: the output becomes a copy of the input (nothing in place).
+    LocalCopy,
 }
 
 /// `total` bytes in pieces of `piece` bytes (the last one shorter): `count` of them, at least
@@ -236,6 +238,9 @@ impl NormPlan {
 
 /// Plan a call.
 pub(crate) fn plan(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
+    if t.n == 1 {
+        return alone(f);
+    }
     match f.kind {
         Kind::AllReduce => all_reduce(t, c, f),
         Kind::ReduceScatter | Kind::AllGather | Kind::Broadcast => gather(t, c, f),
@@ -654,6 +659,31 @@ fn norm_rows_per_launch(
         // one launch: the call fits a low-latency slot, and for the split form its rows ×
         // SPLIT blocks fit the grid (norm_split)
         NormKernel::OneShotLl | NormKernel::OneShotLlSplit => tokens.max(1),
+    })
+}
+
+/// A team of one rank: every collective is a local copy (or nothing, in place or empty); the
+/// fused norm is the local add + RMSNorm of its input.
+fn alone(f: &Facts) -> Result<Plan> {
+    if matches!(f.kind, Kind::Norm | Kind::LocalNorm) {
+        let mut p = local_norm(f)?;
+        if f.kind == Kind::Norm {
+            p.choice.path = Path::Local;
+            p.choice.algorithm = Algorithm::Local;
+        }
+        return Ok(p);
+    }
+    let shape = Shape {
+        blocks: 0,
+        threads: 0,
+    };
+    Ok(Plan {
+        choice: shape.choice(Path::Local, Algorithm::Local, 0),
+        exec: if f.bytes == 0 {
+            Exec::Nothing
+        } else {
+            Exec::LocalCopy
+        },
     })
 }
 

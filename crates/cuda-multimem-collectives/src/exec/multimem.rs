@@ -24,7 +24,7 @@ use crate::config::CommConfig;
 use crate::engine::{MmPlan, TeamFacts};
 use crate::kernels::gather::Collective;
 use crate::kernels::multimem::{self as mmk, MmKernel};
-use crate::kernels::{call_header, load_module};
+use crate::kernels::{call_header, check_device, load_module};
 use crate::types::{DType, ReduceOp};
 
 struct Member {
@@ -69,6 +69,9 @@ impl Mm {
     /// `config.multimem_region()` bytes. Refused where multicast is disabled or unsupported.
     pub(crate) fn new(devices: &[Device], config: &CommConfig) -> Result<Mm> {
         let region = config.multimem_region();
+        for d in devices {
+            check_device(d, &[(mmk::FILE, mmk::PTX)])?;
+        }
         let team = Team::builder(devices)
             .size(mmk::MM_DATA + 2 * region)
             .backend(Backend::MulticastObject)

@@ -31,8 +31,8 @@ pub mod multimem;
 pub mod norm;
 
 pub use allreduce::{ce_part_units, Kernel};
-pub(crate) use loader::load_module;
 pub use loader::ptx_text;
+pub(crate) use loader::{check_device, load_module};
 
 /// Environment variable naming a folder of replacement `.ptx` files (kernel tuning only; read
 /// only with the non-default feature `ptx-override`).

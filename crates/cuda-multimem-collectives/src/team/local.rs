@@ -14,11 +14,11 @@ pub(crate) struct Local {
     pub(crate) slot: usize,
     pub(crate) device: Device,
     /// The stream of the last call (as an integer handle, compared, never used as a handle:
-    /// the caller may have destroyed it): one stream per rank at a time. Locked for the whole
-    /// of a call ([`CallEnd`]): one call of this rank queues its work at a time.
+    /// the caller may have destroyed it). Locked for the whole of a call ([`CallEnd`]): one
+    /// call of this rank queues its work at a time.
     last_stream: Mutex<Option<usize>>,
     /// Recorded on the caller's stream at the end of every call queued outside a graph capture:
-    /// whether the last such call has finished, asked when a call comes on another stream.
+    /// a call on another stream waits for it.
     done: Event,
     /// Calls queued by this rank so far.
     pub(crate) calls: AtomicU64,
@@ -86,21 +86,16 @@ impl Local {
     }
 
     /// Begin a call on `stream` (checked by [`Local::check_stream`]): take the rank's call lock
-    /// for the whole call. One stream per rank at a time: calls on two streams could run
-    /// concurrently and overtake each other's barriers. The previous stream is never queried
-    /// itself (the caller may have destroyed it since): the rank's own event, recorded at the
-    /// end of its last call outside a capture, says whether that call finished.
+    /// for the whole call, and order the call after this rank's previous one on the GPU when
+    /// that ran on another stream (the stream waits for the rank's event, recorded behind every
+    /// call queued outside a capture; the previous stream is never touched itself — the caller
+    /// may have destroyed it since). Calls of one rank may so take any stream, as NCCL's do; in
+    /// a graph capture the graph's own order holds (nothing is waited for or recorded there).
     pub(crate) fn begin<'s>(&'s self, stream: &StreamRef<'s>) -> Result<CallEnd<'s>> {
         let mut last = self.last_stream.lock();
         let raw = stream.raw() as usize;
-        if last.is_some_and(|prev| prev != raw) && !self.done.is_complete()? {
-            return Err(Error::invalid(
-                "stream",
-                format!(
-                    "rank {} has collective work in flight on another stream; one team takes one stream per rank at a time (synchronise the other first)",
-                    self.rank
-                ),
-            ));
+        if last.is_some_and(|prev| prev != raw) && !stream.is_capturing()? {
+            stream.wait(&self.done)?;
         }
         *last = Some(raw);
         Ok(CallEnd {

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 
 use crate::buffer::SymBuf;
 use crate::config::CommConfig;
-use crate::kernels::{self, load_module, Kernel, PAD_BYTES};
+use crate::kernels::{self, check_device, load_module, Kernel, PAD_BYTES};
 use crate::team::{Local, Ranks, Sym};
 use crate::types::{DType, ReduceOp};
 
@@ -47,7 +47,23 @@ impl RankKernels {
         v
     }
 
+    /// Every kernel file this executor loads: (file name, committed text).
+    fn files() -> Vec<(&'static str, &'static str)> {
+        Kernel::ALL
+            .iter()
+            .map(|k| (k.file(), k.ptx()))
+            .chain(
+                crate::kernels::gather::Collective::ALL
+                    .iter()
+                    .map(|c| (c.file(), c.ptx())),
+            )
+            .chain([(crate::kernels::norm::FILE, crate::kernels::norm::PTX)])
+            .collect()
+    }
+
     fn load(device: &Device) -> Result<RankKernels> {
+        // what the kernels need, before the first module load (a JIT log is no answer)
+        check_device(device, &RankKernels::files())?;
         let mut allreduce = HashMap::new();
         for k in Kernel::ALL {
             let m = load_module(device, k.file(), k.ptx())?;
@@ -89,18 +105,27 @@ impl P2p {
             .iter()
             .map(|l| RankKernels::load(&l.device))
             .collect::<Result<Vec<_>>>()?;
-        let stage_half = config.stage_slot_bytes(n);
+        // a team of one moves nothing between ranks (its calls are local copies and the local
+        // norm): areas of one page
+        let alone = n == 1;
+        let stage_half = if alone {
+            4096
+        } else {
+            config.stage_slot_bytes(n)
+        };
         let pads = Sym::new(ranks, PAD_BYTES, true)?;
         let stages = Sym::new(ranks, 2 * n * stage_half, false)?;
-        let ll_slot = config.ll_slot_bytes();
+        let ll_slot = if alone { 4096 } else { config.ll_slot_bytes() };
         let ll = Sym::new(ranks, 2 * n * ll_slot, true)?;
         let land_slot = config
             .ce_max_bytes
             .div_ceil(n)
             .max(4096)
             .next_multiple_of(4096);
+        let land_slot = if alone { 4096 } else { land_slot };
         let lands = Sym::new(ranks, n * land_slot, false)?;
         let scratch = match config.scratch_total() {
+            _ if alone => None,
             0 => None,
             b => Some(SymBuf::new(
                 comm_id,

@@ -592,7 +592,7 @@ fn two_processes_as_two_domains_allreduce_through_nccl() {
     };
     println!("NCCL {} from {}", nccl.version_string(), nccl.path());
     let path = rendezvous("nccl");
-    let child = cuda_multimem_tests::child_test("hier::hier_child_rank")
+    let child = cuda_multimem_tests::child_test("collectives::hier::hier_child_rank")
         .env(HW_RANK, "1")
         .env(HW_PATH, &path)
         .env(cuda_multimem_collectives::nccl::NCCL_ENV, nccl.path())

@@ -18,7 +18,7 @@ use cuda_multimem::{CaptureMode, Error, Stream};
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{fail_each_call, sim};
 
-use crate::multicast::leftovers;
+use crate::safe::multicast::leftovers;
 
 const MIB: usize = 1 << 20;
 

@@ -8,7 +8,7 @@ use cuda_multimem::Error;
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{env, fail_each_call, sim, Rng};
 
-use crate::multicast::leftovers;
+use crate::safe::multicast::leftovers;
 use cuda_multimem_tests::random_bytes as random;
 
 const MIB: usize = 1 << 20;

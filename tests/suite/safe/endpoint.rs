@@ -14,7 +14,7 @@ use cuda_multimem::{Driver, Error};
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{env, fail_each_call, sim, skip};
 
-use crate::multicast::{dtoh, leftovers};
+use crate::safe::multicast::{dtoh, leftovers};
 use cuda_multimem_tests::random_bytes as random;
 
 const MIB: usize = 1 << 20;
@@ -598,7 +598,7 @@ fn an_endpoint_exported_as_a_fabric_handle_works_in_another_process() {
     let dev0 = d.device(0).unwrap();
     ep.add_device(&dev0).unwrap();
     let mut child = cuda_multimem_tests::child_test(
-        "endpoint::an_endpoint_exported_as_a_fabric_handle_works_in_another_process",
+        "safe::endpoint::an_endpoint_exported_as_a_fabric_handle_works_in_another_process",
     )
     .env(CHILD_HANDLE, hex)
     .stdin(std::process::Stdio::piped())

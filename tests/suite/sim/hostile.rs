@@ -250,7 +250,7 @@ fn library_not_found(who: &str, r: Result<Driver, Error>, path: &str) {
 
 #[test]
 fn garbage_in_the_driver_variables_is_an_error_naming_them_and_never_the_simulator() {
-    let test = "hostile_sim::garbage_in_the_driver_variables_is_an_error_naming_them_and_never_the_simulator";
+    let test = "sim::hostile::garbage_in_the_driver_variables_is_an_error_naming_them_and_never_the_simulator";
     let Some(case) = std::env::var_os(CHILD) else {
         let bytes = OsStr::from_bytes(b"sim:devices=\xff\xfe");
         let os = |s: &'static str| Some(OsStr::new(s));

@@ -1,0 +1,344 @@
+//! The copy-engine all-gather and broadcast: results, thresholds, back to back with the kernel
+//! forms, complete for the next work on the stream, graph replays, disagreement.
+
+use super::*;
+
+/// All-gather and broadcast through the copy engines equal the host references for every type,
+/// in place and out of place, at any offset of the symmetric output; into the caller's own
+/// memory they, and reduce-scatter, keep their kernels, also correct; an empty all-gather
+/// queues nothing. Both drivers.
+#[test]
+fn copy_engine_all_gather_and_broadcast_equal_the_host_reference_for_every_dtype_and_operand_kind()
+{
+    let e = env();
+    let Some(comm) = team(&e, ce_config()) else {
+        return;
+    };
+    let s = streams(&comm);
+    // an empty all-gather queues nothing, even with the threshold at 0 bytes: rank 0 alone
+    // calls it, and no barrier waits for rank 1
+    let mut empty = comm.alloc::<f32>(4).unwrap();
+    let c = comm
+        .rank(0)
+        .unwrap()
+        .all_gather_in_place(empty.slice_mut(0..0).unwrap(), &s[0])
+        .unwrap();
+    assert_ne!(c.algorithm, Algorithm::CopyEngine);
+    sync(&s);
+    comm.check().unwrap();
+    let mut seed = 23;
+    let mut kinds = ReduceOp::ALL.map(Kind::ReduceScatter).to_vec();
+    kinds.extend([Kind::AllGather, Kind::Broadcast(1)]);
+    for kind in kinds {
+        for count in [3, 1000, 20_000] {
+            for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+                for in_place in [false, true] {
+                    for c in [
+                        once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                        once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
+                    ] {
+                        let ce =
+                            matches!(kind, Kind::AllGather | Kind::Broadcast(_)) && mem != Mem::Own;
+                        assert_eq!(
+                            c.algorithm == Algorithm::CopyEngine,
+                            ce,
+                            "{kind:?} of {count}, {mem:?}, in place {in_place}: {c}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The copy engines take an all-gather or a broadcast from `gather_ce_min_bytes` /
+/// `broadcast_ce_min_bytes` of whole buffer, in place or not (one rule, so ranks that differ in
+/// that choose alike); below, the kernels.
+#[test]
+fn copy_engine_forms_start_at_their_threshold_in_place_or_not() {
+    let e = env();
+    let Some(comm) = team(
+        &e,
+        CommConfig {
+            gather_ce_min_bytes: 64 << 10,
+            broadcast_ce_min_bytes: 64 << 10,
+            ..ce_config()
+        },
+    ) else {
+        return;
+    };
+    let s = streams(&comm);
+    let mut seed = 5;
+    // f32: an all-gather of 2 x 8191 x 4 bytes is just under 64 KiB, of 2 x 8192 x 4 64 KiB;
+    // a broadcast of 16383 or 16384
+    for (kind, count, ce) in [
+        (Kind::AllGather, 8191, false),
+        (Kind::AllGather, 8192, true),
+        (Kind::Broadcast(1), 16_383, false),
+        (Kind::Broadcast(1), 16_384, true),
+    ] {
+        for in_place in [false, true] {
+            let c = once::<f32>(&comm, &s, kind, count, Mem::Sym, in_place, &mut seed);
+            assert_eq!(
+                c.algorithm == Algorithm::CopyEngine,
+                ce,
+                "{kind:?} of {count}, in place {in_place}: {c}"
+            );
+        }
+    }
+    // rank 0 in place, rank 1 out of place: the same form, correct results
+    let count = 8192;
+    let input = comm.alloc::<f32>(count).unwrap();
+    let mut output = comm.alloc::<f32>(2 * count).unwrap();
+    let ins: Vec<Vec<f32>> = (0..2).map(|_| random_input(count, &mut seed)).collect();
+    output.write(0, 0, &ins[0]).unwrap();
+    input.write(1, 0, &ins[1]).unwrap();
+    let c0 = comm
+        .rank(0)
+        .unwrap()
+        .all_gather_in_place(&mut output, &s[0])
+        .unwrap();
+    let c1 = comm
+        .rank(1)
+        .unwrap()
+        .all_gather(&input, &mut output, &s[1])
+        .unwrap();
+    assert_eq!(
+        (c0.algorithm, c1.algorithm),
+        (Algorithm::CopyEngine, Algorithm::CopyEngine)
+    );
+    sync(&s);
+    comm.check().unwrap();
+    let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+    for r in 0..2 {
+        assert_eq!(
+            output.to_vec(r).unwrap(),
+            all_gather_reference(&refs),
+            "rank {r}"
+        );
+    }
+}
+
+/// Copy-engine all-gathers back to back with every kernel form (low-latency, staged, direct,
+/// the allreduce), random sizes, types and operand kinds, random per-device delays, checked
+/// once all have run, on teams of 2 to 8: the copies of one call (on the caller's stream and
+/// the rank's second one) must not run into the previous call's or the next one's work.
+#[test]
+fn copy_engine_calls_back_to_back_with_the_kernel_forms_stay_correct_on_teams_of_2_to_8() {
+    for (n, seed) in [(2usize, 11u64), (3, 12), (5, 13), (8, 14)] {
+        let (_e, comm) = delayed_team_ce(n, seed, 8192);
+        let ran = back_to_back(&comm, seed, 48, &[64, 1500, 3000, 6000]);
+        let ce = ran.iter().filter(|&&a| a == Algorithm::CopyEngine).count();
+        assert!(ce >= 2, "team of {n}: only {ce} copy-engine calls");
+    }
+}
+
+/// The gathered output is complete in the caller's stream order when the call returns to it:
+/// a copy of it queued next on the same stream sees every rank's chunk, though the peers'
+/// copies into it start late (random delays before every simulated copy and launch). Without
+/// the final barrier the snapshot misses chunks.
+#[test]
+fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
+    for (n, seed) in [(2usize, 21u64), (3, 22), (5, 23)] {
+        let (_e, comm) = delayed_team_ce(n, seed, 0);
+        let s = streams(&comm);
+        let count = 3000;
+        let mut data = seed;
+        let input = comm.alloc::<f32>(count).unwrap();
+        let mut output = comm.alloc::<f32>(n * count).unwrap();
+        for round in 0..4 {
+            let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut data)).collect();
+            for (r, x) in ins.iter().enumerate() {
+                input.write(r, 0, x).unwrap();
+            }
+            let mut snaps = Vec::new();
+            for (r, st) in s.iter().enumerate() {
+                let c = comm
+                    .rank(r)
+                    .unwrap()
+                    .all_gather(&input, &mut output, st)
+                    .unwrap();
+                assert_eq!(c.algorithm, Algorithm::CopyEngine);
+                let snap = DeviceBuffer::<f32>::zeroed(comm.device(r).unwrap(), n * count).unwrap();
+                // SAFETY: both ranges are n * count f32 of this rank's device memory (its part
+                // of the symmetric output, the snapshot), queued on a live stream of it.
+                unsafe {
+                    st.as_stream_ref()
+                        .copy_dtod_async(
+                            snap.device_ptr(),
+                            output.device_ptr(r).unwrap(),
+                            n * count * 4,
+                        )
+                        .unwrap()
+                };
+                snaps.push(snap);
+            }
+            sync(&s);
+            comm.check().unwrap();
+            let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+            let want = all_gather_reference(&refs);
+            for (r, snap) in snaps.iter().enumerate() {
+                assert_eq!(
+                    snap.to_vec().unwrap(),
+                    want,
+                    "team of {n}, round {round}, rank {r}"
+                );
+            }
+        }
+    }
+}
+
+/// Copy-engine all-gathers and a broadcast captured in a graph (out of place: the fork onto the rank's second
+/// stream and the join inside the capture) replay correctly with new inputs, between staged
+/// reduce-scatters.
+#[test]
+fn captured_copy_engine_calls_replay_with_new_inputs() {
+    let e = sim(SimConfig::new(3, 13000));
+    let comm = Communicator::builder(&e.driver.devices())
+        .config(ce_config())
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    captured_copy_engine_calls(&comm);
+}
+
+/// The same on the chosen driver's first two devices (real GPUs under `test-hw`).
+#[test]
+fn captured_copy_engine_calls_replay_with_new_inputs_on_two_devices() {
+    let e = env();
+    if let Some(comm) = team(&e, ce_config()) {
+        captured_copy_engine_calls(&comm);
+    }
+}
+
+fn captured_copy_engine_calls(comm: &Communicator) {
+    let n = comm.size();
+    let s = streams(comm);
+    let count = 5000;
+    let rs_in = comm.alloc::<f32>(n * count).unwrap();
+    let mut rs_out = comm.alloc::<f32>(count).unwrap();
+    let mut ag_out = comm.alloc::<bf16>(n * count).unwrap();
+    let mut ag_in_place = comm.alloc::<f32>(n * count).unwrap();
+    let mut bc = comm.alloc::<f16>(count).unwrap();
+    let mut ag_ins: Vec<DeviceBuffer<bf16>> = zeroed_per_rank(comm, count);
+    let mut execs = Vec::new();
+    for (r, st) in s.iter().enumerate() {
+        let h = comm.rank(r).unwrap();
+        let sr = st.as_stream_ref();
+        sr.begin_capture(CaptureMode::Relaxed).unwrap();
+        let c = h
+            .reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum, st)
+            .unwrap();
+        assert_eq!(c.algorithm, Algorithm::PushStaged);
+        for c in [
+            h.all_gather(&ag_ins[r], &mut ag_out, st).unwrap(),
+            h.all_gather_in_place(&mut ag_in_place, st).unwrap(),
+            h.broadcast_in_place(&mut bc, 1, st).unwrap(),
+        ] {
+            assert_eq!(c.algorithm, Algorithm::CopyEngine);
+        }
+        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
+        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
+    }
+    let mut seed = 91;
+    for replay in 0..3 {
+        let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
+        let ags: Vec<Vec<bf16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        let aps: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        let bcs: Vec<Vec<f16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
+        for r in 0..n {
+            bc.write(r, 0, &bcs[r]).unwrap();
+            rs_in.write(r, 0, &ins[r]).unwrap();
+            ag_ins[r].copy_from_host(0, &ags[r]).unwrap();
+            ag_in_place.write(r, r * count, &aps[r]).unwrap();
+        }
+        for (x, st) in execs.iter().zip(&s) {
+            x.launch(st).unwrap();
+        }
+        sync(&s);
+        comm.check().unwrap();
+        let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+        let agr: Vec<&[bf16]> = ags.iter().map(|v| v.as_slice()).collect();
+        let apr: Vec<&[f32]> = aps.iter().map(|v| v.as_slice()).collect();
+        for (r, want) in reduce_scatter_reference(ReduceOp::Sum, &refs)
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
+            assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
+            assert_eq!(ag_in_place.to_vec(r).unwrap(), all_gather_reference(&apr));
+            assert_eq!(bc.to_vec(r).unwrap(), bcs[1], "replay {replay} rank {r}");
+        }
+    }
+}
+
+/// A copy-engine call whose peer calls something else (another size; another broadcast root;
+/// the staged kernel, its output being its own memory) is reported by `check()` as a
+/// disagreement (a peer that never calls: `a_peer_that_never_calls_is_reported_as_a_timeout`).
+#[test]
+fn copy_engine_calls_whose_peer_calls_something_else_are_reported() {
+    let team_of = |n: usize| cuda_multimem_tests::sim_team(n, ce_config());
+    // sizes 2000 / 4000 per rank
+    {
+        let (_e, comm, s) = team_of(2);
+        let input = comm.alloc::<f32>(4000).unwrap();
+        let mut output = comm.alloc::<f32>(8000).unwrap();
+        for (r, count) in [(0usize, 2000usize), (1, 4000)] {
+            let c = comm
+                .rank(r)
+                .unwrap()
+                .all_gather(
+                    input.slice(..count).unwrap(),
+                    output.slice_mut(..2 * count).unwrap(),
+                    &s[r],
+                )
+                .unwrap();
+            assert_eq!(c.algorithm, Algorithm::CopyEngine);
+        }
+        expect_reported_disagreement(&comm, &s, "all-gather sizes 2000 / 4000");
+    }
+    // broadcasts through the copy engines from roots 0 / 1
+    {
+        let (_e, comm, s) = team_of(2);
+        let mut buf = comm.alloc::<f32>(8000).unwrap();
+        for (r, root) in [(0usize, 0usize), (1, 1)] {
+            let c = comm
+                .rank(r)
+                .unwrap()
+                .broadcast_in_place(&mut buf, root, &s[r])
+                .unwrap();
+            assert_eq!(c.algorithm, Algorithm::CopyEngine);
+        }
+        expect_reported_disagreement(&comm, &s, "broadcast roots 0 / 1");
+    }
+    // rank 0's all-gather through the copy engines, rank 1's staged (own output)
+    {
+        let (_e, comm, s) = team_of(2);
+        let input = comm.alloc::<f32>(4000).unwrap();
+        let mut output = comm.alloc::<f32>(8000).unwrap();
+        let mut own = DeviceBuffer::<f32>::zeroed(comm.device(1).unwrap(), 8000).unwrap();
+        let c0 = comm
+            .rank(0)
+            .unwrap()
+            .all_gather(&input, &mut output, &s[0])
+            .unwrap();
+        let c1 = comm
+            .rank(1)
+            .unwrap()
+            .all_gather(&input, &mut own, &s[1])
+            .unwrap();
+        assert_eq!(c0.algorithm, Algorithm::CopyEngine);
+        assert_eq!(c1.algorithm, Algorithm::PushStaged);
+        expect_reported_disagreement(&comm, &s, "copy engines / staged");
+    }
+}
+
+/// Wait for the team's calls, then expect `check()` to report ranks that disagree.
+fn expect_reported_disagreement(comm: &Communicator, s: &[Stream], what: &str) {
+    sync(s);
+    match comm.check() {
+        Err(Error::RanksDisagree { .. }) => {}
+        other => panic!("{what}: got {other:?}"),
+    }
+}

@@ -1,0 +1,392 @@
+//! Hostile calls: a team that broke refuses every call, operands of another team, rank or
+//! device, extreme counts in the queries, streams, threads calling one rank, forced forms.
+
+use super::*;
+
+// ---- a team that broke refuses every call ----
+
+/// After a timeout, every collective (reduce-scatter, all-gather, broadcast, in place or not,
+/// the fused norm) and every allocation is refused as `Unusable` before any launch; `check`
+/// keeps reporting (the rank that timed out its own timeout, the team `Unusable`).
+#[test]
+fn after_a_timeout_every_collective_and_the_norm_are_refused_without_a_launch() {
+    let (e, comm, s) = team(
+        2,
+        CommConfig {
+            timeout: Duration::from_millis(50),
+            gather_ll_max_bytes: 0,
+            ..Default::default()
+        },
+    );
+    let sim = e.sim.as_ref().unwrap();
+    let mut a = comm.alloc::<f32>(64).unwrap();
+    let mut b = comm.alloc::<f32>(128).unwrap();
+    // rank 0 all-gathers alone: its barrier times out
+    let h0 = comm.rank(0).unwrap();
+    h0.all_gather(&a, &mut b, &s[0]).unwrap();
+    sync(&s);
+    assert!(matches!(comm.check(), Err(Error::Timeout { .. })));
+    assert!(matches!(comm.check(), Err(Error::Unusable { .. })));
+    assert!(matches!(h0.check(), Err(Error::Timeout { .. })));
+    assert!(matches!(
+        comm.rank(1).unwrap().check(),
+        Err(Error::Unusable { .. })
+    ));
+    let before = sim.calls("cuLaunchKernel");
+    let unusable = |r: cuda_multimem::Result<cuda_multimem_collectives::Choice>, what: &str| {
+        assert!(matches!(r, Err(Error::Unusable { .. })), "{what}: {r:?}");
+    };
+    for (rank, st) in s.iter().enumerate() {
+        let h = comm.rank(rank).unwrap();
+        unusable(h.all_gather(&a, &mut b, st), "all_gather");
+        unusable(h.all_gather_in_place(&mut b, st), "all_gather_in_place");
+        unusable(
+            h.reduce_scatter(&b, &mut a, ReduceOp::Sum, st),
+            "reduce_scatter",
+        );
+        unusable(
+            h.reduce_scatter_in_place(&mut b, ReduceOp::Max, st),
+            "reduce_scatter_in_place",
+        );
+        unusable(
+            h.broadcast(&a, b.slice_mut(..64).unwrap(), 1, st),
+            "broadcast",
+        );
+        unusable(h.broadcast_in_place(&mut a, 0, st), "broadcast_in_place");
+        let x = comm.alloc::<f32>(1);
+        assert!(matches!(x, Err(Error::Unusable { .. })), "alloc");
+        let d = comm.device(rank).unwrap();
+        let xs = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+        let mut res = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+        let g = DeviceBuffer::<f32>::zeroed(d, 16).unwrap();
+        let mut out = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+        unusable(
+            h.all_reduce_add_rms_norm(&xs, &mut res, &g, &mut out, 16, 1e-6, st),
+            "all_reduce_add_rms_norm",
+        );
+    }
+    assert_eq!(
+        sim.calls("cuLaunchKernel"),
+        before,
+        "a refused call launched"
+    );
+}
+
+// ---- operands that belong elsewhere ----
+
+/// Reduce-scatter, all-gather, broadcast and the fused norm take the allreduce's operand
+/// checks: a buffer of another communicator, a view of another rank's part
+/// (`SymmetricBuffer::parts_mut`) and a stream of another device are refused naming the
+/// argument, before any launch; the right rank's part is accepted.
+#[test]
+fn operands_of_another_team_rank_or_device_are_refused_by_every_collective() {
+    let (e, comm, s) = team(2, CommConfig::default());
+    let other = Communicator::builder(&e.driver.devices())
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    let sim = e.sim.as_ref().unwrap();
+    let foreign = other.alloc::<f32>(128).unwrap();
+    let mut foreign_out = other.alloc::<f32>(128).unwrap();
+    let a = comm.alloc::<f32>(64).unwrap();
+    let mut b = comm.alloc::<f32>(128).unwrap();
+    let h0 = comm.rank(0).unwrap();
+    let st = &s[0];
+    let before = sim.calls("cuLaunchKernel");
+    // another communicator's buffers
+    let mut part = comm.alloc::<f32>(64).unwrap();
+    assert_eq!(
+        arg_of(h0.reduce_scatter(&foreign, &mut part, ReduceOp::Sum, st)),
+        "input"
+    );
+    assert_eq!(
+        arg_of(h0.reduce_scatter(&b, foreign_out.slice_mut(..64).unwrap(), ReduceOp::Sum, st)),
+        "output"
+    );
+    assert_eq!(
+        arg_of(h0.all_gather(foreign.slice(..64).unwrap(), &mut b, st)),
+        "input"
+    );
+    assert_eq!(arg_of(h0.all_gather(&a, &mut foreign_out, st)), "output");
+    assert_eq!(
+        arg_of(h0.broadcast(
+            foreign.slice(..64).unwrap(),
+            b.slice_mut(..64).unwrap(),
+            1,
+            st
+        )),
+        "input"
+    );
+    // in place, the one operand is `buf` (not an `input` or `output` the call does not have)
+    assert_eq!(
+        arg_of(h0.broadcast_in_place(&mut foreign_out, 1, st)),
+        "buf"
+    );
+    assert_eq!(arg_of(h0.all_gather_in_place(&mut foreign_out, st)), "buf");
+    assert_eq!(
+        arg_of(h0.reduce_scatter_in_place(&mut foreign_out, ReduceOp::Min, st)),
+        "buf"
+    );
+    // a view of rank 1's part in rank 0's call
+    {
+        let mut parts = b.parts_mut();
+        let (p0, p1) = parts.split_at_mut(1);
+        let (p0, p1) = (&mut p0[0], &mut p1[0]);
+        assert_eq!((p0.rank(), p1.rank()), (0, 1));
+        assert_eq!(arg_of(h0.all_gather_in_place(p1.as_mut_slice(), st)), "buf");
+        assert_eq!(
+            arg_of(h0.broadcast(&a, p1.slice_mut(..64).unwrap(), 0, st)),
+            "output"
+        );
+        let v = p1.as_mut_slice();
+        assert_eq!(
+            arg_of(h0.reduce_scatter(&v, p0.slice_mut(..64).unwrap(), ReduceOp::Sum, st)),
+            "input"
+        );
+    }
+    // a stream of device 1 for rank 0
+    assert_eq!(arg_of(h0.all_gather(&a, &mut b, &s[1])), "stream");
+    assert_eq!(
+        arg_of(h0.reduce_scatter(&b, &mut part, ReduceOp::Max, &s[1])),
+        "stream"
+    );
+    assert_eq!(arg_of(h0.broadcast_in_place(&mut b, 0, &s[1])), "stream");
+    // the norm: another communicator's x, residual, weight, out
+    let d0 = comm.device(0).unwrap();
+    let x = DeviceBuffer::<f32>::zeroed(d0, 128).unwrap();
+    let mut res = DeviceBuffer::<f32>::zeroed(d0, 128).unwrap();
+    let g = DeviceBuffer::<f32>::zeroed(d0, 64).unwrap();
+    let mut out = DeviceBuffer::<f32>::zeroed(d0, 128).unwrap();
+    let norm = |r: cuda_multimem::Result<cuda_multimem_collectives::Choice>| arg_of(r);
+    assert_eq!(
+        norm(h0.all_reduce_add_rms_norm(&foreign, &mut res, &g, &mut out, 64, 1e-6, st)),
+        "x"
+    );
+    assert_eq!(
+        norm(h0.all_reduce_add_rms_norm(&x, &mut foreign_out, &g, &mut out, 64, 1e-6, st)),
+        "residual"
+    );
+    assert_eq!(
+        norm(h0.all_reduce_add_rms_norm(
+            &x,
+            &mut res,
+            foreign.slice(..64).unwrap(),
+            &mut out,
+            64,
+            1e-6,
+            st
+        )),
+        "weight"
+    );
+    assert_eq!(
+        norm(h0.all_reduce_add_rms_norm(&x, &mut res, &g, &mut foreign_out, 64, 1e-6, st)),
+        "out"
+    );
+    {
+        let mut parts = b.parts_mut();
+        let p1 = &mut parts[1];
+        assert_eq!(
+            norm(h0.all_reduce_add_rms_norm(&x, &mut res, &g, p1.as_mut_slice(), 64, 1e-6, st)),
+            "out"
+        );
+    }
+    // the unfused baseline: another device's memory and stream
+    let d1 = comm.device(1).unwrap();
+    let x1 = DeviceBuffer::<f32>::zeroed(d1, 128).unwrap();
+    assert_eq!(
+        arg_of(h0.add_rms_norm(&x1, &mut res, &g, &mut out, 64, 1e-6, st)),
+        "x"
+    );
+    assert_eq!(
+        arg_of(h0.add_rms_norm(&x, &mut res, &g, &mut out, 64, 1e-6, &s[1])),
+        "stream"
+    );
+    assert_eq!(
+        sim.calls("cuLaunchKernel"),
+        before,
+        "a refused call launched"
+    );
+    // nothing ran: the team is healthy, and each rank's own part serves its calls
+    sync(&s);
+    comm.check().unwrap();
+    {
+        let mut parts = b.parts_mut();
+        for (r, p) in parts.iter_mut().enumerate() {
+            p.write(64 * r, &[r as f32 + 1.0; 64]).unwrap();
+            comm.rank(r)
+                .unwrap()
+                .all_gather_in_place(p.as_mut_slice(), &s[r])
+                .unwrap();
+        }
+    }
+    sync(&s);
+    comm.check().unwrap();
+    let want: Vec<f32> = (0..128).map(|i| (i / 64) as f32 + 1.0).collect();
+    for r in 0..2 {
+        assert_eq!(b.to_vec(r).unwrap(), want, "rank {r}");
+    }
+}
+
+/// The queries that report what a call would run take any count: an overflowing byte size is
+/// an error naming the count or the row, extremes that fit are answered, nothing panics.
+#[test]
+fn choice_queries_at_extreme_counts_answer_or_name_the_argument() {
+    let (_e, comm, _s) = team(3, CommConfig::default());
+    for dtype in DType::ALL {
+        for operands in [Operands::Symmetric, Operands::Local] {
+            assert_eq!(
+                arg_of(comm.choice(dtype, ReduceOp::Sum, usize::MAX, operands)),
+                "count"
+            );
+            // the largest count whose bytes fit: an answer or a refusal of the count
+            let big = usize::MAX / dtype.size();
+            match comm.choice(dtype, ReduceOp::Max, big, operands) {
+                Ok(c) => assert_eq!(operands, Operands::Symmetric, "{c:?}"),
+                Err(e) => assert_eq!(arg_of::<()>(Err(e)), "count"),
+            }
+            comm.choice(dtype, ReduceOp::Min, 0, operands).unwrap();
+        }
+        assert_eq!(arg_of(comm.add_rms_norm_choice(dtype, 1, 0)), "hidden");
+        assert_eq!(
+            arg_of(comm.add_rms_norm_choice(dtype, 1, usize::MAX)),
+            "hidden"
+        );
+        for tokens in [0, 1, usize::MAX / 2, usize::MAX] {
+            let c = comm.add_rms_norm_choice(dtype, tokens, 1).unwrap();
+            assert!(c.blocks >= 1 && c.threads >= 64, "{tokens} tokens: {c:?}");
+        }
+    }
+}
+
+/// One stream per rank at a time: a call on a second stream while the first still has this
+/// rank's work is refused naming the stream; once that work is done the second stream is
+/// taken — and the first, destroyed meanwhile, is never queried (its handle may be dangling:
+/// the check asks the rank's own event, recorded behind its last call).
+#[test]
+fn a_second_stream_is_refused_while_the_first_has_work_and_a_destroyed_one_is_never_queried() {
+    let (e, comm, s) = team(2, CommConfig::default());
+    let sim = e.sim.as_ref().unwrap();
+    let d0 = e.driver.device(0).unwrap();
+    let mut buf = comm.alloc::<f32>(1024).unwrap();
+    let a = Stream::new(&d0).unwrap();
+    let r0 = comm.rank(0).unwrap();
+    let r1 = comm.rank(1).unwrap();
+    // rank 0 alone: its kernel waits for rank 1's data
+    r0.all_reduce_in_place(&mut buf, ReduceOp::Sum, &a).unwrap();
+    let b = Stream::new(&d0).unwrap();
+    let launches = sim.calls("cuLaunchKernel");
+    let err = r0.all_reduce_in_place(&mut buf, ReduceOp::Sum, &b);
+    assert_eq!(arg_of(err), "stream");
+    assert_eq!(
+        sim.calls("cuLaunchKernel"),
+        launches,
+        "refused before any launch"
+    );
+    r1.all_reduce_in_place(&mut buf, ReduceOp::Sum, &s[1])
+        .unwrap();
+    a.synchronize().unwrap();
+    s[1].synchronize().unwrap();
+    comm.check().unwrap();
+    drop(a);
+    let queries = sim.calls("cuStreamQuery");
+    r0.all_reduce_in_place(&mut buf, ReduceOp::Sum, &b).unwrap();
+    r1.all_reduce_in_place(&mut buf, ReduceOp::Sum, &s[1])
+        .unwrap();
+    assert_eq!(
+        sim.calls("cuStreamQuery"),
+        queries,
+        "the destroyed stream's handle was queried"
+    );
+    b.synchronize().unwrap();
+    s[1].synchronize().unwrap();
+    comm.check().unwrap();
+}
+
+/// Two threads calling the same rank at once, on its one stream: each call (here staged
+/// through the scratch, several copies and launches) must reach the stream whole, never
+/// interleaved with the other thread's. Every call is the same in-place sum, so whatever the
+/// order, 2K calls per rank leave N^(2K-1) times the sum of the inputs, exactly.
+#[test]
+fn two_threads_calling_one_rank_queue_whole_calls() {
+    let (e, comm, s) = team(
+        2,
+        CommConfig {
+            one_shot_max_bytes: Some(8 << 10),
+            ll_max_bytes: 0,
+            scratch_bytes: 48 << 10,
+            timeout: Duration::from_secs(10),
+            ..CommConfig::default()
+        },
+    );
+    let (n, len, k) = (2usize, 16 << 10, 3u32);
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|r| (0..len).map(|i| ((i * 7 + r * 3) % 4) as f32).collect())
+        .collect();
+    let bufs: Vec<DeviceBuffer<f32>> = (0..n)
+        .map(|r| DeviceBuffer::from_host(&e.driver.device(r).unwrap(), &inputs[r]).unwrap())
+        .collect();
+    std::thread::scope(|scope| {
+        for r in 0..n {
+            for _ in 0..2 {
+                let (comm, s, p) = (&comm, &s, bufs[r].device_ptr());
+                scope.spawn(move || {
+                    let h = comm.rank(r).unwrap();
+                    for _ in 0..k {
+                        // SAFETY: the buffer lives until after the streams are synchronised
+                        // below; the calls on it are ordered by the one stream.
+                        let c = h
+                            .all_reduce_in_place(
+                                unsafe { cuda_multimem_collectives::Dst::<f32>::from_raw(p, len) },
+                                ReduceOp::Sum,
+                                &s[r],
+                            )
+                            .unwrap();
+                        assert!(c.staged_chunks > 1, "{c:?}");
+                    }
+                });
+            }
+        }
+    });
+    sync(&s);
+    comm.check().unwrap();
+    let scale = (n as f32).powi(2 * k as i32 - 1);
+    let want: Vec<f32> = (0..len)
+        .map(|i| scale * inputs.iter().map(|x| x[i]).sum::<f32>())
+        .collect();
+    for (r, b) in bufs.iter().enumerate() {
+        assert_eq!(b.to_vec().unwrap(), want, "rank {r}");
+    }
+}
+
+/// One-shot forced, the caller's own memory, chunks of the scratch larger than the one-shot's
+/// staging: refused naming the count before anything reaches the stream (the chunk's form is
+/// decided before its copy into the scratch).
+#[test]
+fn a_forced_form_that_cannot_take_a_staged_chunk_is_refused_before_any_copy() {
+    let (e, comm, s) = team(
+        2,
+        CommConfig {
+            algorithm: Some(Algorithm::OneShot),
+            one_shot_max_bytes: Some(4 << 10),
+            stage_bytes: Some(4 << 10),
+            ll_max_bytes: 0,
+            scratch_bytes: 3 << 20,
+            ..CommConfig::default()
+        },
+    );
+    let sim = e.sim.as_ref().unwrap();
+    let d0 = e.driver.device(0).unwrap();
+    let mut own = DeviceBuffer::<f32>::zeroed(&d0, 256 << 10).unwrap();
+    let (copies, launches) = (sim.calls("cuMemcpyDtoDAsync"), sim.calls("cuLaunchKernel"));
+    let r = comm
+        .rank(0)
+        .unwrap()
+        .all_reduce_in_place(&mut own, ReduceOp::Sum, &s[0]);
+    assert_eq!(arg_of(r), "count");
+    assert_eq!(
+        sim.calls("cuMemcpyDtoDAsync"),
+        copies,
+        "a copy reached the stream"
+    );
+    assert_eq!(sim.calls("cuLaunchKernel"), launches);
+}

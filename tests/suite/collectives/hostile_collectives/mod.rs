@@ -1,0 +1,30 @@
+//! Hostile use of the collectives' public API: arguments a careless or malicious caller passes
+//! (lengths, offsets, views, roots, shapes, streams, configurations, drop orders) must give an
+//! error value naming the argument, never a panic, a hang or memory corruption.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+use std::time::Duration;
+
+use cuda_multimem::{DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::kernels::MAX_BLOCKS;
+use cuda_multimem_collectives::{
+    add_rms_norm_reference, all_gather_reference, bf16, random_input, reduce_scatter_reference,
+    reference, rms_norm_within_tolerance, Algorithm, Bootstrap, CommConfig, Communicator,
+    CrossDomain, DType, Element, HierBuilder, HierCommunicator, HierLayout, MulticastPolicy,
+    Operands, ReduceOp, UnixBootstrap,
+};
+use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::sim;
+
+use cuda_multimem_tests::{
+    invalid_arg_of as arg_of, sim_team as team, sim_team_as_is as team_as_is, sync_all as sync,
+};
+
+mod building;
+mod calls;
+mod configs;
+
+fn rendezvous(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("cmm-hostile-{tag}-{}", std::process::id()))
+}

@@ -1,4 +1,6 @@
-//! The harness of the workspace suite: which driver a test runs on, and honest skips.
+//! The harness of the workspace suite: which driver a test runs on, honest skips, the one
+//! random generator, the one place a team is built ([`team_on`]), and the collectives as a
+//! table ([`collectives`]) that the suite's correctness, graph-replay and hostile tests iterate.
 //!
 //! `CUDA_MULTIMEM_DRIVER` decides: `sim[:options]` runs on the simulated driver (what
 //! `cargo xtask test` sets, once per driver version), `cuda` on the real one (`cargo xtask
@@ -6,6 +8,8 @@
 //! itself never falls back on its own; this harness does, because it is test tooling.
 
 use std::sync::Once;
+
+pub mod collectives;
 
 use cuda_multimem::{DeviceBuffer, DeviceRepr, Driver, DRIVER_ENV};
 use cuda_multimem_collectives::Communicator;
@@ -101,6 +105,11 @@ impl Rng {
     /// A float in [-1, 1).
     pub fn f32(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// `len` random elements in [-1, 1) (the values of the collectives' `random_input` for
+    /// this generator's state).
+    pub fn input<T: cuda_multimem_collectives::Element>(&mut self, len: usize) -> Vec<T> {
+        cuda_multimem_collectives::random_input(len, &mut self.0)
     }
     /// Fill `buf` with random bytes.
     pub fn fill(&mut self, buf: &mut [u8]) {
@@ -231,6 +240,26 @@ pub fn assert_child_passes(mut cmd: std::process::Command, what: &str) {
     );
 }
 
+/// The one place the suite builds a team of the local devices: a communicator over `devices`
+/// (by rank; a device may repeat, for ranks that share a GPU where the library allows it) with
+/// `config` and `policy`, and a stream per rank (on its rank's device).
+pub fn team_on(
+    devices: &[cuda_multimem::Device],
+    config: cuda_multimem_collectives::CommConfig,
+    policy: cuda_multimem_collectives::MulticastPolicy,
+) -> (Communicator, Vec<cuda_multimem::Stream>) {
+    let comm = Communicator::builder(devices)
+        .config(config)
+        .multicast(policy)
+        .build()
+        .unwrap_or_else(|e| panic!("a team of {} devices builds: {e}", devices.len()));
+    let s = devices
+        .iter()
+        .map(|d| cuda_multimem::Stream::new(d).expect("a stream"))
+        .collect();
+    (comm, s)
+}
+
 /// A simulated team of `n` devices (driver 13000, peer-to-peer only) built with `config` as
 /// it is, and a stream per rank.
 pub fn sim_team_as_is(
@@ -238,16 +267,11 @@ pub fn sim_team_as_is(
     config: cuda_multimem_collectives::CommConfig,
 ) -> (Env, Communicator, Vec<cuda_multimem::Stream>) {
     let e = sim(SimConfig::new(n, 13000));
-    let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(config)
-        .multicast(cuda_multimem_collectives::MulticastPolicy::Never)
-        .build()
-        .expect("a simulated team builds");
-    let s = devices
-        .iter()
-        .map(|d| cuda_multimem::Stream::new(d).expect("a stream"))
-        .collect();
+    let (comm, s) = team_on(
+        &e.driver.devices(),
+        config,
+        cuda_multimem_collectives::MulticastPolicy::Never,
+    );
     (e, comm, s)
 }
 

@@ -8,14 +8,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem::{CaptureMode, Error, Stream};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, reference, rms_norm_within_tolerance, Algorithm, Choice, CommConfig,
-    Communicator, HierCommunicator, MulticastPolicy, RankHandle, ReduceOp, SymmetricBuffer,
-    UnixBootstrap,
+    Algorithm, CommConfig, Communicator, HierCommunicator, MulticastPolicy, ReduceOp, UnixBootstrap,
 };
 use cuda_multimem_sim::{FailurePlan, SimConfig, Simulator};
 use cuda_multimem_sys::CUresult;
+use cuda_multimem_tests::collectives::{Call, Mem, Queued};
 use cuda_multimem_tests::{fail_each_call, sim, Rng};
 
 const N: usize = 2;
@@ -69,29 +68,12 @@ fn drain(s: &[Stream]) {
     }
 }
 
-// ---- what a case calls ----
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-    Broadcast(usize),
-    /// Fused allreduce + residual add + RMSNorm of rows of `hidden`.
-    Norm(usize),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Mem {
-    /// Symmetric buffers from element `k` (1: not 16-byte aligned).
-    Sym(usize),
-    /// The caller's own memory.
-    Own,
-}
+// ---- what a case calls: an entry of the collectives' table ----
 
 #[derive(Debug, Clone)]
 struct Spec {
-    kind: Kind,
+    /// The collective and its parameters.
+    kind: Call,
     mem: Mem,
     in_place: bool,
     /// Elements per rank: allreduce/broadcast the message, reduce-scatter the output,
@@ -102,240 +84,32 @@ struct Spec {
     expect: Algorithm,
 }
 
-/// One case's operands, and every rank's host input.
-struct Bufs {
-    sym_in: Option<SymmetricBuffer<f32>>,
-    sym_out: Option<SymmetricBuffer<f32>>,
-    /// Norm: residual and weight.
-    sym_res: Option<SymmetricBuffer<f32>>,
-    sym_w: Option<SymmetricBuffer<f32>>,
-    own_in: Vec<DeviceBuffer<f32>>,
-    own_out: Vec<DeviceBuffer<f32>>,
-    inputs: Vec<Vec<f32>>,
-    residual: Vec<f32>,
-    weight: Vec<f32>,
-}
-
-fn lengths(kind: Kind, count: usize) -> (usize, usize) {
-    match kind {
-        Kind::ReduceScatter => (N * count, count),
-        Kind::AllGather => (count, N * count),
-        _ => (count, count),
-    }
-}
-
-fn rand_vec(len: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..len).map(|_| rng.f32()).collect()
-}
-
-fn setup(comm: &Communicator, spec: &Spec, seed: u64) -> Bufs {
-    let mut rng = Rng::new(seed);
-    let (il, ol) = lengths(spec.kind, spec.count);
-    let whole = il.max(ol);
-    let inputs: Vec<Vec<f32>> = (0..N)
-        .map(|_| rand_vec(if spec.in_place { whole } else { il }, &mut rng))
-        .collect();
-    let mut b = Bufs {
-        sym_in: None,
-        sym_out: None,
-        sym_res: None,
-        sym_w: None,
-        own_in: Vec::new(),
-        own_out: Vec::new(),
-        inputs,
-        residual: Vec::new(),
-        weight: Vec::new(),
-    };
-    if let Kind::Norm(hidden) = spec.kind {
-        b.residual = rand_vec(spec.count, &mut rng);
-        b.weight = rand_vec(hidden, &mut rng);
-        let (x, res, w, out) = (
-            comm.alloc::<f32>(spec.count).unwrap(),
-            comm.alloc::<f32>(spec.count).unwrap(),
-            comm.alloc::<f32>(hidden).unwrap(),
-            comm.alloc::<f32>(spec.count).unwrap(),
-        );
-        for r in 0..N {
-            x.write(r, 0, &b.inputs[r]).unwrap();
-            res.write(r, 0, &b.residual).unwrap();
-            w.write(r, 0, &b.weight).unwrap();
-        }
-        (b.sym_in, b.sym_res, b.sym_w, b.sym_out) = (Some(x), Some(res), Some(w), Some(out));
-        return b;
-    }
-    match spec.mem {
-        Mem::Sym(k) => {
-            let out = comm.alloc::<f32>(k + whole).unwrap();
-            if spec.in_place {
-                for r in 0..N {
-                    out.write(r, k, &b.inputs[r]).unwrap();
-                }
-            } else {
-                let inp = comm.alloc::<f32>(k + il).unwrap();
-                for r in 0..N {
-                    inp.write(r, k, &b.inputs[r]).unwrap();
-                }
-                b.sym_in = Some(inp);
-            }
-            b.sym_out = Some(out);
-        }
-        Mem::Own => {
-            for r in 0..N {
-                let d = comm.device(r).unwrap();
-                if spec.in_place {
-                    b.own_out
-                        .push(DeviceBuffer::from_host(d, &b.inputs[r]).unwrap());
-                } else {
-                    b.own_in
-                        .push(DeviceBuffer::from_host(d, &b.inputs[r]).unwrap());
-                    b.own_out.push(DeviceBuffer::zeroed(d, ol).unwrap());
-                }
-            }
-        }
-    }
-    b
-}
-
-fn call(
-    spec: &Spec,
-    h: &RankHandle<'_>,
-    b: &mut Bufs,
-    st: &Stream,
-) -> cuda_multimem::Result<Choice> {
-    let r = h.rank();
-    let (il, ol) = lengths(spec.kind, spec.count);
-    let op = ReduceOp::Sum;
-    if let Kind::Norm(hidden) = spec.kind {
-        let (x, res, w, out) = (
-            b.sym_in.as_ref().unwrap(),
-            b.sym_res.as_mut().unwrap(),
-            b.sym_w.as_ref().unwrap(),
-            b.sym_out.as_mut().unwrap(),
-        );
-        return h.all_reduce_add_rms_norm(x, res, w, out, hidden, EPS, st);
-    }
-    match spec.mem {
-        Mem::Sym(k) => {
-            let out = b.sym_out.as_mut().unwrap();
-            if spec.in_place {
-                let v = out.slice_mut(k..k + il.max(ol))?;
-                match spec.kind {
-                    Kind::AllReduce => h.all_reduce_in_place(v, op, st),
-                    Kind::ReduceScatter => h.reduce_scatter_in_place(v, op, st),
-                    Kind::AllGather => h.all_gather_in_place(v, st),
-                    Kind::Broadcast(root) => h.broadcast_in_place(v, root, st),
-                    Kind::Norm(_) => unreachable!(),
-                }
-            } else {
-                let i = b.sym_in.as_ref().unwrap().slice(k..k + il)?;
-                let o = out.slice_mut(k..k + ol)?;
-                match spec.kind {
-                    Kind::AllReduce => h.all_reduce(i, o, op, st),
-                    Kind::ReduceScatter => h.reduce_scatter(i, o, op, st),
-                    Kind::AllGather => h.all_gather(i, o, st),
-                    Kind::Broadcast(root) => h.broadcast(i, o, root, st),
-                    Kind::Norm(_) => unreachable!(),
-                }
-            }
-        }
-        Mem::Own => {
-            if spec.in_place {
-                let v = &mut b.own_out[r];
-                match spec.kind {
-                    Kind::AllReduce => h.all_reduce_in_place(v, op, st),
-                    Kind::ReduceScatter => h.reduce_scatter_in_place(v, op, st),
-                    Kind::AllGather => h.all_gather_in_place(v, st),
-                    Kind::Broadcast(root) => h.broadcast_in_place(v, root, st),
-                    Kind::Norm(_) => unreachable!(),
-                }
-            } else {
-                let (i, o) = (&b.own_in[r], &mut b.own_out[r]);
-                match spec.kind {
-                    Kind::AllReduce => h.all_reduce(i, o, op, st),
-                    Kind::ReduceScatter => h.reduce_scatter(i, o, op, st),
-                    Kind::AllGather => h.all_gather(i, o, st),
-                    Kind::Broadcast(root) => h.broadcast(i, o, root, st),
-                    Kind::Norm(_) => unreachable!(),
-                }
-            }
-        }
-    }
-}
-
-/// Every rank's output against the host reference.
-fn verify(spec: &Spec, b: &Bufs) -> Result<(), String> {
-    let n = N;
-    let count = spec.count;
-    let (il, ol) = lengths(spec.kind, count);
-    let refs: Vec<&[f32]> = b.inputs.iter().map(|v| v.as_slice()).collect();
-    if let Kind::Norm(hidden) = spec.kind {
-        let (want_res, want_out) =
-            add_rms_norm_reference(&refs, &b.residual, &b.weight, hidden, EPS);
-        for r in 0..n {
-            let res = b.sym_res.as_ref().unwrap().to_vec(r).unwrap();
-            let out = b.sym_out.as_ref().unwrap().to_vec(r).unwrap();
-            if res != want_res {
-                return Err(format!("rank {r}: residual_out differs"));
-            }
-            if let Some(i) = (0..count).find(|&i| !rms_norm_within_tolerance(out[i], want_out[i])) {
-                return Err(format!(
-                    "rank {r}: out element {i}: got {} want {}",
-                    out[i], want_out[i]
-                ));
-            }
-        }
-        return Ok(());
-    }
-    for r in 0..n {
-        let got: Vec<f32> = match spec.mem {
-            Mem::Sym(k) => b.sym_out.as_ref().unwrap().to_vec(r).unwrap()[k..].to_vec(),
-            Mem::Own => b.own_out[r].to_vec().unwrap(),
-        };
-        // (expected, where it starts in the output or the in-place buffer)
-        let (want, at): (Vec<f32>, usize) = match spec.kind {
-            Kind::AllReduce => (reference(ReduceOp::Sum, &refs), 0),
-            Kind::ReduceScatter => {
-                let sum = reference(ReduceOp::Sum, &refs);
-                let chunk = sum[r * ol..(r + 1) * ol].to_vec();
-                (chunk, if spec.in_place { r * ol } else { 0 })
-            }
-            Kind::AllGather => (
-                (0..n)
-                    .flat_map(|k| {
-                        let from = if spec.in_place { k * il } else { 0 };
-                        b.inputs[k][from..from + il].to_vec()
-                    })
-                    .collect(),
-                0,
-            ),
-            Kind::Broadcast(root) => (b.inputs[root].clone(), 0),
-            Kind::Norm(_) => unreachable!(),
-        };
-        if got[at..at + want.len()] != want[..] {
-            let i = (0..want.len()).find(|&i| got[at + i] != want[i]).unwrap();
-            return Err(format!(
-                "rank {r}: element {i}: got {} want {}",
-                got[at + i],
-                want[i]
-            ));
-        }
-    }
-    Ok(())
+/// One case's operands (f32), filled with data from `seed`.
+fn setup(comm: &Communicator, spec: &Spec, seed: u64) -> Queued<f32> {
+    let mut q = Queued::new(
+        comm,
+        spec.kind.at(),
+        spec.count,
+        spec.kind.params,
+        spec.mem,
+        spec.in_place,
+    );
+    q.fill(&mut Rng::new(seed));
+    q
 }
 
 /// The whole case on every rank, cleanly: the form it expects, and the host reference.
 fn clean_run(comm: &Communicator, spec: &Spec, s: &[Stream], seed: u64) -> Result<(), String> {
     let mut b = setup(comm, spec, seed);
     for (r, st) in s.iter().enumerate() {
-        let c =
-            call(spec, &comm.rank(r).unwrap(), &mut b, st).map_err(|e| format!("rank {r}: {e}"))?;
+        let c = b.call(comm, r, st).map_err(|e| format!("rank {r}: {e}"))?;
         if c.algorithm != spec.expect {
             return Err(format!("rank {r} ran {c}; expected {}", spec.expect));
         }
     }
     drain(s);
     comm.check().map_err(|e| format!("check: {e}"))?;
-    verify(spec, &b)
+    b.verify()
 }
 
 /// Failures that the library ignores by design: the end-of-call event record (and the capture
@@ -359,7 +133,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
             let mut b = setup(&comm, spec, 1);
             let sr = s[0].as_stream_ref();
             sr.begin_capture(CaptureMode::Relaxed).unwrap();
-            call(spec, &comm.rank(0).unwrap(), &mut b, &s[0]).unwrap();
+            b.call(&comm, 0, &s[0]).unwrap();
             drop(sr.end_capture().unwrap());
             assert!(!sr.is_capturing().unwrap());
             drop(b);
@@ -374,7 +148,6 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
         let s = streams(&comm);
         let mut b = setup(&comm, spec, 10 + skip as u64);
         let before = live(sim);
-        let h0 = comm.rank(0).unwrap();
         let sr = s[0].as_stream_ref();
         if capture {
             sr.begin_capture(CaptureMode::Relaxed).unwrap();
@@ -384,7 +157,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
             skip,
             code: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
         });
-        let r = call(spec, &h0, &mut b, &s[0]);
+        let r = b.call(&comm, 0, &s[0]);
         let fired = sim.clear_failure();
         let what = format!("{spec:?}, capture {capture}, call #{skip} ({fired:?})");
         let graph = if capture {
@@ -410,10 +183,10 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
                 let x = unsafe { g.unwrap().instantiate() }.unwrap();
                 x.launch(&s[0]).unwrap();
             }
-            call(spec, &comm.rank(1).unwrap(), &mut b, &s[1]).unwrap();
+            b.call(&comm, 1, &s[1]).unwrap();
             drain(&s);
             comm.check().unwrap();
-            verify(spec, &b).unwrap_or_else(|m| panic!("{what}: {m}"));
+            b.verify().unwrap_or_else(|m| panic!("{what}: {m}"));
             break;
         };
         injected += 1;
@@ -426,7 +199,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
         drop(graph);
         if !capture {
             // the peer makes its call: it meets rank 0's work, or times out
-            match call(spec, &comm.rank(1).unwrap(), &mut b, &s[1]) {
+            match b.call(&comm, 1, &s[1]) {
                 Ok(_) | Err(Error::Unusable { .. }) => {}
                 Err(e) => panic!("{what}: rank 1's call: {e}"),
             }
@@ -437,7 +210,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
         match comm.check() {
             Err(Error::Timeout { .. } | Error::Unusable { .. }) => {
                 // the team says so, and refuses further calls
-                match call(spec, &h0, &mut b, &s[0]) {
+                match b.call(&comm, 0, &s[0]) {
                     Err(Error::Unusable { .. }) => {}
                     other => panic!("{what}: a broken team took a call: {other:?}"),
                 }
@@ -445,21 +218,22 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
             Err(e) => panic!("{what}: check: {e}"),
             Ok(()) => {
                 if r.is_ok() && !capture {
-                    verify(spec, &b).unwrap_or_else(|m| panic!("{what}: {m}"));
+                    b.verify().unwrap_or_else(|m| panic!("{what}: {m}"));
                 }
                 // the team still computes correct results (and the call released its lock)
                 clean_run(&comm, spec, &s, 4)
                     .unwrap_or_else(|m| panic!("{what}: the team still reports no error but: {m}"));
             }
         }
-        drop((b, h0, sr));
+        drop((b, sr));
         drop((s, comm));
         assert_eq!(live(sim), base, "{what}: left over after the team dropped");
     }
     injected
 }
 
-fn spec(kind: Kind, mem: Mem, in_place: bool, count: usize, expect: Algorithm) -> Spec {
+fn spec(mut kind: Call, mem: Mem, in_place: bool, count: usize, expect: Algorithm) -> Spec {
+    kind.params.eps = EPS;
     Spec {
         kind,
         mem,
@@ -496,17 +270,23 @@ fn a_symmetric_allocation_that_fails_half_way_leaks_nothing_and_the_team_stays_u
     assert!(injected >= 10, "only {injected} driver calls failed");
     comm.check().unwrap();
     for (k, sp) in [
-        spec(Kind::AllReduce, Mem::Sym(0), true, 64, Algorithm::OneShotLl),
         spec(
-            Kind::AllReduce,
-            Mem::Sym(0),
+            Call::all_reduce(ReduceOp::Sum),
+            Mem::SYM,
+            true,
+            64,
+            Algorithm::OneShotLl,
+        ),
+        spec(
+            Call::all_reduce(ReduceOp::Sum),
+            Mem::SYM,
             false,
             4096,
             Algorithm::TwoShotPush,
         ),
         spec(
-            Kind::AllGather,
-            Mem::Sym(0),
+            Call::all_gather(),
+            Mem::SYM,
             false,
             600,
             Algorithm::PushDirect,
@@ -525,9 +305,27 @@ fn a_symmetric_allocation_that_fails_half_way_leaks_nothing_and_the_team_stays_u
 fn a_failing_low_latency_or_one_shot_allreduce_leaks_nothing_and_never_computes_wrong() {
     sweep_all(
         &[
-            spec(Kind::AllReduce, Mem::Sym(0), true, 64, Algorithm::OneShotLl),
-            spec(Kind::AllReduce, Mem::Sym(0), false, 512, Algorithm::OneShot),
-            spec(Kind::AllReduce, Mem::Own, false, 512, Algorithm::OneShot),
+            spec(
+                Call::all_reduce(ReduceOp::Sum),
+                Mem::SYM,
+                true,
+                64,
+                Algorithm::OneShotLl,
+            ),
+            spec(
+                Call::all_reduce(ReduceOp::Sum),
+                Mem::SYM,
+                false,
+                512,
+                Algorithm::OneShot,
+            ),
+            spec(
+                Call::all_reduce(ReduceOp::Sum),
+                Mem::OWN,
+                false,
+                512,
+                Algorithm::OneShot,
+            ),
         ],
         1,
     );
@@ -536,8 +334,8 @@ fn a_failing_low_latency_or_one_shot_allreduce_leaks_nothing_and_never_computes_
 #[test]
 fn a_failing_two_shot_allreduce_leaks_nothing_and_never_computes_wrong() {
     let mut ce = spec(
-        Kind::AllReduce,
-        Mem::Sym(0),
+        Call::all_reduce(ReduceOp::Sum),
+        Mem::SYM,
         false,
         4096,
         Algorithm::TwoShotCe,
@@ -547,15 +345,15 @@ fn a_failing_two_shot_allreduce_leaks_nothing_and_never_computes_wrong() {
     sweep_all(
         &[
             spec(
-                Kind::AllReduce,
-                Mem::Sym(0),
+                Call::all_reduce(ReduceOp::Sum),
+                Mem::SYM,
                 true,
                 4096,
                 Algorithm::TwoShotPush,
             ),
             spec(
-                Kind::AllReduce,
-                Mem::Sym(1),
+                Call::all_reduce(ReduceOp::Sum),
+                Mem::SYM_ODD,
                 false,
                 4096,
                 Algorithm::TwoShot,
@@ -573,8 +371,8 @@ fn a_failing_staged_allreduce_of_own_memory_leaks_nothing_and_never_computes_wro
     // number of 16-byte vectors, the second chunk's input copied into the input region too
     let staged = |in_place, count| {
         let mut s = spec(
-            Kind::AllReduce,
-            Mem::Own,
+            Call::all_reduce(ReduceOp::Sum),
+            Mem::OWN,
             in_place,
             count,
             Algorithm::TwoShotPush,
@@ -592,22 +390,22 @@ fn a_failing_reduce_scatter_leaks_nothing_and_never_computes_wrong() {
     sweep_all(
         &[
             spec(
-                Kind::ReduceScatter,
-                Mem::Sym(0),
+                Call::reduce_scatter(ReduceOp::Sum),
+                Mem::SYM,
                 false,
                 64,
                 Algorithm::PushLl,
             ),
             spec(
-                Kind::ReduceScatter,
-                Mem::Sym(1),
+                Call::reduce_scatter(ReduceOp::Sum),
+                Mem::SYM_ODD,
                 true,
                 1000,
                 Algorithm::PushStaged,
             ),
             spec(
-                Kind::ReduceScatter,
-                Mem::Own,
+                Call::reduce_scatter(ReduceOp::Sum),
+                Mem::OWN,
                 false,
                 1000,
                 Algorithm::PushStaged,
@@ -621,17 +419,17 @@ fn a_failing_reduce_scatter_leaks_nothing_and_never_computes_wrong() {
 fn a_failing_all_gather_leaks_nothing_and_never_computes_wrong() {
     sweep_all(
         &[
-            spec(Kind::AllGather, Mem::Sym(0), true, 64, Algorithm::PushLl),
+            spec(Call::all_gather(), Mem::SYM, true, 64, Algorithm::PushLl),
             spec(
-                Kind::AllGather,
-                Mem::Own,
+                Call::all_gather(),
+                Mem::OWN,
                 false,
                 1000,
                 Algorithm::PushStaged,
             ),
             spec(
-                Kind::AllGather,
-                Mem::Sym(0),
+                Call::all_gather(),
+                Mem::SYM,
                 false,
                 1000,
                 Algorithm::PushDirect,
@@ -644,17 +442,17 @@ fn a_failing_all_gather_leaks_nothing_and_never_computes_wrong() {
 #[test]
 fn a_failing_copy_engine_all_gather_or_broadcast_leaks_nothing_and_joins_its_fork() {
     let ce = |kind, in_place, count| {
-        let mut s = spec(kind, Mem::Sym(0), in_place, count, Algorithm::CopyEngine);
+        let mut s = spec(kind, Mem::SYM, in_place, count, Algorithm::CopyEngine);
         s.config.gather_ce_min_bytes = 4096;
         s.config.broadcast_ce_min_bytes = 4096;
         s
     };
     sweep_all(
         &[
-            ce(Kind::AllGather, false, 1024),
-            ce(Kind::AllGather, true, 1024),
-            ce(Kind::Broadcast(0), false, 2048),
-            ce(Kind::Broadcast(1), false, 2048),
+            ce(Call::all_gather(), false, 1024),
+            ce(Call::all_gather(), true, 1024),
+            ce(Call::broadcast(0), false, 2048),
+            ce(Call::broadcast(1), false, 2048),
         ],
         3,
     );
@@ -664,23 +462,17 @@ fn a_failing_copy_engine_all_gather_or_broadcast_leaks_nothing_and_joins_its_for
 fn a_failing_broadcast_leaks_nothing_and_never_computes_wrong() {
     sweep_all(
         &[
+            spec(Call::broadcast(0), Mem::SYM, false, 128, Algorithm::PushLl),
             spec(
-                Kind::Broadcast(0),
-                Mem::Sym(0),
-                false,
-                128,
-                Algorithm::PushLl,
-            ),
-            spec(
-                Kind::Broadcast(1),
-                Mem::Own,
+                Call::broadcast(1),
+                Mem::OWN,
                 true,
                 1000,
                 Algorithm::PushStaged,
             ),
             spec(
-                Kind::Broadcast(0),
-                Mem::Sym(0),
+                Call::broadcast(0),
+                Mem::SYM,
                 true,
                 2000,
                 Algorithm::PushDirect,
@@ -698,16 +490,10 @@ fn a_failing_fused_allreduce_rms_norm_leaks_nothing_and_never_computes_wrong() {
     // limit) two-shot in three launches of at most 4 rows
     sweep_all(
         &[
+            spec(Call::norm(256), Mem::SYM, false, 256, Algorithm::OneShotLl),
             spec(
-                Kind::Norm(256),
-                Mem::Sym(0),
-                false,
-                256,
-                Algorithm::OneShotLl,
-            ),
-            spec(
-                Kind::Norm(256),
-                Mem::Sym(0),
+                Call::norm(256),
+                Mem::SYM,
                 false,
                 3 * 256,
                 Algorithm::OneShot,
@@ -717,8 +503,8 @@ fn a_failing_fused_allreduce_rms_norm_leaks_nothing_and_never_computes_wrong() {
     );
     sweep_all(
         &[spec(
-            Kind::Norm(256),
-            Mem::Sym(0),
+            Call::norm(256),
+            Mem::SYM,
             false,
             10 * 256,
             Algorithm::TwoShotPush,

@@ -13,7 +13,8 @@ use cuda_multimem_collectives::{
     Src,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{sim, Env};
+use cuda_multimem_tests::collectives::{self as table, Mem, Queued};
+use cuda_multimem_tests::{sim, Env, Rng};
 
 use cuda_multimem_tests::{invalid_arg_of as arg_of, sim_team as team, sync_all as sync};
 
@@ -140,6 +141,38 @@ fn zero_length_operands_pass_every_collective_without_a_launch() {
     sync(&s);
     comm.check().unwrap();
     assert_eq!(a.to_vec(1).unwrap(), vec![3.0; 64]);
+}
+
+/// Every collective of the table at no elements — every parameter, both operand kinds, in
+/// place and not — launches nothing; the team stays in step for a real call of each after
+/// them.
+#[test]
+fn every_collective_of_no_elements_launches_nothing_and_the_team_stays_in_step() {
+    let (e, comm, s) = team(2, CommConfig::default());
+    let mut rng = Rng::new(3);
+    let before = launches(&e);
+    let mut empty = Vec::new();
+    for c in table::table::<f32>() {
+        for params in table::params_for(&c, 2) {
+            for mem in Mem::KINDS {
+                for in_place in [false, true] {
+                    let mut q = Queued::new(&comm, c, 0, params, mem, in_place);
+                    q.fill(&mut rng);
+                    q.call_all(&comm, &s);
+                    empty.push(q);
+                }
+            }
+        }
+    }
+    assert_eq!(launches(&e), before);
+    sync(&s);
+    comm.check().unwrap();
+    for q in &empty {
+        q.check();
+    }
+    for call in table::calls(2) {
+        table::once::<f32>(&comm, &s, call, 64, Mem::SYM, false, &mut rng);
+    }
 }
 
 #[test]

@@ -12,13 +12,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, Error, GraphExec, Stream};
+use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, Error, Stream};
 use cuda_multimem_collectives::{
     bf16, f16, multimem_pays_off, random_bytes, random_input, reference, reference_bytes,
     Algorithm, Bootstrap, Choice, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy,
     Operands, ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
+use cuda_multimem_tests::collectives::{Call, Elem, Mem, Queued};
 use cuda_multimem_tests::{env, sim, skip, Env, Rng};
 
 // ---- harness ----
@@ -153,3 +154,5 @@ mod hostile_buffers;
 mod hostile_collectives;
 mod multimem;
 mod norm;
+mod smoke;
+mod table;

@@ -9,12 +9,12 @@ use std::time::Duration;
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
 use cuda_multimem_collectives::kernels::norm::{SPLIT, SPLIT_MIN_ROW_BYTES};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, f16, random_input, reference, rms_norm_within_tolerance,
-    Algorithm, CommConfig, Communicator, DType, Element, MulticastPolicy, ReduceOp,
-    SymmetricBuffer,
+    add_rms_norm_reference, bf16, f16, random_input, rms_norm_within_tolerance, Algorithm,
+    CommConfig, Communicator, DType, Element, MulticastPolicy, ReduceOp, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{env, sim, sim_delayed};
+use cuda_multimem_tests::collectives::{self as table, Call, Elem, Mem, Params, Queued};
+use cuda_multimem_tests::{env, sim, sim_delayed, Rng};
 
 const EPS: f32 = 1e-6;
 
@@ -89,76 +89,70 @@ impl<T: Element> Case<T> {
     }
 }
 
-/// Run `case` on every rank with symmetric buffers (`own` false) or DeviceBuffers, check every
-/// rank, and return rank 0's (residual_out, out).
-fn run<T: Element + Default>(
+/// Run the fused norm on `tokens` rows of `hidden` random elements of `T` (from `seed`) on
+/// every rank — the table's runner, symmetric buffers or (`own`) the caller's own memory —
+/// check every rank against the reference and against rank 0, and return rank 0's
+/// (residual_out, out).
+#[allow(clippy::too_many_arguments)]
+fn run<T: Elem>(
     comm: &Communicator,
     s: &[Stream],
-    case: &Case<T>,
+    tokens: usize,
+    hidden: usize,
+    seed: u64,
     own: bool,
     what: &str,
 ) -> (Vec<T>, Vec<T>) {
-    let n = comm.size();
-    let len = case.r.len();
-    let mut got = Vec::new();
-    if own {
-        let mut bufs = Vec::new();
-        for r in 0..n {
-            let d = comm.device(r).unwrap();
-            bufs.push((
-                DeviceBuffer::from_host(d, &case.xs[r]).unwrap(),
-                DeviceBuffer::from_host(d, &case.r).unwrap(),
-                DeviceBuffer::from_host(d, &case.gamma).unwrap(),
-                DeviceBuffer::<T>::zeroed(d, len).unwrap(),
-            ));
-        }
-        for (r, (x, res, g, out)) in bufs.iter_mut().enumerate() {
-            comm.rank(r)
-                .unwrap()
-                .all_reduce_add_rms_norm(&*x, &mut *res, &*g, &mut *out, case.hidden, EPS, &s[r])
-                .unwrap();
-        }
-        for st in s {
-            st.synchronize().unwrap();
-        }
-        comm.check().unwrap();
-        for (x, res, _, out) in &bufs {
-            let _ = x;
-            got.push((res.to_vec().unwrap(), out.to_vec().unwrap()));
-        }
-    } else {
-        let x: SymmetricBuffer<T> = comm.alloc(len).unwrap();
-        let mut res: SymmetricBuffer<T> = comm.alloc(len).unwrap();
-        let g: SymmetricBuffer<T> = comm.alloc(case.hidden).unwrap();
-        let mut out: SymmetricBuffer<T> = comm.alloc(len).unwrap();
-        for r in 0..n {
-            x.write(r, 0, &case.xs[r]).unwrap();
-            res.write(r, 0, &case.r).unwrap();
-            g.write(r, 0, &case.gamma).unwrap();
-        }
-        for (r, st) in s.iter().enumerate() {
-            comm.rank(r)
-                .unwrap()
-                .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, case.hidden, EPS, st)
-                .unwrap();
-        }
-        for st in s {
-            st.synchronize().unwrap();
-        }
-        comm.check().unwrap();
-        for r in 0..n {
-            got.push((res.to_vec(r).unwrap(), out.to_vec(r).unwrap()));
-        }
+    let q = queued::<T>(
+        comm,
+        tokens,
+        hidden,
+        if own { Mem::OWN } else { Mem::SYM },
+        false,
+    );
+    finish(comm, s, q, seed, what)
+}
+
+/// The norm's case at `tokens × hidden`, allocated, nothing written.
+fn queued<T: Elem>(
+    comm: &Communicator,
+    tokens: usize,
+    hidden: usize,
+    mem: Mem,
+    in_place: bool,
+) -> Queued<T> {
+    let call = Call::norm(hidden);
+    let params = Params {
+        eps: EPS,
+        ..call.params
+    };
+    Queued::new(comm, call.at(), tokens * hidden, params, mem, in_place)
+}
+
+/// Fill `q` from `seed`, call every rank, wait, check every rank against the reference and
+/// against rank 0; rank 0's (residual_out, out).
+fn finish<T: Elem>(
+    comm: &Communicator,
+    s: &[Stream],
+    mut q: Queued<T>,
+    seed: u64,
+    what: &str,
+) -> (Vec<T>, Vec<T>) {
+    q.fill(&mut Rng::new(seed));
+    q.call_all(comm, s);
+    for st in s {
+        st.synchronize().unwrap();
     }
-    for (r, (res, out)) in got.iter().enumerate() {
-        case.check(what, r, res, out);
-        assert_eq!(
-            (res, out),
-            (&got[0].0, &got[0].1),
-            "{what}: rank {r} differs from rank 0"
-        );
+    comm.check().unwrap();
+    q.verify().unwrap_or_else(|m| panic!("{what}: {m}"));
+    // results: out, then residual_out
+    let got: Vec<Vec<Vec<T>>> = (0..q.n).map(|r| q.results(r)).collect();
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(g, &got[0], "{what}: rank {r} differs from rank 0");
     }
-    got.swap_remove(0)
+    let mut r0 = got.into_iter().next().unwrap();
+    let res = r0.pop().unwrap();
+    (res, r0.pop().unwrap())
 }
 
 fn each_dtype(
@@ -173,27 +167,9 @@ fn each_dtype(
         for (i, &t) in tokens.iter().enumerate() {
             let what = |d: &str| format!("{n} ranks, {algorithm:?}, {t} x {hidden} {d}, own {own}");
             let seed = (n * 1000 + t * 7 + hidden + i) as u64;
-            run(
-                &comm,
-                &s,
-                &Case::<f32>::new(n, t, hidden, seed),
-                own,
-                &what("f32"),
-            );
-            run(
-                &comm,
-                &s,
-                &Case::<f16>::new(n, t, hidden, seed + 1),
-                own,
-                &what("f16"),
-            );
-            run(
-                &comm,
-                &s,
-                &Case::<bf16>::new(n, t, hidden, seed + 2),
-                own,
-                &what("bf16"),
-            );
+            run::<f32>(&comm, &s, t, hidden, seed, own, &what("f32"));
+            run::<f16>(&comm, &s, t, hidden, seed + 1, own, &what("f16"));
+            run::<bf16>(&comm, &s, t, hidden, seed + 2, own, &what("bf16"));
         }
     }
 }
@@ -271,11 +247,17 @@ fn low_latency_and_barrier_one_shot_give_the_same_bits() {
             };
             let c = comm.add_rms_norm_choice(DType::Bf16, t, h).unwrap();
             assert_eq!(c.blocks as usize, blocks, "{t} x {h}: {what} {c:?}");
-            let case = Case::<bf16>::new(2, t, h, (t * h) as u64);
-            let a = run(&comm, &s, &case, true, what);
+            let a = run::<bf16>(&comm, &s, t, h, (t * h) as u64, true, what);
             let hf = h / 2;
-            let f = Case::<f32>::new(2, t, hf, (t + hf) as u64);
-            let b = run(&comm, &s, &f, false, &format!("{what} f32"));
+            let b = run::<f32>(
+                &comm,
+                &s,
+                t,
+                hf,
+                (t + hf) as u64,
+                false,
+                &format!("{what} f32"),
+            );
             mine.push((a, b));
         }
         results.push(mine);
@@ -304,20 +286,8 @@ fn teams_of_2_to_8_match_the_reference_in_the_low_latency_form() {
                 .add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)
                 .unwrap();
             assert_eq!(c.algorithm, Algorithm::OneShotLl, "{what}");
-            run(
-                &comm,
-                &s,
-                &Case::<bf16>::new(n, t, h, (n + t) as u64),
-                t % 2 == 1,
-                &what,
-            );
-            run(
-                &comm,
-                &s,
-                &Case::<f16>::new(n, t, h, (n * t + 1) as u64),
-                t % 2 == 0,
-                &what,
-            );
+            run::<bf16>(&comm, &s, t, h, (n + t) as u64, t % 2 == 1, &what);
+            run::<f16>(&comm, &s, t, h, (n * t + 1) as u64, t % 2 == 0, &what);
         }
     }
 }
@@ -338,13 +308,7 @@ fn the_low_latency_form_runs_up_to_its_limit_on_whole_aligned_words_only() {
     assert_eq!(ll(3, 4099, DType::Bf16), Algorithm::OneShot);
     assert_eq!(ll(3, 4099, DType::F32), Algorithm::OneShotLl);
     // odd elements, and operands 2 bytes off a word: the barrier one-shot, correct
-    run(
-        &comm,
-        &s,
-        &Case::<bf16>::new(2, 3, 4099, 7),
-        true,
-        "odd row, default",
-    );
+    run::<bf16>(&comm, &s, 3, 4099, 7, true, "odd row, default");
     let (t, h) = (2, 1000);
     let case = Case::<bf16>::new(2, t, h, 8);
     let mut got = Vec::new();
@@ -410,17 +374,13 @@ fn both_forms_serve_the_callers_own_memory() {
 fn a_128_and_a_1000_token_call_match_the_reference_in_both_forms() {
     for alg in [Algorithm::OneShot, Algorithm::TwoShot] {
         let (_e, comm, s) = team(2, forced(Some(alg)));
-        run(
+        run::<bf16>(&comm, &s, 128, 8192, 5, false, &format!("{alg} 128 x 8192"));
+        run::<bf16>(
             &comm,
             &s,
-            &Case::<bf16>::new(2, 128, 8192, 5),
-            false,
-            &format!("{alg} 128 x 8192"),
-        );
-        run(
-            &comm,
-            &s,
-            &Case::<bf16>::new(2, 1000, 4100, 6),
+            1000,
+            4100,
+            6,
             true,
             &format!("{alg} 1000 x 4100"),
         );
@@ -434,20 +394,8 @@ fn teams_of_3_5_and_8_match_the_reference_in_both_forms() {
             let (_e, comm, s) = team(n, forced(Some(alg)));
             for (t, h) in [(1, 264), (3, 1000), (16, 520), (37, 130)] {
                 let what = format!("{n} ranks {alg} {t} x {h}");
-                run(
-                    &comm,
-                    &s,
-                    &Case::<bf16>::new(n, t, h, (n + t) as u64),
-                    t % 2 == 0,
-                    &what,
-                );
-                run(
-                    &comm,
-                    &s,
-                    &Case::<f32>::new(n, t, h, (n * t) as u64),
-                    false,
-                    &what,
-                );
+                run::<bf16>(&comm, &s, t, h, (n + t) as u64, t % 2 == 0, &what);
+                run::<f32>(&comm, &s, t, h, (n * t) as u64, false, &what);
             }
         }
     }
@@ -467,13 +415,7 @@ fn calls_larger_than_the_staging_run_in_several_launches() {
                 ..Default::default()
             },
         );
-        run(
-            &comm,
-            &s,
-            &Case::<f16>::new(3, 100, 1000, 9),
-            false,
-            &format!("{alg} chunked"),
-        );
+        run::<f16>(&comm, &s, 100, 1000, 9, false, &format!("{alg} chunked"));
     }
 }
 
@@ -520,43 +462,9 @@ fn out_may_be_x_itself() {
     for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
         let (_e, comm, s) = team(2, forced(Some(alg)));
         let (t, h) = (5, 1000);
-        let case = Case::<bf16>::new(2, t, h, 21);
-        let mut bufs: Vec<_> = (0..2)
-            .map(|r| {
-                let d = comm.device(r).unwrap();
-                (
-                    DeviceBuffer::from_host(d, &case.xs[r]).unwrap(),
-                    DeviceBuffer::from_host(d, &case.r).unwrap(),
-                    DeviceBuffer::from_host(d, &case.gamma).unwrap(),
-                )
-            })
-            .collect();
-        for (r, (x, res, g)) in bufs.iter_mut().enumerate() {
-            let p = x.device_ptr();
-            // SAFETY: x's own memory, alive until the stream is synchronised below.
-            let (src, dst) = unsafe {
-                (
-                    cuda_multimem_collectives::Src::<bf16>::from_raw(p, t * h),
-                    cuda_multimem_collectives::Dst::<bf16>::from_raw(p, t * h),
-                )
-            };
-            comm.rank(r)
-                .unwrap()
-                .all_reduce_add_rms_norm(src, &mut *res, &*g, dst, h, EPS, &s[r])
-                .unwrap();
-        }
-        for st in &s {
-            st.synchronize().unwrap();
-        }
-        comm.check().unwrap();
-        for (r, (x, res, _)) in bufs.iter().enumerate() {
-            case.check(
-                &format!("{alg} in place"),
-                r,
-                &res.to_vec().unwrap(),
-                &x.to_vec().unwrap(),
-            );
-        }
+        // in place: `out` is `x` itself (the caller's own memory)
+        let q = queued::<bf16>(&comm, t, h, Mem::OWN, true);
+        finish(&comm, &s, q, 21, &format!("{alg} in place"));
     }
 }
 
@@ -572,16 +480,28 @@ fn the_unfused_baseline_after_an_allreduce_gives_the_fused_bits_for_f32() {
     for (t, h) in [(7, 1000), (7, 4100)] {
         let same_order = 4 * h < SPLIT_MIN_ROW_BYTES;
         let (_e, comm, s) = team(2, CommConfig::default());
-        let case = Case::<f32>::new(2, t, h, 33);
-        let (fr, fo) = run(&comm, &s, &case, false, "fused");
+        let mut fused = queued::<f32>(&comm, t, h, Mem::SYM, false);
+        fused.fill(&mut Rng::new(33));
+        fused.call_all(&comm, &s);
+        for st in &s {
+            st.synchronize().unwrap();
+        }
+        comm.check().unwrap();
+        fused.check();
+        let (fo, fr) = {
+            let mut g = fused.results(0);
+            let res = g.pop().unwrap();
+            (g.pop().unwrap(), res)
+        };
+        // the same data through an allreduce and the unfused kernel
         let mut x: SymmetricBuffer<f32> = comm.alloc(t * h).unwrap();
         let mut res: SymmetricBuffer<f32> = comm.alloc(t * h).unwrap();
         let g: SymmetricBuffer<f32> = comm.alloc(h).unwrap();
         let mut out: SymmetricBuffer<f32> = comm.alloc(t * h).unwrap();
         for r in 0..2 {
-            x.write(r, 0, &case.xs[r]).unwrap();
-            res.write(r, 0, &case.r).unwrap();
-            g.write(r, 0, &case.gamma).unwrap();
+            x.write(r, 0, fused.input(r)).unwrap();
+            res.write(r, 0, fused.side_data(0)).unwrap();
+            g.write(r, 0, fused.side_data(1)).unwrap();
         }
         for (r, st) in s.iter().enumerate() {
             let h_ = comm.rank(r).unwrap();
@@ -614,44 +534,15 @@ fn a_captured_graph_replays_the_fused_norm_in_every_form() {
     for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
         let (_e, comm, s) = team(2, forced(Some(alg)));
         let (t, h) = (16, 1024);
-        let x: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
-        let mut res: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
-        let g: SymmetricBuffer<bf16> = comm.alloc(h).unwrap();
-        let mut out: SymmetricBuffer<bf16> = comm.alloc(t * h).unwrap();
-        let mut execs = Vec::new();
-        for (r, st) in s.iter().enumerate() {
-            let sr = st.as_stream_ref();
-            sr.begin_capture(CaptureMode::Global).unwrap();
-            comm.rank(r)
-                .unwrap()
-                .all_reduce_add_rms_norm(&x, &mut res, &g, &mut out, h, EPS, st)
-                .unwrap();
-            // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
-            execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
-        }
-        for replay in 0..4u64 {
-            let case = Case::<bf16>::new(2, t, h, 100 + replay);
-            for r in 0..2 {
-                x.write(r, 0, &case.xs[r]).unwrap();
-                res.write(r, 0, &case.r).unwrap();
-                g.write(r, 0, &case.gamma).unwrap();
-            }
-            for (r, st) in s.iter().enumerate() {
-                execs[r].launch(st).unwrap();
-            }
-            for st in &s {
-                st.synchronize().unwrap();
-            }
-            comm.check().unwrap();
-            for r in 0..2 {
-                case.check(
-                    &format!("{alg} replay {replay}"),
-                    r,
-                    &res.to_vec(r).unwrap(),
-                    &out.to_vec(r).unwrap(),
-                );
-            }
-        }
+        let mut q = queued::<bf16>(&comm, t, h, Mem::SYM, false);
+        table::capture_and_replay(
+            &comm,
+            &s,
+            &mut [&mut q],
+            CaptureMode::Global,
+            4,
+            &mut Rng::new(100 + alg as u64),
+        );
     }
 }
 
@@ -679,63 +570,35 @@ fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
             .build()
             .unwrap();
         let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
-        let mut state = seed * 77 + 1;
+        let mut rng = Rng::new(seed * 77 + 1);
         let calls = 12;
         let (t, h) = (6, 260);
         let mut cases = Vec::new();
-        let mut ar_in = Vec::new();
-        let mut bufs = Vec::new();
         for c in 0..calls {
-            let case = Case::<bf16>::new(n, t + c % 5, h, seed * 100 + c as u64);
-            let x: SymmetricBuffer<bf16> = comm.alloc(case.r.len()).unwrap();
-            let res: SymmetricBuffer<bf16> = comm.alloc(case.r.len()).unwrap();
-            let g: SymmetricBuffer<bf16> = comm.alloc(h).unwrap();
-            let out: SymmetricBuffer<bf16> = comm.alloc(case.r.len()).unwrap();
-            for r in 0..n {
-                x.write(r, 0, &case.xs[r]).unwrap();
-                res.write(r, 0, &case.r).unwrap();
-                g.write(r, 0, &case.gamma).unwrap();
-            }
+            let mut norm = queued::<bf16>(&comm, t + c % 5, h, Mem::SYM, false);
+            norm.fill(&mut rng);
             // an allreduce of a size that picks another algorithm each time
             let count = [100usize, 3000, 9000, 20_000][c % 4];
-            let inputs: Vec<Vec<bf16>> = (0..n).map(|_| random_input(count, &mut state)).collect();
-            let ar: SymmetricBuffer<bf16> = comm.alloc(count).unwrap();
-            for (r, v) in inputs.iter().enumerate() {
-                ar.write(r, 0, v).unwrap();
-            }
-            cases.push(case);
-            ar_in.push(inputs);
-            bufs.push((x, res, g, out, ar));
+            let call = Call::all_reduce(ReduceOp::Sum);
+            let mut ar = Queued::<bf16>::new(&comm, call.at(), count, call.params, Mem::SYM, true);
+            ar.fill(&mut rng);
+            cases.push((ar, norm));
         }
-        for (c, (x, res, g, out, ar)) in bufs.iter_mut().enumerate() {
+        for (ar, norm) in cases.iter_mut() {
             for (r, st) in s.iter().enumerate() {
-                let hr = comm.rank(r).unwrap();
-                hr.all_reduce_in_place(&mut *ar, ReduceOp::Sum, st).unwrap();
-                let _ = c;
-                hr.all_reduce_add_rms_norm(&*x, &mut *res, &*g, &mut *out, h, EPS, st)
-                    .unwrap();
+                ar.call(&comm, r, st).unwrap();
+                norm.call(&comm, r, st).unwrap();
             }
         }
         for st in &s {
             st.synchronize().unwrap();
         }
         comm.check().unwrap();
-        for (c, (_, res, _, out, ar)) in bufs.iter().enumerate() {
-            let refs: Vec<&[bf16]> = ar_in[c].iter().map(|v| v.as_slice()).collect();
-            let want = reference(ReduceOp::Sum, &refs);
-            for r in 0..n {
-                assert_eq!(
-                    ar.to_vec(r).unwrap(),
-                    want,
-                    "team of {n}, call {c}, rank {r}: allreduce"
-                );
-                cases[c].check(
-                    &format!("team of {n}, call {c}"),
-                    r,
-                    &res.to_vec(r).unwrap(),
-                    &out.to_vec(r).unwrap(),
-                );
-            }
+        for (c, (ar, norm)) in cases.iter().enumerate() {
+            ar.verify()
+                .unwrap_or_else(|m| panic!("team of {n}, call {c}: {m}"));
+            norm.verify()
+                .unwrap_or_else(|m| panic!("team of {n}, call {c}: {m}"));
         }
     }
 }

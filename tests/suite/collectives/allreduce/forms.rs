@@ -9,7 +9,7 @@ fn every_forced_algorithm_gives_the_reference_bits() {
     let Some(devices) = two_devices(&e, "forced_algorithms") else {
         return;
     };
-    let mut seed = 11;
+    let mut seed = Rng::new(11);
     for algorithm in [
         Algorithm::OneShotLl,
         Algorithm::OneShot,
@@ -27,22 +27,12 @@ fn every_forced_algorithm_gives_the_reference_bits() {
             .build()
             .unwrap();
         let s = streams(&comm);
-        let mut buf = comm.alloc::<bf16>(1 << 19).unwrap();
         for count in [6usize, 12_346, 32_768] {
             let planned = comm
                 .choice(DType::Bf16, ReduceOp::Sum, count, Operands::Symmetric)
                 .unwrap();
             assert_eq!(planned.algorithm, algorithm);
-            let ran = check_sym(
-                &comm,
-                &s,
-                &mut seed,
-                &mut buf,
-                None,
-                (0, 0),
-                count,
-                ReduceOp::Sum,
-            );
+            let ran = check_sym::<bf16>(&comm, &s, &mut seed, (0, 0), count, ReduceOp::Sum, true);
             assert_eq!(ran.algorithm, algorithm);
         }
     }
@@ -50,15 +40,15 @@ fn every_forced_algorithm_gives_the_reference_bits() {
 
 /// A write-only two-shot call on symmetric buffers (no prologue copy): the reference in the
 /// output, every other byte of both buffers as it was, no copy beside the kernels.
-fn push_alone<T: Element + Default>(e: &Env, comm: &Communicator, s: &[Stream], seed: &mut u64) {
+fn push_alone<T: Elem>(e: &Env, comm: &Communicator, s: &[Stream], seed: &mut Rng) {
     let n = comm.size();
     let count = 40_000;
     let guard = 64;
     let total = count + 2 * guard;
     let inp = comm.alloc::<T>(total).unwrap();
     let mut out = comm.alloc::<T>(total).unwrap();
-    let fill: Vec<Vec<T>> = (0..n).map(|_| random_input(total, seed)).collect();
-    let filled: Vec<Vec<T>> = (0..n).map(|_| random_input(total, seed)).collect();
+    let fill: Vec<Vec<T>> = (0..n).map(|_| seed.input(total)).collect();
+    let filled: Vec<Vec<T>> = (0..n).map(|_| seed.input(total)).collect();
     for r in 0..n {
         inp.write(r, 0, &fill[r]).unwrap();
         out.write(r, 0, &filled[r]).unwrap();
@@ -123,7 +113,7 @@ fn a_write_only_two_shot_call_without_a_prologue_copy_writes_only_its_output() {
         return;
     };
     let s = streams(&comm);
-    let mut seed = 37;
+    let mut seed = Rng::new(37);
     for dtype in DType::ALL {
         for_dtype!(dtype, push_alone(&e, &comm, &s, &mut seed));
     }
@@ -131,29 +121,18 @@ fn a_write_only_two_shot_call_without_a_prologue_copy_writes_only_its_output() {
 
 // ---- the write-only two-shot in rounds, and the copy-engine two-shot ----
 
-fn push_rounds<T: Element + Default>(
+fn push_rounds<T: Elem>(
     comm: &Communicator,
     s: &[Stream],
-    seed: &mut u64,
+    seed: &mut Rng,
     count: usize,
     op: ReduceOp,
 ) {
-    let mut buf = comm.alloc::<T>(count + 64).unwrap();
-    let mut out = comm.alloc::<T>(count + 64).unwrap();
-    let c = check_sym(comm, s, seed, &mut buf, None, (0, 0), count, op);
+    let c = check_sym::<T>(comm, s, seed, (0, 0), count, op, true);
     assert_eq!(c.algorithm, Algorithm::TwoShotPush, "{c}");
     let es = std::mem::size_of::<T>();
     // output 16 elements in: still 16-byte aligned for every type
-    let c = check_sym(
-        comm,
-        s,
-        seed,
-        &mut buf,
-        Some(&mut out),
-        (16 / es * 2, 16),
-        count,
-        op,
-    );
+    let c = check_sym::<T>(comm, s, seed, (16 / es * 2, 16), count, op, false);
     assert_eq!(c.algorithm, Algorithm::TwoShotPush, "{c}");
 }
 
@@ -165,7 +144,7 @@ fn the_write_only_two_shot_is_the_default_above_one_shot_and_runs_in_rounds() {
             return;
         };
         let s = streams(&comm);
-        let mut seed = 99 + max_blocks as u64;
+        let mut seed = Rng::new(99 + max_blocks as u64);
         assert_eq!(
             comm.choice(DType::F32, ReduceOp::Sum, 100_000, Operands::Symmetric)
                 .unwrap()
@@ -184,31 +163,9 @@ fn the_write_only_two_shot_is_the_default_above_one_shot_and_runs_in_rounds() {
         push_rounds::<f16>(&comm, &s, &mut seed, 400_000, ReduceOp::Min);
         push_rounds::<f32>(&comm, &s, &mut seed, 2_047, ReduceOp::Max);
         // misaligned operands: the reading two-shot runs instead, still exact
-        let mut buf = comm.alloc::<f32>(60_000).unwrap();
-        let mut out = comm.alloc::<f32>(60_000).unwrap();
-        let c = check_sym(
-            &comm,
-            &s,
-            &mut seed,
-            &mut buf,
-            Some(&mut out),
-            (1, 1),
-            50_000,
-            ReduceOp::Sum,
-        );
+        let c = check_sym::<f32>(&comm, &s, &mut seed, (1, 1), 50_000, ReduceOp::Sum, false);
         assert_eq!(c.algorithm, Algorithm::TwoShot);
-        let mut bb = comm.alloc::<bf16>(60_000).unwrap();
-        let mut bo = comm.alloc::<bf16>(60_000).unwrap();
-        let c = check_sym(
-            &comm,
-            &s,
-            &mut seed,
-            &mut bb,
-            Some(&mut bo),
-            (3, 5),
-            50_000,
-            ReduceOp::Sum,
-        );
+        let c = check_sym::<bf16>(&comm, &s, &mut seed, (3, 5), 50_000, ReduceOp::Sum, false);
         assert_eq!(c.algorithm, Algorithm::TwoShot);
     }
 }
@@ -288,13 +245,7 @@ fn write_only_two_shot_and_one_shot_share_the_staging_back_to_back() {
     }
 }
 
-fn ce_every_op<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &mut u64) {
-    let mut buf = comm
-        .alloc::<T>((1 << 20) / std::mem::size_of::<T>() + 64)
-        .unwrap();
-    let mut out = comm
-        .alloc::<T>((1 << 20) / std::mem::size_of::<T>() + 64)
-        .unwrap();
+fn ce_every_op<T: Elem>(comm: &Communicator, s: &[Stream], seed: &mut Rng) {
     let es = std::mem::size_of::<T>();
     for op in ReduceOp::ALL {
         for count in [5_000usize, 131_075] {
@@ -305,18 +256,9 @@ fn ce_every_op<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &m
             } else {
                 Algorithm::TwoShotPush
             };
-            let c = check_sym(comm, s, seed, &mut buf, None, (0, 0), count, op);
+            let c = check_sym::<T>(comm, s, seed, (0, 0), count, op, true);
             assert_eq!(c.algorithm, alg, "{count} x {}", T::DTYPE);
-            let c = check_sym(
-                comm,
-                s,
-                seed,
-                &mut buf,
-                Some(&mut out),
-                (8 / es * 2, 24 / es * 2),
-                count,
-                op,
-            );
+            let c = check_sym::<T>(comm, s, seed, (8 / es * 2, 24 / es * 2), count, op, false);
             assert_eq!(c.algorithm, alg);
         }
     }
@@ -351,23 +293,12 @@ fn the_copy_engine_two_shot_is_chosen_up_to_its_limit_and_exact() {
     assert_eq!(alg(300_000), Algorithm::TwoShotPush);
     // below ce_min_bytes (16 KiB) but above the one-shot limit: the write-only two-shot
     assert_eq!(alg(3_000), Algorithm::TwoShotPush);
-    let mut seed = 4242;
+    let mut seed = Rng::new(4242);
     for dtype in DType::ALL {
         for_dtype!(dtype, ce_every_op(&comm, &s, &mut seed));
     }
     // misaligned: the reading two-shot
-    let mut buf = comm.alloc::<f32>(70_000).unwrap();
-    let mut out = comm.alloc::<f32>(70_000).unwrap();
-    let c = check_sym(
-        &comm,
-        &s,
-        &mut seed,
-        &mut buf,
-        Some(&mut out),
-        (3, 3),
-        60_000,
-        ReduceOp::Sum,
-    );
+    let c = check_sym::<f32>(&comm, &s, &mut seed, (3, 3), 60_000, ReduceOp::Sum, false);
     assert_eq!(c.algorithm, Algorithm::TwoShot);
     // forced beyond the landing slots: refused before anything is queued
     let forced = team_with(

@@ -4,74 +4,22 @@ use super::*;
 
 // ---- graphs ----
 
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Kind {
-    Symmetric,
-    Own,
-}
-
-/// Capture one f32 sum of `count` elements per rank (symmetric buffers or the caller's own
-/// memory), replay it four times with new inputs; returns what the captured call chose.
-fn graph_replay(comm: &Communicator, count: usize, kind: Kind) -> Choice {
+/// Capture one f32 sum of `count` elements per rank, out of place (`mem`: symmetric buffers or
+/// the caller's own memory), replay it four times with new inputs (the table's runner); returns
+/// what the last rank's captured call chose.
+fn graph_replay(comm: &Communicator, count: usize, mem: Mem) -> Choice {
     let s = streams(comm);
-    let n = comm.size();
-    let op = ReduceOp::Sum;
-    let inp = comm.alloc::<f32>(count).unwrap();
-    let mut out = comm.alloc::<f32>(count).unwrap();
-    let mut own: Vec<(DeviceBuffer<f32>, DeviceBuffer<f32>)> = (0..n)
-        .map(|r| {
-            let d = comm.device(r).unwrap();
-            (
-                DeviceBuffer::zeroed(d, count).unwrap(),
-                DeviceBuffer::zeroed(d, count).unwrap(),
-            )
-        })
-        .collect();
-    let mut execs: Vec<GraphExec> = Vec::new();
-    let mut choice = None;
-    for (r, st) in s.iter().enumerate() {
-        let sr = st.as_stream_ref();
-        sr.begin_capture(CaptureMode::Global).unwrap();
-        let h = comm.rank(r).unwrap();
-        let c = match kind {
-            Kind::Symmetric => h.all_reduce(&inp, &mut out, op, st),
-            Kind::Own => {
-                let (i, o) = &mut own[r];
-                h.all_reduce(&*i, o, op, st)
-            }
-        }
-        .unwrap();
-        let graph = sr.end_capture().unwrap();
-        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
-        execs.push(unsafe { graph.instantiate() }.unwrap());
-        choice = Some(c);
-    }
-    let mut seed = 77;
-    for replay in 0..4 {
-        let inputs: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
-        for (r, x) in inputs.iter().enumerate() {
-            match kind {
-                Kind::Symmetric => inp.write(r, 0, x).unwrap(),
-                Kind::Own => own[r].0.copy_from_host(0, x).unwrap(),
-            }
-        }
-        for (r, st) in s.iter().enumerate() {
-            execs[r].launch(st).unwrap();
-        }
-        sync(&s);
-        comm.check().unwrap();
-        let want = reference(op, &refs(&inputs));
-        for r in 0..n {
-            let got = match kind {
-                Kind::Symmetric => out.to_vec(r).unwrap(),
-                Kind::Own => own[r].1.to_vec().unwrap(),
-            };
-            if let Some(m) = first_mismatch(&got, &want) {
-                panic!("{kind:?}, replay {replay}, rank {r}: {m}");
-            }
-        }
-    }
-    choice.unwrap()
+    let call = Call::all_reduce(ReduceOp::Sum);
+    let mut q = Queued::<f32>::new(comm, call.at(), count, call.params, mem, false);
+    let chose = cuda_multimem_tests::collectives::capture_and_replay(
+        comm,
+        &s,
+        &mut [&mut q],
+        CaptureMode::Global,
+        4,
+        &mut Rng::new(77),
+    );
+    *chose[0].last().unwrap()
 }
 
 #[test]
@@ -80,7 +28,7 @@ fn a_captured_graph_replays_the_allreduce_without_host_resets() {
     let Some(comm) = team(&e, "graph_symmetric") else {
         return;
     };
-    graph_replay(&comm, 5000, Kind::Symmetric);
+    graph_replay(&comm, 5000, Mem::SYM);
 }
 
 /// The copy-engine two-shot's copies are memcpy nodes of the captured graph: replays copy the
@@ -106,7 +54,7 @@ fn a_captured_graph_replays_the_copy_engine_two_shot() {
             .algorithm,
         Algorithm::TwoShotCe
     );
-    let c = graph_replay(&comm, 100_000, Kind::Symmetric);
+    let c = graph_replay(&comm, 100_000, Mem::SYM);
     assert_eq!(c.algorithm, Algorithm::TwoShotCe);
 }
 
@@ -127,7 +75,7 @@ fn a_captured_graph_replays_a_staged_call_on_the_callers_own_memory() {
     ) else {
         return;
     };
-    let c = graph_replay(&comm, 100_003, Kind::Own);
+    let c = graph_replay(&comm, 100_003, Mem::OWN);
     assert!(c.staged_chunks > 1, "{c}");
 }
 
@@ -138,6 +86,6 @@ fn a_captured_graph_replays_a_direct_call_on_the_callers_own_memory() {
     let Some(comm) = team(&e, "graph_own_direct") else {
         return;
     };
-    let c = graph_replay(&comm, 5000, Kind::Own);
+    let c = graph_replay(&comm, 5000, Mem::OWN);
     assert_eq!(c.staged_chunks, 0, "{c}");
 }

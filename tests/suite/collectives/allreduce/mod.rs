@@ -16,119 +16,62 @@ mod processes;
 mod protocol;
 mod staging;
 
-/// One checked allreduce of `count` random elements on every rank, on symmetric buffers: the
-/// input at element `in_off` of `inp`, the output at `out_off` of `out` (`None`: in place).
-#[allow(clippy::too_many_arguments)]
-fn check_sym<T: Element + Default>(
+/// One checked allreduce of `count` random elements on every rank, on symmetric buffers (the
+/// table's runner): the input at element `at.0` of its buffer, the output at `at.1` of its own
+/// (in place: the one buffer's view at `at.0`). Symmetric operands are never staged. What the
+/// last rank's call chose.
+fn check_sym<T: Elem>(
     comm: &Communicator,
     s: &[Stream],
-    seed: &mut u64,
-    inp: &mut SymmetricBuffer<T>,
-    mut out: Option<&mut SymmetricBuffer<T>>,
-    (in_off, out_off): (usize, usize),
+    rng: &mut Rng,
+    at: (usize, usize),
     count: usize,
     op: ReduceOp,
+    in_place: bool,
 ) -> Choice {
-    let n = comm.size();
-    let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(count, seed)).collect();
-    for (r, x) in inputs.iter().enumerate() {
-        inp.write(r, in_off, x).unwrap();
-    }
-    let mut choice = None;
-    for (r, st) in s.iter().enumerate() {
-        let h = comm.rank(r).unwrap();
-        let c = match &mut out {
-            Some(o) => h.all_reduce(
-                inp.slice(in_off..in_off + count).unwrap(),
-                o.slice_mut(out_off..out_off + count).unwrap(),
-                op,
-                st,
-            ),
-            None => h.all_reduce_in_place(inp.slice_mut(in_off..in_off + count).unwrap(), op, st),
-        }
-        .unwrap();
-        assert_eq!(c.staged_chunks, 0, "symmetric operands are never staged");
-        choice = Some(c);
-    }
-    sync(s);
-    comm.check().unwrap();
-    let want = reference(op, &refs(&inputs));
-    let (buf, off): (&SymmetricBuffer<T>, usize) = match &out {
-        Some(o) => (o, out_off),
-        None => (inp, in_off),
+    let mem = if in_place {
+        Mem::sym_at(at.0, at.0)
+    } else {
+        Mem::sym_at(at.0, at.1)
     };
-    let choice = choice.unwrap();
-    for r in 0..n {
-        let mut got = vec![T::default(); count];
-        buf.read(r, off, &mut got).unwrap();
-        if let Some(m) = first_mismatch(&got, &want) {
-            panic!(
-                "rank {r}, {count} x {} {op} ({choice}), offsets {in_off}/{out_off}: {m}",
-                T::DTYPE
-            );
-        }
+    let q = cuda_multimem_tests::collectives::once::<T>(
+        comm,
+        s,
+        Call::all_reduce(op),
+        count,
+        mem,
+        in_place,
+        rng,
+    );
+    for c in &q.choices {
+        assert_eq!(c.staged_chunks, 0, "symmetric operands are never staged");
     }
-    choice
+    *q.choices.last().unwrap()
 }
 
 /// One checked allreduce on the caller's own memory (`DeviceBuffer`s): `in_place` or into a
-/// second buffer; with `misaligned`, the input is read through `Src::from_raw` one element into
-/// its buffer (not 16-byte aligned).
-fn check_own<T: Element + Default>(
+/// second buffer; with `misaligned`, the input is read through a raw view one element into its
+/// buffer (not 16-byte aligned). What the last rank's call chose.
+fn check_own<T: Elem>(
     comm: &Communicator,
     s: &[Stream],
-    seed: &mut u64,
+    rng: &mut Rng,
     count: usize,
     op: ReduceOp,
     in_place: bool,
     misaligned: bool,
 ) -> Choice {
-    let n = comm.size();
-    let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(count, seed)).collect();
-    let mut choice = None;
-    let mut keep = Vec::new();
-    for (r, st) in s.iter().enumerate() {
-        let h = comm.rank(r).unwrap();
-        let d = comm.device(r).unwrap();
-        let c = if in_place {
-            let mut b = DeviceBuffer::from_host(d, &inputs[r]).unwrap();
-            let c = h.all_reduce_in_place(&mut b, op, st).unwrap();
-            keep.push((None, b));
-            c
-        } else if misaligned {
-            let mut padded = vec![T::from_f32(9.0)];
-            padded.extend_from_slice(&inputs[r]);
-            let i = DeviceBuffer::from_host(d, &padded).unwrap();
-            let mut o = DeviceBuffer::<T>::zeroed(d, count).unwrap();
-            // SAFETY: `count` elements of `i`, one element in, live until the stream is synced.
-            let src = unsafe {
-                Src::<T>::from_raw(i.device_ptr() + std::mem::size_of::<T>() as u64, count)
-            };
-            let c = h.all_reduce(src, &mut o, op, st).unwrap();
-            keep.push((Some(i), o));
-            c
-        } else {
-            let i = DeviceBuffer::from_host(d, &inputs[r]).unwrap();
-            let mut o = DeviceBuffer::<T>::zeroed(d, count).unwrap();
-            let c = h.all_reduce(&i, &mut o, op, st).unwrap();
-            keep.push((Some(i), o));
-            c
-        };
-        choice = Some(c);
-    }
-    sync(s);
-    comm.check().unwrap();
-    let want = reference(op, &refs(&inputs));
-    let choice = choice.unwrap();
-    for (r, (_, o)) in keep.iter().enumerate() {
-        if let Some(m) = first_mismatch(&o.to_vec().unwrap(), &want) {
-            panic!(
-                "rank {r}, {count} x {} {op} ({choice}), own memory, in place {in_place}, misaligned {misaligned}: {m}",
-                T::DTYPE
-            );
-        }
-    }
-    choice
+    let mem = Mem::own_at(usize::from(misaligned), 0);
+    let q = cuda_multimem_tests::collectives::once::<T>(
+        comm,
+        s,
+        Call::all_reduce(op),
+        count,
+        mem,
+        in_place,
+        rng,
+    );
+    *q.choices.last().unwrap()
 }
 
 /// Driver calls of `symbol` so far (the simulator's counter; `None` on the real driver).

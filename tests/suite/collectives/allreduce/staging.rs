@@ -20,7 +20,7 @@ fn calls_on_the_callers_own_memory_go_through_a_small_scratch_in_several_chunks(
         return;
     };
     let s = streams(&comm);
-    let mut seed = 33;
+    let mut seed = Rng::new(33);
     for op in ReduceOp::ALL {
         for in_place in [false, true] {
             // 200 004 bytes: 6 chunks of 32 KiB and a last one of 3 396 bytes
@@ -42,7 +42,7 @@ fn calls_on_the_callers_own_memory_go_through_a_small_scratch_in_several_chunks(
 /// reference; on the simulator also the kernels (one per chunk and rank) and the device-to-device
 /// copies per rank: `copies` of them, whatever the chunk count — each chunk's copy out of the
 /// scratch goes with the next chunk's kernel.
-fn folded_copies<T: Element + Default>(e: &Env, comm: &Communicator, s: &[Stream], seed: &mut u64) {
+fn folded_copies<T: Elem>(e: &Env, comm: &Communicator, s: &[Stream], seed: &mut Rng) {
     let n = comm.size() as u64;
     let es = std::mem::size_of::<T>();
     let whole = (32 << 10) / es;
@@ -102,14 +102,14 @@ fn staged_calls_copy_each_chunk_out_in_the_next_chunks_kernel_and_only_the_last_
             return;
         };
         let s = streams(&comm);
-        let mut seed = 36 + max_blocks as u64;
+        let mut seed = Rng::new(36 + max_blocks as u64);
         for dtype in DType::ALL {
             for_dtype!(dtype, folded_copies(&e, &comm, &s, &mut seed));
         }
     }
 }
 
-fn misaligned_input<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &mut u64) {
+fn misaligned_input<T: Elem>(comm: &Communicator, s: &[Stream], seed: &mut Rng) {
     for op in ReduceOp::ALL {
         // below the one-shot limit (run directly) and above it (staged), counts not a
         // multiple of 8
@@ -140,7 +140,7 @@ fn an_input_that_is_not_16_byte_aligned_gives_the_reference_directly_and_staged(
         return;
     };
     let s = streams(&comm);
-    let mut seed = 34;
+    let mut seed = Rng::new(34);
     for dtype in DType::ALL {
         for_dtype!(dtype, misaligned_input(&comm, &s, &mut seed));
     }
@@ -172,6 +172,6 @@ fn without_a_scratch_calls_on_the_callers_own_memory_above_one_shot_are_refused(
         .unwrap_err();
     assert_eq!(invalid_arg(err), "count");
     // below the limit they run directly
-    let mut seed = 35;
+    let mut seed = Rng::new(35);
     check_own::<f32>(&comm, &s, &mut seed, 1000, ReduceOp::Sum, false, false);
 }

@@ -26,20 +26,19 @@ fn copy_engine_all_gather_and_broadcast_equal_the_host_reference_for_every_dtype
     assert_ne!(c.algorithm, Algorithm::CopyEngine);
     sync(&s);
     comm.check().unwrap();
-    let mut seed = 23;
-    let mut kinds = ReduceOp::ALL.map(Kind::ReduceScatter).to_vec();
-    kinds.extend([Kind::AllGather, Kind::Broadcast(1)]);
+    let mut seed = Rng::new(23);
+    let mut kinds = ReduceOp::ALL.map(Call::reduce_scatter).to_vec();
+    kinds.extend([Call::all_gather(), Call::broadcast(1)]);
     for kind in kinds {
         for count in [3, 1000, 20_000] {
-            for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+            for mem in [Mem::SYM, Mem::SYM_ODD, Mem::OWN] {
                 for in_place in [false, true] {
                     for c in [
                         once::<f32>(&comm, &s, kind, count, mem, in_place, &mut seed),
                         once::<f16>(&comm, &s, kind, count, mem, in_place, &mut seed),
                         once::<bf16>(&comm, &s, kind, count, mem, in_place, &mut seed),
                     ] {
-                        let ce =
-                            matches!(kind, Kind::AllGather | Kind::Broadcast(_)) && mem != Mem::Own;
+                        let ce = matches!(kind.name, "all_gather" | "broadcast") && mem != Mem::OWN;
                         assert_eq!(
                             c.algorithm == Algorithm::CopyEngine,
                             ce,
@@ -69,17 +68,17 @@ fn copy_engine_forms_start_at_their_threshold_in_place_or_not() {
         return;
     };
     let s = streams(&comm);
-    let mut seed = 5;
+    let mut seed = Rng::new(5);
     // f32: an all-gather of 2 x 8191 x 4 bytes is just under 64 KiB, of 2 x 8192 x 4 64 KiB;
     // a broadcast of 16383 or 16384
     for (kind, count, ce) in [
-        (Kind::AllGather, 8191, false),
-        (Kind::AllGather, 8192, true),
-        (Kind::Broadcast(1), 16_383, false),
-        (Kind::Broadcast(1), 16_384, true),
+        (Call::all_gather(), 8191, false),
+        (Call::all_gather(), 8192, true),
+        (Call::broadcast(1), 16_383, false),
+        (Call::broadcast(1), 16_384, true),
     ] {
         for in_place in [false, true] {
-            let c = once::<f32>(&comm, &s, kind, count, Mem::Sym, in_place, &mut seed);
+            let c = once::<f32>(&comm, &s, kind, count, Mem::SYM, in_place, &mut seed);
             assert_eq!(
                 c.algorithm == Algorithm::CopyEngine,
                 ce,
@@ -91,7 +90,7 @@ fn copy_engine_forms_start_at_their_threshold_in_place_or_not() {
     let count = 8192;
     let input = comm.alloc::<f32>(count).unwrap();
     let mut output = comm.alloc::<f32>(2 * count).unwrap();
-    let ins: Vec<Vec<f32>> = (0..2).map(|_| random_input(count, &mut seed)).collect();
+    let ins: Vec<Vec<f32>> = (0..2).map(|_| seed.input(count)).collect();
     output.write(0, 0, &ins[0]).unwrap();
     input.write(1, 0, &ins[1]).unwrap();
     let c0 = comm
@@ -213,62 +212,61 @@ fn captured_copy_engine_calls_replay_with_new_inputs_on_two_devices() {
 }
 
 fn captured_copy_engine_calls(comm: &Communicator) {
-    let n = comm.size();
     let s = streams(comm);
     let count = 5000;
-    let rs_in = comm.alloc::<f32>(n * count).unwrap();
-    let mut rs_out = comm.alloc::<f32>(count).unwrap();
-    let mut ag_out = comm.alloc::<bf16>(n * count).unwrap();
-    let mut ag_in_place = comm.alloc::<f32>(n * count).unwrap();
-    let mut bc = comm.alloc::<f16>(count).unwrap();
-    let mut ag_ins: Vec<DeviceBuffer<bf16>> = zeroed_per_rank(comm, count);
-    let mut execs = Vec::new();
-    for (r, st) in s.iter().enumerate() {
-        let h = comm.rank(r).unwrap();
-        let sr = st.as_stream_ref();
-        sr.begin_capture(CaptureMode::Relaxed).unwrap();
-        let c = h
-            .reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Sum, st)
-            .unwrap();
-        assert_eq!(c.algorithm, Algorithm::PushStaged);
-        for c in [
-            h.all_gather(&ag_ins[r], &mut ag_out, st).unwrap(),
-            h.all_gather_in_place(&mut ag_in_place, st).unwrap(),
-            h.broadcast_in_place(&mut bc, 1, st).unwrap(),
-        ] {
-            assert_eq!(c.algorithm, Algorithm::CopyEngine);
-        }
-        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
-        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
-    }
-    let mut seed = 91;
-    for replay in 0..3 {
-        let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
-        let ags: Vec<Vec<bf16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
-        let aps: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
-        let bcs: Vec<Vec<f16>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
-        for r in 0..n {
-            bc.write(r, 0, &bcs[r]).unwrap();
-            rs_in.write(r, 0, &ins[r]).unwrap();
-            ag_ins[r].copy_from_host(0, &ags[r]).unwrap();
-            ag_in_place.write(r, r * count, &aps[r]).unwrap();
-        }
-        for (x, st) in execs.iter().zip(&s) {
-            x.launch(st).unwrap();
-        }
-        sync(&s);
-        comm.check().unwrap();
-        let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
-        let agr: Vec<&[bf16]> = ags.iter().map(|v| v.as_slice()).collect();
-        let apr: Vec<&[f32]> = aps.iter().map(|v| v.as_slice()).collect();
-        for (r, want) in reduce_scatter_reference(ReduceOp::Sum, &refs)
-            .iter()
-            .enumerate()
-        {
-            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
-            assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
-            assert_eq!(ag_in_place.to_vec(r).unwrap(), all_gather_reference(&apr));
-            assert_eq!(bc.to_vec(r).unwrap(), bcs[1], "replay {replay} rank {r}");
+    // a staged reduce-scatter between the copy-engine all-gathers (the caller's own input into
+    // a symmetric output, in place) and broadcast (in place)
+    let mut rs = Queued::<f32>::new(
+        comm,
+        Call::reduce_scatter(ReduceOp::Sum).at(),
+        count,
+        Params::sum(),
+        Mem::SYM,
+        false,
+    );
+    let mut ag = Queued::<bf16>::new(
+        comm,
+        Call::all_gather().at(),
+        count,
+        Params::sum(),
+        Mem::OWN_TO_SYM,
+        false,
+    );
+    let mut ag_in_place = Queued::<f32>::new(
+        comm,
+        Call::all_gather().at(),
+        count,
+        Params::sum(),
+        Mem::SYM,
+        true,
+    );
+    let mut bc = Queued::<f16>::new(
+        comm,
+        Call::broadcast(1).at(),
+        count,
+        Params::root(1),
+        Mem::SYM,
+        true,
+    );
+    let chose = table::capture_and_replay(
+        comm,
+        &s,
+        &mut [&mut rs, &mut ag, &mut ag_in_place, &mut bc],
+        CaptureMode::Relaxed,
+        3,
+        &mut Rng::new(91),
+    );
+    for (i, want) in [
+        Algorithm::PushStaged,
+        Algorithm::CopyEngine,
+        Algorithm::CopyEngine,
+        Algorithm::CopyEngine,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for c in &chose[i] {
+            assert_eq!(c.algorithm, want, "case {i}: {c}");
         }
     }
 }

@@ -5,17 +5,17 @@ use super::*;
 
 #[test]
 fn reduce_scatter_equals_the_host_reference_for_every_dtype_op_and_operand_kind() {
-    sweep_both(&ReduceOp::ALL.map(Kind::ReduceScatter));
+    sweep_both(&ReduceOp::ALL.map(Call::reduce_scatter));
 }
 
 #[test]
 fn all_gather_equals_the_host_reference_for_every_dtype_and_operand_kind() {
-    sweep_both(&[Kind::AllGather]);
+    sweep_both(&[Call::all_gather()]);
 }
 
 #[test]
 fn broadcast_from_every_root_equals_the_host_reference_for_every_dtype_and_operand_kind() {
-    sweep_both(&[Kind::Broadcast(0), Kind::Broadcast(1)]);
+    sweep_both(&[Call::broadcast(0), Call::broadcast(1)]);
 }
 
 /// The direct path (symmetric outputs above the one-shot limit, lowered here) and many staged
@@ -35,16 +35,16 @@ fn direct_stores_and_staged_rounds_equal_the_host_reference() {
         return;
     };
     let s = streams(&comm);
-    let mut seed = 11;
+    let mut seed = Rng::new(11);
     for kind in [
-        Kind::AllGather,
-        Kind::Broadcast(1),
-        Kind::ReduceScatter(ReduceOp::Sum),
+        Call::all_gather(),
+        Call::broadcast(1),
+        Call::reduce_scatter(ReduceOp::Sum),
     ] {
-        for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+        for mem in [Mem::SYM, Mem::SYM_ODD, Mem::OWN] {
             for in_place in [false, true] {
                 let c = once::<bf16>(&comm, &s, kind, 20_000, mem, in_place, &mut seed);
-                let direct = mem != Mem::Own && kind != Kind::ReduceScatter(ReduceOp::Sum);
+                let direct = mem != Mem::OWN && kind != Call::reduce_scatter(ReduceOp::Sum);
                 assert_eq!(
                     c.algorithm,
                     if direct {
@@ -73,17 +73,17 @@ fn small_messages_run_one_low_latency_launch_with_few_threads() {
             return;
         };
         let s = streams(&comm);
-        let mut seed = 3;
+        let mut seed = Rng::new(3);
         for kind in [
-            Kind::ReduceScatter(ReduceOp::Sum),
-            Kind::AllGather,
-            Kind::Broadcast(0),
+            Call::reduce_scatter(ReduceOp::Sum),
+            Call::all_gather(),
+            Call::broadcast(0),
         ] {
             // 1 KiB gathered / scattered: 256 f32 in all, 128 per rank
-            for mem in [Mem::Sym, Mem::Own] {
-                let count = if kind == Kind::Broadcast(0) { 256 } else { 128 };
+            for mem in [Mem::SYM, Mem::OWN] {
+                let count = if kind == Call::broadcast(0) { 256 } else { 128 };
                 let c = once::<f32>(&comm, &s, kind, count, mem, false, &mut seed);
-                let t = if kind == Kind::Broadcast(0) && alg == Algorithm::PushLl {
+                let t = if kind == Call::broadcast(0) && alg == Algorithm::PushLl {
                     256
                 } else {
                     threads
@@ -113,16 +113,16 @@ fn the_low_latency_forms_take_whole_buffers_up_to_gather_ll_max_bytes() {
         return;
     };
     let s = streams(&comm);
-    let mut seed = 21;
+    let mut seed = Rng::new(21);
     for kind in [
-        Kind::ReduceScatter(ReduceOp::Max),
-        Kind::AllGather,
-        Kind::Broadcast(1),
+        Call::reduce_scatter(ReduceOp::Max),
+        Call::all_gather(),
+        Call::broadcast(1),
     ] {
         // whole buffer of 8192 bytes: 4096 bf16, 2048 per rank; broadcast, its own limit:
         // 4096 bytes, 2048 bf16 (one more is within the others' limit, not within its own)
         let at = 2048;
-        for mem in [Mem::Sym, Mem::SymOdd, Mem::Own] {
+        for mem in [Mem::SYM, Mem::SYM_ODD, Mem::OWN] {
             for in_place in [false, true] {
                 let c = once::<bf16>(&comm, &s, kind, at, mem, in_place, &mut seed);
                 assert_eq!(

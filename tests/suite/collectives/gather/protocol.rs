@@ -26,28 +26,28 @@ fn a_one_shot_allreduce_right_after_a_staged_call_leaves_its_last_round_alone() 
     for (n, seed) in [(2usize, 5u64), (3, 6)] {
         let (_e, comm) = delayed_team(n, seed);
         let s = streams(&comm);
-        let mut data = seed + 200;
-        let mut pending: Vec<Box<dyn Check>> = Vec::new();
+        let mut data = Rng::new(seed + 200);
+        let mut pending: Vec<Box<dyn Pending>> = Vec::new();
         for i in 0..24 {
             let kind = if i % 2 == 0 {
-                Kind::ReduceScatter(ReduceOp::Sum)
+                Call::reduce_scatter(ReduceOp::Sum)
             } else {
-                Kind::AllGather
+                Call::all_gather()
             };
             let count = [1500, 1100, 900][i % 3];
-            let p = queue::<f32>(&comm, &s, kind, count, Mem::Own, false, &mut data);
-            assert_eq!(p.choice.algorithm, Algorithm::PushStaged);
+            let p = queue::<f32>(&comm, &s, kind, count, Mem::OWN, false, &mut data);
+            assert_eq!(p.choices.last().unwrap().algorithm, Algorithm::PushStaged);
             pending.push(Box::new(p));
             let p = queue::<f32>(
                 &comm,
                 &s,
-                Kind::AllReduce(ReduceOp::Sum),
+                Call::all_reduce(ReduceOp::Sum),
                 700,
-                Mem::Sym,
+                Mem::SYM,
                 false,
                 &mut data,
             );
-            assert_eq!(p.choice.algorithm, Algorithm::OneShot);
+            assert_eq!(p.choices.last().unwrap().algorithm, Algorithm::OneShot);
             pending.push(Box::new(p));
         }
         sync(&s);
@@ -137,7 +137,6 @@ fn back_to_back_low_latency_broadcasts_from_one_root_wait_for_every_receiver() {
 fn captured_collectives_replay_with_new_inputs() {
     let e = sim(SimConfig::new(3, 13000));
     let devices = e.driver.devices();
-    let n = 3;
     let comm = Communicator::builder(&devices)
         .config(CommConfig {
             ll_max_bytes: 1024,
@@ -153,90 +152,48 @@ fn captured_collectives_replay_with_new_inputs() {
         .unwrap();
     let s = streams(&comm);
     let count = 700;
-    // low-latency: 3 x 80 f32 scattered, 3 x 64 gathered, 200 broadcast (at most 1 KiB)
-    let rs_ll_in = comm.alloc::<f32>(n * 80).unwrap();
-    let mut rs_ll_out = comm.alloc::<f32>(80).unwrap();
-    let mut ag_ll = comm.alloc::<f32>(n * 64).unwrap();
-    let mut bc_ll = comm.alloc::<f32>(200).unwrap();
-    let rs_in = comm.alloc::<f32>(n * count).unwrap();
-    let mut rs_out = comm.alloc::<f32>(count).unwrap();
-    let ag_in = comm.alloc::<f32>(count).unwrap();
-    let mut ag_out = comm.alloc::<f32>(n * count).unwrap();
-    let mut ag_small = comm.alloc::<f32>(n * 100).unwrap();
-    let mut bc = comm.alloc::<f32>(count).unwrap();
-    let mut execs = Vec::new();
-    for (r, st) in s.iter().enumerate() {
-        let h = comm.rank(r).unwrap();
-        let sr = st.as_stream_ref();
-        sr.begin_capture(CaptureMode::Relaxed).unwrap();
-        h.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Max, st)
-            .unwrap();
-        let c = h.all_gather(&ag_in, &mut ag_out, st).unwrap();
-        assert_eq!(c.algorithm, Algorithm::PushDirect);
-        let c = h.all_gather_in_place(&mut ag_small, st).unwrap();
-        assert_eq!(c.algorithm, Algorithm::PushStaged);
-        h.broadcast_in_place(&mut bc, 2, st).unwrap();
-        for c in [
-            h.reduce_scatter(&rs_ll_in, &mut rs_ll_out, ReduceOp::Sum, st)
-                .unwrap(),
-            h.all_gather_in_place(&mut ag_ll, st).unwrap(),
-            h.broadcast_in_place(&mut bc_ll, 1, st).unwrap(),
-        ] {
-            assert_eq!(c.algorithm, Algorithm::PushLl);
-        }
-        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
-        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
-    }
-    let mut seed = 77;
-    for replay in 0..3 {
-        let ins: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
-        let ags: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
-        let smalls: Vec<Vec<f32>> = (0..n).map(|_| random_input(100, &mut seed)).collect();
-        let bcs: Vec<Vec<f32>> = (0..n).map(|_| random_input(count, &mut seed)).collect();
-        let rs_lls: Vec<Vec<f32>> = (0..n).map(|_| random_input(n * 80, &mut seed)).collect();
-        let ag_lls: Vec<Vec<f32>> = (0..n).map(|_| random_input(64, &mut seed)).collect();
-        let bc_lls: Vec<Vec<f32>> = (0..n).map(|_| random_input(200, &mut seed)).collect();
-        for r in 0..n {
-            rs_in.write(r, 0, &ins[r]).unwrap();
-            ag_in.write(r, 0, &ags[r]).unwrap();
-            ag_small.write(r, r * 100, &smalls[r]).unwrap();
-            bc.write(r, 0, &bcs[r]).unwrap();
-            rs_ll_in.write(r, 0, &rs_lls[r]).unwrap();
-            ag_ll.write(r, r * 64, &ag_lls[r]).unwrap();
-            bc_ll.write(r, 0, &bc_lls[r]).unwrap();
-        }
-        for (x, st) in execs.iter().zip(&s) {
-            x.launch(st).unwrap();
-        }
-        sync(&s);
-        comm.check().unwrap();
-        let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
-        let rs = reduce_scatter_reference(ReduceOp::Max, &refs);
-        let agr: Vec<&[f32]> = ags.iter().map(|v| v.as_slice()).collect();
-        let smr: Vec<&[f32]> = smalls.iter().map(|v| v.as_slice()).collect();
-        for (r, want) in rs.iter().enumerate() {
-            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
-            assert_eq!(ag_out.to_vec(r).unwrap(), all_gather_reference(&agr));
-            assert_eq!(ag_small.to_vec(r).unwrap(), all_gather_reference(&smr));
-            assert_eq!(bc.to_vec(r).unwrap(), bcs[2], "replay {replay} rank {r}");
-        }
-        let rsl: Vec<&[f32]> = rs_lls.iter().map(|v| v.as_slice()).collect();
-        let agl: Vec<&[f32]> = ag_lls.iter().map(|v| v.as_slice()).collect();
-        for (r, want) in reduce_scatter_reference(ReduceOp::Sum, &rsl)
-            .iter()
-            .enumerate()
-        {
-            assert_eq!(
-                &rs_ll_out.to_vec(r).unwrap(),
-                want,
-                "replay {replay} rank {r}"
-            );
-            assert_eq!(ag_ll.to_vec(r).unwrap(), all_gather_reference(&agl));
-            assert_eq!(
-                bc_ll.to_vec(r).unwrap(),
-                bc_lls[1],
-                "replay {replay} rank {r}"
-            );
+    // (call, count, in place, what it must run: None where any form will do); the low-latency
+    // ones: 3 x 80 f32 scattered, 3 x 64 gathered, 200 broadcast (at most 1 KiB)
+    let cases = [
+        (Call::reduce_scatter(ReduceOp::Max), count, false, None),
+        (
+            Call::all_gather(),
+            count,
+            false,
+            Some(Algorithm::PushDirect),
+        ),
+        (Call::all_gather(), 100, true, Some(Algorithm::PushStaged)),
+        (Call::broadcast(2), count, true, None),
+        (
+            Call::reduce_scatter(ReduceOp::Sum),
+            80,
+            false,
+            Some(Algorithm::PushLl),
+        ),
+        (Call::all_gather(), 64, true, Some(Algorithm::PushLl)),
+        (Call::broadcast(1), 200, true, Some(Algorithm::PushLl)),
+    ];
+    let mut queued: Vec<Queued<f32>> = cases
+        .iter()
+        .map(|&(call, count, in_place, _)| {
+            Queued::new(&comm, call.at(), count, call.params, Mem::SYM, in_place)
+        })
+        .collect();
+    let mut refs: Vec<&mut dyn Pending> =
+        queued.iter_mut().map(|q| q as &mut dyn Pending).collect();
+    let chose = table::capture_and_replay(
+        &comm,
+        &s,
+        &mut refs,
+        CaptureMode::Relaxed,
+        3,
+        &mut Rng::new(77),
+    );
+    for (i, (call, _, _, want)) in cases.iter().enumerate() {
+        if let Some(want) = want {
+            for c in &chose[i] {
+                assert_eq!(c.algorithm, *want, "{call:?}: {c}");
+            }
         }
     }
 }
@@ -391,15 +348,15 @@ fn dropping_buffers_and_the_team_with_calls_in_flight_leaves_the_devices_healthy
             return;
         };
         let s = streams(&comm);
-        let mut seed = 77;
+        let mut seed = Rng::new(77);
         let mut pending = Vec::new();
         for kind in [
-            Kind::AllGather,
-            Kind::ReduceScatter(ReduceOp::Sum),
-            Kind::Broadcast(1),
-            Kind::AllReduce(ReduceOp::Sum),
+            Call::all_gather(),
+            Call::reduce_scatter(ReduceOp::Sum),
+            Call::broadcast(1),
+            Call::all_reduce(ReduceOp::Sum),
         ] {
-            for mem in [Mem::Sym, Mem::Own] {
+            for mem in [Mem::SYM, Mem::OWN] {
                 pending.push(queue::<bf16>(&comm, &s, kind, big, mem, false, &mut seed));
             }
         }
@@ -414,14 +371,22 @@ fn dropping_buffers_and_the_team_with_calls_in_flight_leaves_the_devices_healthy
         return;
     };
     let s = streams(&comm);
-    let mut seed = 78;
-    once::<f32>(&comm, &s, Kind::AllGather, 4096, Mem::Sym, false, &mut seed);
+    let mut seed = Rng::new(78);
+    once::<f32>(
+        &comm,
+        &s,
+        Call::all_gather(),
+        4096,
+        Mem::SYM,
+        false,
+        &mut seed,
+    );
     once::<bf16>(
         &comm,
         &s,
-        Kind::ReduceScatter(ReduceOp::Sum),
+        Call::reduce_scatter(ReduceOp::Sum),
         1 << 20,
-        Mem::Sym,
+        Mem::SYM,
         false,
         &mut seed,
     );
@@ -436,35 +401,26 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
     };
     let mut cases = Vec::new();
     for kind in [
-        Kind::ReduceScatter(ReduceOp::Sum),
-        Kind::AllGather,
-        Kind::Broadcast(0),
-        Kind::Broadcast(2),
+        Call::reduce_scatter(ReduceOp::Sum),
+        Call::all_gather(),
+        Call::broadcast(0),
+        Call::broadcast(2),
     ] {
         cases.push((kind, ll(true), Algorithm::PushLl));
         cases.push((kind, ll(false), Algorithm::PushStaged));
     }
     // the copy-engine forms: their barrier launches time out (the missing rank as a
     // broadcast's root, too)
-    for kind in [Kind::AllGather, Kind::Broadcast(0), Kind::Broadcast(2)] {
+    for kind in [Call::all_gather(), Call::broadcast(0), Call::broadcast(2)] {
         cases.push((kind, ce_config(), Algorithm::CopyEngine));
     }
     for (kind, config, want) in cases {
         let (_e, comm, s) = cuda_multimem_tests::sim_team(3, config);
-        let (il, ol) = lengths(kind, 3, 100);
-        let input = comm.alloc::<f32>(il).unwrap();
-        let mut output = comm.alloc::<f32>(ol).unwrap();
+        let mut q = Queued::<f32>::new(&comm, kind.at(), 100, kind.params, Mem::SYM, false);
+        q.fill(&mut Rng::new(7));
         // ranks 0 and 1 call; rank 2 never does (as the root of a broadcast, too)
         for (r, st) in s.iter().enumerate().take(2) {
-            let c = call(
-                &comm,
-                r,
-                kind,
-                Some((&input).into()),
-                (&mut output).into(),
-                st,
-            )
-            .unwrap();
+            let c = q.call(&comm, r, st).unwrap();
             assert_eq!(c.algorithm, want, "{kind:?}");
         }
         sync(&s);
@@ -561,6 +517,14 @@ fn bad_lengths_roots_and_overlaps_are_refused_before_any_launch() {
     assert_eq!(arg_of(h.all_gather(i, o, st)), "output");
     let _ = &mut own;
     // nothing was launched: a correct call on both ranks still works
-    let mut seed = 5;
-    once::<f32>(&comm, &s, Kind::AllGather, 10, Mem::Sym, false, &mut seed);
+    let mut seed = Rng::new(5);
+    once::<f32>(
+        &comm,
+        &s,
+        Call::all_gather(),
+        10,
+        Mem::SYM,
+        false,
+        &mut seed,
+    );
 }

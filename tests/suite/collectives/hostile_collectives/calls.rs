@@ -5,9 +5,9 @@ use super::*;
 
 // ---- a team that broke refuses every call ----
 
-/// After a timeout, every collective (reduce-scatter, all-gather, broadcast, in place or not,
-/// the fused norm) and every allocation is refused as `Unusable` before any launch; `check`
-/// keeps reporting (the rank that timed out its own timeout, the team `Unusable`).
+/// After a timeout, every collective of the table (both operand kinds, in place or not) and
+/// every allocation is refused as `Unusable` before any launch; `check` keeps reporting (the
+/// rank that timed out its own timeout, the team `Unusable`).
 #[test]
 fn after_a_timeout_every_collective_and_the_norm_are_refused_without_a_launch() {
     let (e, comm, s) = team(
@@ -19,7 +19,9 @@ fn after_a_timeout_every_collective_and_the_norm_are_refused_without_a_launch() 
         },
     );
     let sim = e.sim.as_ref().unwrap();
-    let mut a = comm.alloc::<f32>(64).unwrap();
+    // every case's operands, allocated while the team is healthy
+    let mut cases = every_case::<f32>(&comm, 64, 16);
+    let a = comm.alloc::<f32>(64).unwrap();
     let mut b = comm.alloc::<f32>(128).unwrap();
     // rank 0 all-gathers alone: its barrier times out
     let h0 = comm.rank(0).unwrap();
@@ -33,43 +35,86 @@ fn after_a_timeout_every_collective_and_the_norm_are_refused_without_a_launch() 
         Err(Error::Unusable { .. })
     ));
     let before = sim.calls("cuLaunchKernel");
-    let unusable = |r: cuda_multimem::Result<cuda_multimem_collectives::Choice>, what: &str| {
-        assert!(matches!(r, Err(Error::Unusable { .. })), "{what}: {r:?}");
-    };
     for (rank, st) in s.iter().enumerate() {
-        let h = comm.rank(rank).unwrap();
-        unusable(h.all_gather(&a, &mut b, st), "all_gather");
-        unusable(h.all_gather_in_place(&mut b, st), "all_gather_in_place");
-        unusable(
-            h.reduce_scatter(&b, &mut a, ReduceOp::Sum, st),
-            "reduce_scatter",
-        );
-        unusable(
-            h.reduce_scatter_in_place(&mut b, ReduceOp::Max, st),
-            "reduce_scatter_in_place",
-        );
-        unusable(
-            h.broadcast(&a, b.slice_mut(..64).unwrap(), 1, st),
-            "broadcast",
-        );
-        unusable(h.broadcast_in_place(&mut a, 0, st), "broadcast_in_place");
+        for q in cases.iter_mut() {
+            let r = q.call(&comm, rank, st);
+            assert!(
+                matches!(r, Err(Error::Unusable { .. })),
+                "{}, rank {rank}: {r:?}",
+                q.what()
+            );
+        }
         let x = comm.alloc::<f32>(1);
         assert!(matches!(x, Err(Error::Unusable { .. })), "alloc");
-        let d = comm.device(rank).unwrap();
-        let xs = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
-        let mut res = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
-        let g = DeviceBuffer::<f32>::zeroed(d, 16).unwrap();
-        let mut out = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
-        unusable(
-            h.all_reduce_add_rms_norm(&xs, &mut res, &g, &mut out, 16, 1e-6, st),
-            "all_reduce_add_rms_norm",
-        );
     }
     assert_eq!(
         sim.calls("cuLaunchKernel"),
         before,
         "a refused call launched"
     );
+}
+
+/// Every collective of the table at `count` (the norm in rows of `hidden`) with its first
+/// parameters, on both operand kinds, in place and not: allocated and filled, not called.
+fn every_case<T: table::Elem>(comm: &Communicator, count: usize, hidden: usize) -> Vec<Queued<T>> {
+    let mut rng = Rng::new(count as u64 + 1);
+    let mut cases = Vec::new();
+    for c in table::table::<T>() {
+        let mut params = table::params_for(&c, comm.size())[0];
+        params.hidden = hidden;
+        for mem in Mem::KINDS {
+            for in_place in [false, true] {
+                let mut q = Queued::new(comm, c, count, params, mem, in_place);
+                q.fill(&mut rng);
+                cases.push(q);
+            }
+        }
+    }
+    cases
+}
+
+/// Every collective of the table refuses a stream of another device and (out of place and in
+/// place) operands of another communicator, naming the argument, before any launch; the team
+/// stays healthy and runs every case afterwards.
+#[test]
+fn every_collective_refuses_a_foreign_stream_or_buffer_naming_it_before_any_launch() {
+    let (e, comm, s) = team(2, CommConfig::default());
+    let other = Communicator::builder(&e.driver.devices())
+        .multicast(MulticastPolicy::Never)
+        .build()
+        .unwrap();
+    let sim = e.sim.as_ref().unwrap();
+    let mut cases = every_case::<f32>(&comm, 64, 16);
+    let mut foreign = every_case::<f32>(&other, 64, 16);
+    let before = sim.calls("cuLaunchKernel");
+    for q in cases.iter_mut() {
+        assert_eq!(arg_of(q.call(&comm, 0, &s[1])), "stream", "{}", q.what());
+    }
+    for q in foreign.iter_mut().filter(|q| q.mem == Mem::SYM) {
+        // the first operand the call checks: the input (the norm's x), in place the buffer;
+        // the norm's in-place form passes x and out as raw views of the caller's memory, so
+        // its residual is the first of another communicator
+        let want = match (q.coll.name, q.in_place) {
+            ("all_reduce_add_rms_norm", false) => "x",
+            ("all_reduce_add_rms_norm", true) => "residual",
+            (_, false) => "input",
+            (_, true) => "buf",
+        };
+        assert_eq!(arg_of(q.call(&comm, 0, &s[0])), want, "{}", q.what());
+    }
+    assert_eq!(
+        sim.calls("cuLaunchKernel"),
+        before,
+        "a refused call launched"
+    );
+    sync(&s);
+    comm.check().unwrap();
+    for q in cases.iter_mut() {
+        q.call_all(&comm, &s);
+        sync(&s);
+        comm.check().unwrap();
+        q.check();
+    }
 }
 
 // ---- operands that belong elsewhere ----

@@ -33,165 +33,32 @@ fn a_choice_whose_chunk_count_does_not_fit_its_report_is_refused() {
 
 // ---- configurations at the edges of what `validate` accepts ----
 
-trait Elem: Element + Default + Copy + std::fmt::Debug {}
-impl<T: Element + Default + Copy + std::fmt::Debug> Elem for T {}
-
-fn bits<T: Elem>(v: &[T]) -> Vec<u32> {
-    v.iter().map(|x| x.to_f32().to_bits()).collect()
-}
-
-/// Every collective once at `count` elements per rank (allreduce on symmetric buffers and on
-/// the caller's own memory, reduce-scatter, all-gather, broadcast from the last rank, the fused
-/// norm at hidden `count` up to 400), each compared with its host reference.
-fn every_collective<T: Elem>(comm: &Communicator, s: &[Stream], count: usize, what: &str) {
+/// Every collective of the table at `count` elements per rank (every operator, the first and
+/// the last rank as a broadcast's root, the fused norm in 3 rows of `count` up to 400: a row
+/// fits a 4 KiB staging slot twice), on symmetric buffers and on the caller's own memory, in
+/// place and out of place, each compared with its host reference.
+fn every_collective<T: table::Elem>(comm: &Communicator, s: &[Stream], count: usize, what: &str) {
     let n = comm.size();
-    let mut seed = 17 + count as u64;
-    let inputs: Vec<Vec<T>> = (0..n).map(|_| random_input(n * count, &mut seed)).collect();
-    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
-    let firsts: Vec<&[T]> = inputs.iter().map(|v| &v[..count]).collect();
-    let what = format!("{what}, {count} x {}", T::DTYPE);
-    // allreduce, symmetric, in place
-    let mut buf = comm.alloc::<T>(count).unwrap();
-    for (r, x) in firsts.iter().enumerate() {
-        buf.write(r, 0, x).unwrap();
-    }
-    for (r, st) in s.iter().enumerate() {
-        comm.rank(r)
-            .unwrap()
-            .all_reduce_in_place(&mut buf, ReduceOp::Sum, st)
-            .unwrap();
-    }
-    sync(s);
-    comm.check().unwrap();
-    let want = reference(ReduceOp::Sum, &firsts);
-    for r in 0..n {
-        assert_eq!(
-            bits(&buf.to_vec(r).unwrap()),
-            bits(&want),
-            "{what}: allreduce rank {r}"
-        );
-    }
-    // allreduce, the caller's own memory, out of place
-    let ins: Vec<DeviceBuffer<T>> = (0..n)
-        .map(|r| DeviceBuffer::from_host(comm.device(r).unwrap(), firsts[r]).unwrap())
-        .collect();
-    let mut outs: Vec<DeviceBuffer<T>> = (0..n)
-        .map(|r| DeviceBuffer::zeroed(comm.device(r).unwrap(), count).unwrap())
-        .collect();
-    for r in 0..n {
-        comm.rank(r)
-            .unwrap()
-            .all_reduce(&ins[r], &mut outs[r], ReduceOp::Max, &s[r])
-            .unwrap();
-    }
-    sync(s);
-    comm.check().unwrap();
-    let want = reference(ReduceOp::Max, &firsts);
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(
-            bits(&o.to_vec().unwrap()),
-            bits(&want),
-            "{what}: own allreduce rank {r}"
-        );
-    }
-    // reduce-scatter, all-gather, broadcast on symmetric buffers
-    let whole = comm.alloc::<T>(n * count).unwrap();
-    let mut part = comm.alloc::<T>(count).unwrap();
-    let mut gathered = comm.alloc::<T>(n * count).unwrap();
-    for r in 0..n {
-        whole.write(r, 0, refs[r]).unwrap();
-        part.write(r, 0, firsts[r]).unwrap();
-    }
-    for (r, st) in s.iter().enumerate() {
-        comm.rank(r)
-            .unwrap()
-            .reduce_scatter(&whole, &mut part, ReduceOp::Min, st)
-            .unwrap();
-    }
-    sync(s);
-    comm.check().unwrap();
-    let want = reduce_scatter_reference(ReduceOp::Min, &refs);
-    for (r, w) in want.iter().enumerate() {
-        assert_eq!(
-            bits(&part.to_vec(r).unwrap()),
-            bits(w),
-            "{what}: reduce-scatter rank {r}"
-        );
-    }
-    let chunks: Vec<Vec<T>> = (0..n).map(|r| part.to_vec(r).unwrap()).collect();
-    for (r, st) in s.iter().enumerate() {
-        comm.rank(r)
-            .unwrap()
-            .all_gather(&part, &mut gathered, st)
-            .unwrap();
-    }
-    sync(s);
-    comm.check().unwrap();
-    let crefs: Vec<&[T]> = chunks.iter().map(|v| v.as_slice()).collect();
-    let want = all_gather_reference(&crefs);
-    for r in 0..n {
-        assert_eq!(
-            bits(&gathered.to_vec(r).unwrap()),
-            bits(&want),
-            "{what}: all-gather rank {r}"
-        );
-    }
-    for (r, st) in s.iter().enumerate() {
-        comm.rank(r)
-            .unwrap()
-            .broadcast_in_place(&mut part, n - 1, st)
-            .unwrap();
-    }
-    sync(s);
-    comm.check().unwrap();
-    for r in 0..n {
-        assert_eq!(
-            bits(&part.to_vec(r).unwrap()),
-            bits(&chunks[n - 1]),
-            "{what}: broadcast rank {r}"
-        );
-    }
-    // the fused norm: 3 tokens of hidden `count` (at most 400: a row fits a 4 KiB staging slot
-    // twice), the caller's own memory
-    let (tokens, hidden) = (3, count.min(400));
-    let xs: Vec<Vec<T>> = (0..n)
-        .map(|_| random_input(tokens * hidden, &mut seed))
-        .collect();
-    let res0: Vec<T> = random_input(tokens * hidden, &mut seed);
-    let gamma: Vec<T> = random_input(hidden, &mut seed);
-    let xrefs: Vec<&[T]> = xs.iter().map(|v| v.as_slice()).collect();
-    let (want_res, want_out) = add_rms_norm_reference(&xrefs, &res0, &gamma, hidden, 1e-6);
-    let mut bufs: Vec<_> = (0..n)
-        .map(|r| {
-            let d = comm.device(r).unwrap();
-            (
-                DeviceBuffer::from_host(d, &xs[r]).unwrap(),
-                DeviceBuffer::from_host(d, &res0).unwrap(),
-                DeviceBuffer::from_host(d, &gamma).unwrap(),
-                DeviceBuffer::<T>::zeroed(d, tokens * hidden).unwrap(),
-            )
-        })
-        .collect();
-    for (r, (x, res, g, out)) in bufs.iter_mut().enumerate() {
-        comm.rank(r)
-            .unwrap()
-            .all_reduce_add_rms_norm(&*x, &mut *res, &*g, &mut *out, hidden, 1e-6, &s[r])
-            .unwrap();
-    }
-    sync(s);
-    comm.check().unwrap();
-    for (r, (_, res, _, out)) in bufs.iter().enumerate() {
-        assert_eq!(
-            bits(&res.to_vec().unwrap()),
-            bits(&want_res),
-            "{what}: norm residual rank {r}"
-        );
-        let out = out.to_vec().unwrap();
-        for (i, (&g, &w)) in out.iter().zip(&want_out).enumerate() {
-            assert!(
-                rms_norm_within_tolerance(g, w),
-                "{what}: norm out rank {r} element {i}: {g:?} vs {w:?}"
-            );
+    let mut rng = Rng::new(17 + count as u64);
+    for c in table::table::<T>() {
+        for mut params in table::params_for(&c, n) {
+            let elems = if c.name == "all_reduce_add_rms_norm" {
+                params.hidden = count.min(400);
+                3 * params.hidden
+            } else {
+                count
+            };
+            for mem in Mem::KINDS {
+                for in_place in [false, true] {
+                    let mut q = Queued::new(comm, c, elems, params, mem, in_place);
+                    q.fill(&mut rng);
+                    q.call_all(comm, s);
+                    sync(s);
+                    comm.check()
+                        .unwrap_or_else(|e| panic!("{what}: {}: {e}", q.what()));
+                    q.verify().unwrap_or_else(|m| panic!("{what}: {m}"));
+                }
+            }
         }
     }
 }

@@ -9,13 +9,12 @@ use std::time::Duration;
 use cuda_multimem::{DeviceBuffer, Error, Stream};
 use cuda_multimem_collectives::kernels::MAX_BLOCKS;
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, all_gather_reference, bf16, random_input, reduce_scatter_reference,
-    reference, rms_norm_within_tolerance, Algorithm, Bootstrap, CommConfig, Communicator,
-    CrossDomain, DType, Element, HierBuilder, HierCommunicator, HierLayout, MulticastPolicy,
-    Operands, ReduceOp, UnixBootstrap,
+    bf16, Algorithm, Bootstrap, CommConfig, Communicator, CrossDomain, DType, HierBuilder,
+    HierCommunicator, HierLayout, MulticastPolicy, Operands, ReduceOp, UnixBootstrap,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::sim;
+use cuda_multimem_tests::collectives::{self as table, Mem, Queued};
+use cuda_multimem_tests::{sim, Rng};
 
 use cuda_multimem_tests::{
     invalid_arg_of as arg_of, sim_team as team, sim_team_as_is as team_as_is, sync_all as sync,

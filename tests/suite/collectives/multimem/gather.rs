@@ -23,8 +23,8 @@ fn multimem_collectives_equal_the_host_reference_on_teams_of_2_and_8() {
 
 /// Windows of one rank's chunk that a multimem gather moves per launch: the regions hold N
 /// slots of it (reduce-scatter, all-gather) or one (broadcast), 16-byte multiples.
-fn windows(kind: Kind, n: usize, region: usize, chunk_bytes: usize) -> u32 {
-    let slots = if let Kind::Bc(_) = kind { 1 } else { n };
+fn windows(kind: Call, n: usize, region: usize, chunk_bytes: usize) -> u32 {
+    let slots = if kind.name == "broadcast" { 1 } else { n };
     chunk_bytes.div_ceil((region / slots) & !15) as u32
 }
 
@@ -46,26 +46,26 @@ fn multimem_collectives_larger_than_the_regions_run_in_windows() {
         },
     );
     let s = mm_streams(&comm);
-    let mut seed = 41;
+    let mut seed = Rng::new(41);
     // counts per chunk a little above one window, with a scalar tail in the last one
     let (w_f32, w_bf16) = (300_001usize, 600_001usize);
     let cases = [
-        (Kind::Rs(ReduceOp::Sum), false),
-        (Kind::Rs(ReduceOp::Max), true),
-        (Kind::Ag, false),
-        (Kind::Ag, true),
-        (Kind::Bc(1), false),
-        (Kind::Bc(0), true),
+        (Call::reduce_scatter(ReduceOp::Sum), false),
+        (Call::reduce_scatter(ReduceOp::Max), true),
+        (Call::all_gather(), false),
+        (Call::all_gather(), true),
+        (Call::broadcast(1), false),
+        (Call::broadcast(0), true),
     ];
     let mems = [
-        (Mem::Sym, false),
-        (Mem::Sym, true),
-        (Mem::SymOdd, false),
-        (Mem::Own, false),
-        (Mem::Own, true),
+        (Mem::SYM, false),
+        (Mem::SYM, true),
+        (Mem::SYM_ODD, false),
+        (Mem::OWN, false),
+        (Mem::OWN, true),
     ];
     for (kind, half) in cases {
-        let scale = if let Kind::Bc(_) = kind { 2 } else { 1 };
+        let scale = if kind.name == "broadcast" { 2 } else { 1 };
         for (mem, in_place) in mems {
             let (c, bytes) = if half {
                 let count = scale * w_bf16;
@@ -106,24 +106,24 @@ fn back_to_back_multimem_collectives_interleaved_with_allreduce_on_teams_of_2_to
         );
         let s = mm_streams(&comm);
         let mut rng = cuda_multimem_tests::Rng::new(seed);
-        let mut seed = seed;
+        let mut seed = Rng::new(seed);
         let mut pending: Vec<Box<dyn Fn()>> = Vec::new();
         let mut paths = Vec::new();
         for _ in 0..12 {
             let op = ReduceOp::ALL[(rng.next_u64() % 3) as usize];
             let kind = match rng.next_u64() % 4 {
-                0 => Kind::Rs(op),
-                1 => Kind::Ag,
-                2 => Kind::Bc((rng.next_u64() % n as u64) as usize),
-                _ => Kind::Ar(op),
+                0 => Call::reduce_scatter(op),
+                1 => Call::all_gather(),
+                2 => Call::broadcast((rng.next_u64() % n as u64) as usize),
+                _ => Call::all_reduce(op),
             };
             let count = 1 + (rng.next_u64() % 3000) as usize;
-            let mem = [Mem::Sym, Mem::SymOdd, Mem::Own][(rng.next_u64() % 3) as usize];
+            let mem = [Mem::SYM, Mem::SYM_ODD, Mem::OWN][(rng.next_u64() % 3) as usize];
             let in_place = rng.next_u64().is_multiple_of(2);
             macro_rules! q {
                 ($t:ty) => {{
                     let p = mm_queue::<$t>(&comm, &s, kind, count, mem, in_place, &mut seed);
-                    p.assert_path(want_path(kind, <$t as Element>::DTYPE));
+                    assert_path(&p, want_path(kind, <$t as Element>::DTYPE));
                     paths.push(p.choices[0].path);
                     pending.push(Box::new(move || p.check()));
                 }};
@@ -165,104 +165,65 @@ fn captured_multimem_collectives_replay_with_new_inputs() {
     // windows of 512 KiB (reduce-scatter, all-gather) and 2 MiB (broadcast): two each
     let (rs_count, ag_count, bc_count, sum_count) =
         (300_000usize, 150_000usize, 600_000usize, 700usize);
-    let rs_in = comm.alloc::<f16>(n * rs_count).unwrap();
-    let mut rs_out = comm.alloc::<f16>(rs_count).unwrap();
-    let mut ag = comm.alloc::<f32>(n * ag_count).unwrap();
-    let mut sum = comm.alloc::<f32>(n * sum_count).unwrap();
-    let mut bc_in: Vec<DeviceBuffer<f32>> = zeroed_per_rank(&comm, bc_count);
-    let mut bc_out: Vec<DeviceBuffer<f32>> = zeroed_per_rank(&comm, bc_count);
-    let mut execs = Vec::new();
-    for (r, st) in s.iter().enumerate() {
-        let h = comm.rank(r).unwrap();
-        let sr = st.as_stream_ref();
-        sr.begin_capture(CaptureMode::Relaxed).unwrap();
-        let cs = [
-            h.reduce_scatter(&rs_in, &mut rs_out, ReduceOp::Max, st)
-                .unwrap(),
-            h.all_gather_in_place(&mut ag, st).unwrap(),
-            h.broadcast(&bc_in[r], &mut bc_out[r], 3, st).unwrap(),
-            h.reduce_scatter_in_place(&mut sum, ReduceOp::Sum, st)
-                .unwrap(),
-        ];
+    let mut rs = Queued::<f16>::new(
+        &comm,
+        Call::reduce_scatter(ReduceOp::Max).at(),
+        rs_count,
+        Params::op(ReduceOp::Max),
+        Mem::SYM,
+        false,
+    );
+    let mut ag = Queued::<f32>::new(
+        &comm,
+        Call::all_gather().at(),
+        ag_count,
+        Params::sum(),
+        Mem::SYM,
+        true,
+    );
+    let mut bc = Queued::<f32>::new(
+        &comm,
+        Call::broadcast(3).at(),
+        bc_count,
+        Params::root(3),
+        Mem::OWN,
+        false,
+    );
+    let mut sum = Queued::<f32>::new(
+        &comm,
+        Call::reduce_scatter(ReduceOp::Sum).at(),
+        sum_count,
+        Params::sum(),
+        Mem::SYM,
+        true,
+    );
+    // the sum reduces in the switch's order: within its rounding (the other chunks of the
+    // in-place buffer keep this rank's input, bit for bit)
+    sum.switch_order = true;
+    let chose = table::capture_and_replay(
+        &comm,
+        &s,
+        &mut [&mut rs, &mut ag, &mut bc, &mut sum],
+        CaptureMode::Relaxed,
+        3,
+        &mut Rng::new(61),
+    );
+    for r in 0..n {
+        let cs: Vec<Choice> = chose.iter().map(|c| c[r]).collect();
         for c in &cs {
             assert_eq!(c.path, Path::Multimem, "{c}");
         }
         assert_eq!(
-            cs.map(|c| c.staged_chunks),
+            cs.iter().map(|c| c.staged_chunks).collect::<Vec<_>>(),
             [2, 2, 2, 1],
             "windows per call"
         );
-        // SAFETY: the team, buffers and streams the capture used outlive `execs` (dropped first).
-        execs.push(unsafe { sr.end_capture().unwrap().instantiate() }.unwrap());
-    }
-    let mut seed = 61;
-    for replay in 0..3 {
-        let rs: Vec<Vec<f16>> = (0..n)
-            .map(|_| random_input(n * rs_count, &mut seed))
-            .collect();
-        let ags: Vec<Vec<f32>> = (0..n).map(|_| random_input(ag_count, &mut seed)).collect();
-        let bcs: Vec<Vec<f32>> = (0..n).map(|_| random_input(bc_count, &mut seed)).collect();
-        let sums: Vec<Vec<f32>> = (0..n)
-            .map(|_| random_input(n * sum_count, &mut seed))
-            .collect();
-        for r in 0..n {
-            rs_in.write(r, 0, &rs[r]).unwrap();
-            ag.write(r, r * ag_count, &ags[r]).unwrap();
-            bc_in[r].copy_from_host(0, &bcs[r]).unwrap();
-            sum.write(r, 0, &sums[r]).unwrap();
-        }
-        for (x, st) in execs.iter().zip(&s) {
-            x.launch(st).unwrap();
-        }
-        mm_sync(&s);
-        comm.check().unwrap();
-        let refs = |v: &[Vec<f32>]| -> Vec<Vec<f32>> { v.to_vec() };
-        let rsr: Vec<&[f16]> = rs.iter().map(|v| v.as_slice()).collect();
-        let agr = refs(&ags);
-        let agr: Vec<&[f32]> = agr.iter().map(|v| v.as_slice()).collect();
-        let sumr: Vec<&[f32]> = sums.iter().map(|v| v.as_slice()).collect();
-        let sum_want = reduce_scatter_reference(ReduceOp::Sum, &sumr);
-        for (r, want) in reduce_scatter_reference(ReduceOp::Max, &rsr)
-            .iter()
-            .enumerate()
-        {
-            assert_eq!(&rs_out.to_vec(r).unwrap(), want, "replay {replay} rank {r}");
-            assert_eq!(
-                ag.to_vec(r).unwrap(),
-                all_gather_reference(&agr),
-                "replay {replay} rank {r}"
-            );
-            assert_eq!(
-                bc_out[r].to_vec().unwrap(),
-                bcs[3],
-                "replay {replay} rank {r}"
-            );
-            let got = sum.to_vec(r).unwrap();
-            for i in 0..n * sum_count {
-                let (g, w) = if i / sum_count == r {
-                    (got[i], sum_want[r][i - r * sum_count])
-                } else {
-                    // the other chunks keep this rank's input
-                    (got[i], sums[r][i])
-                };
-                let mag: f32 = sums.iter().map(|x| x[i].abs()).sum();
-                let tol = if i / sum_count == r {
-                    f32::EPSILON * mag.max(1.0) * n as f32
-                } else {
-                    0.0
-                };
-                assert!(
-                    (g - w).abs() <= tol,
-                    "replay {replay} rank {r} element {i}: got {g} want {w}"
-                );
-            }
-        }
     }
 }
 
 /// One call of a disagreement case.
 #[derive(Debug, Clone, Copy)]
-enum Call {
+enum Disagree {
     Rs(ReduceOp, usize),
     Ag(usize),
     Bc(usize, usize),
@@ -278,12 +239,18 @@ fn multimem_collectives_whose_ranks_disagree_are_reported() {
     let test = "multimem_collectives_whose_ranks_disagree_are_reported";
     let n = 3;
     let cases = [
-        (Call::Ag(1000), Call::Bc(1000, 0)),
-        (Call::Bc(1000, 0), Call::Bc(1000, 1)),
-        (Call::Rs(ReduceOp::Sum, 1000), Call::Rs(ReduceOp::Max, 1000)),
-        (Call::Rs(ReduceOp::Sum, 1000), Call::Rs(ReduceOp::Sum, 1008)),
-        (Call::Ag(1000), Call::Ar(3000)),
-        (Call::Rs(ReduceOp::Min, 1000), Call::Ag(1000)),
+        (Disagree::Ag(1000), Disagree::Bc(1000, 0)),
+        (Disagree::Bc(1000, 0), Disagree::Bc(1000, 1)),
+        (
+            Disagree::Rs(ReduceOp::Sum, 1000),
+            Disagree::Rs(ReduceOp::Max, 1000),
+        ),
+        (
+            Disagree::Rs(ReduceOp::Sum, 1000),
+            Disagree::Rs(ReduceOp::Sum, 1008),
+        ),
+        (Disagree::Ag(1000), Disagree::Ar(3000)),
+        (Disagree::Rs(ReduceOp::Min, 1000), Disagree::Ag(1000)),
     ];
     for (mine, theirs) in cases {
         let Some(e) = mm_sim(test, n) else { return };
@@ -302,24 +269,24 @@ fn multimem_collectives_whose_ranks_disagree_are_reported() {
             let h = comm.rank(r).unwrap();
             let call = if r == 0 { mine } else { theirs };
             let c = match call {
-                Call::Rs(op, c) => h.reduce_scatter(
+                Disagree::Rs(op, c) => h.reduce_scatter(
                     input.slice(..n * c).unwrap(),
                     output.slice_mut(..c).unwrap(),
                     op,
                     st,
                 ),
-                Call::Ag(c) => h.all_gather(
+                Disagree::Ag(c) => h.all_gather(
                     input.slice(..c).unwrap(),
                     output.slice_mut(..n * c).unwrap(),
                     st,
                 ),
-                Call::Bc(c, root) => h.broadcast(
+                Disagree::Bc(c, root) => h.broadcast(
                     input.slice(..c).unwrap(),
                     output.slice_mut(..c).unwrap(),
                     root,
                     st,
                 ),
-                Call::Ar(c) => h.all_reduce(
+                Disagree::Ar(c) => h.all_reduce(
                     input.slice(..c).unwrap(),
                     output.slice_mut(..c).unwrap(),
                     ReduceOp::Sum,
@@ -357,7 +324,12 @@ fn multimem_collectives_whose_ranks_disagree_are_reported() {
 fn a_missing_peer_of_a_multimem_collective_is_reported_as_a_timeout() {
     let test = "a_missing_peer_of_a_multimem_collective_is_reported_as_a_timeout";
     let n = 3;
-    for kind in [Kind::Rs(ReduceOp::Sum), Kind::Ag, Kind::Bc(2), Kind::Bc(0)] {
+    for kind in [
+        Call::reduce_scatter(ReduceOp::Sum),
+        Call::all_gather(),
+        Call::broadcast(2),
+        Call::broadcast(0),
+    ] {
         let Some(e) = mm_sim(test, n) else { return };
         e.sim
             .as_ref()
@@ -374,26 +346,12 @@ fn a_missing_peer_of_a_multimem_collective_is_reported_as_a_timeout() {
         );
         let s = mm_streams(&comm);
         let count = 2048;
-        let input = comm.alloc::<bf16>(n * count).unwrap();
-        let mut output = comm.alloc::<bf16>(n * count).unwrap();
+        let mut q = Queued::<bf16>::new(&comm, kind.at(), count, kind.params, Mem::SYM, false);
+        q.fill(&mut Rng::new(72));
         // rank 2 never calls
         for _ in 0..2 {
             for r in 0..2 {
-                let h = comm.rank(r).unwrap();
-                let c = match kind {
-                    Kind::Rs(op) => {
-                        h.reduce_scatter(&input, output.slice_mut(..count).unwrap(), op, &s[r])
-                    }
-                    Kind::Ag => h.all_gather(input.slice(..count).unwrap(), &mut output, &s[r]),
-                    Kind::Bc(root) => h.broadcast(
-                        input.slice(..count).unwrap(),
-                        output.slice_mut(..count).unwrap(),
-                        root,
-                        &s[r],
-                    ),
-                    Kind::Ar(op) => h.all_reduce_in_place(&mut output, op, &s[r]),
-                }
-                .unwrap();
+                let c = q.call(&comm, r, &s[r]).unwrap();
                 assert_eq!(c.path, Path::Multimem, "{kind:?}: {c}");
             }
         }
@@ -410,11 +368,7 @@ fn a_missing_peer_of_a_multimem_collective_is_reported_as_a_timeout() {
                 other => panic!("{kind:?}: rank {r}: expected a timeout, got {other:?}"),
             }
         }
-        let err = comm
-            .rank(0)
-            .unwrap()
-            .all_gather(input.slice(..count).unwrap(), &mut output, &s[0])
-            .unwrap_err();
+        let err = q.call(&comm, 0, &s[0]).unwrap_err();
         assert!(matches!(err, Error::Unusable { .. }), "{kind:?}: {err}");
     }
 }
@@ -432,7 +386,7 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
         max_blocks: 2,
         ..Default::default()
     };
-    let mut seed = 81;
+    let mut seed = Rng::new(81);
     let at_min = min / 16;
     // one simulator at a time (per thread): the team of 8 first, in its own scope
     {
@@ -450,17 +404,21 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
         let s = mm_streams(&comm);
         // bf16 on 8 ranks: the whole buffer is 8 x 2 x count bytes (broadcast: 2 x count)
         let cases = [
-            (Kind::Rs(ReduceOp::Sum), at_min, Path::Multimem),
-            (Kind::Rs(ReduceOp::Max), at_min, Path::Multimem),
-            (Kind::Rs(ReduceOp::Sum), at_min - 1, Path::PeerToPeer),
-            (Kind::Ag, at_min, Path::Multimem),
-            (Kind::Ag, at_min - 1, Path::PeerToPeer),
-            (Kind::Bc(5), 8 * at_min, Path::Multimem),
-            (Kind::Bc(5), 8 * at_min - 1, Path::PeerToPeer),
+            (Call::reduce_scatter(ReduceOp::Sum), at_min, Path::Multimem),
+            (Call::reduce_scatter(ReduceOp::Max), at_min, Path::Multimem),
+            (
+                Call::reduce_scatter(ReduceOp::Sum),
+                at_min - 1,
+                Path::PeerToPeer,
+            ),
+            (Call::all_gather(), at_min, Path::Multimem),
+            (Call::all_gather(), at_min - 1, Path::PeerToPeer),
+            (Call::broadcast(5), 8 * at_min, Path::Multimem),
+            (Call::broadcast(5), 8 * at_min - 1, Path::PeerToPeer),
         ];
         for (kind, count, path) in cases {
-            let p = mm_queue::<bf16>(&comm, &s, kind, count, Mem::Own, false, &mut seed);
-            p.assert_path(path);
+            let p = mm_queue::<bf16>(&comm, &s, kind, count, Mem::OWN, false, &mut seed);
+            assert_path(&p, path);
             mm_sync(&s);
             comm.check().unwrap();
             p.check();
@@ -469,23 +427,23 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
         let p = mm_queue::<f32>(
             &comm,
             &s,
-            Kind::Rs(ReduceOp::Min),
+            Call::reduce_scatter(ReduceOp::Min),
             at_min,
-            Mem::Sym,
+            Mem::SYM,
             false,
             &mut seed,
         );
-        p.assert_path(Path::PeerToPeer);
+        assert_path(&p, Path::PeerToPeer);
         let q = mm_queue::<f32>(
             &comm,
             &s,
-            Kind::Rs(ReduceOp::Sum),
+            Call::reduce_scatter(ReduceOp::Sum),
             at_min,
-            Mem::Sym,
+            Mem::SYM,
             false,
             &mut seed,
         );
-        q.assert_path(Path::Multimem);
+        assert_path(&q, Path::Multimem);
         mm_sync(&s);
         comm.check().unwrap();
         p.check();
@@ -501,13 +459,13 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
         let p = mm_queue::<bf16>(
             &never,
             &s8,
-            Kind::Ag,
+            Call::all_gather(),
             4 * at_min,
-            Mem::Sym,
+            Mem::SYM,
             false,
             &mut seed,
         );
-        p.assert_path(Path::PeerToPeer);
+        assert_path(&p, Path::PeerToPeer);
         mm_sync(&s8);
         never.check().unwrap();
         p.check();
@@ -522,13 +480,13 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
     let p = mm_queue::<bf16>(
         &three,
         &s3,
-        Kind::Rs(ReduceOp::Sum),
+        Call::reduce_scatter(ReduceOp::Sum),
         4 * at_min,
-        Mem::Sym,
+        Mem::SYM,
         true,
         &mut seed,
     );
-    p.assert_path(Path::PeerToPeer);
+    assert_path(&p, Path::PeerToPeer);
     mm_sync(&s3);
     three.check().unwrap();
     p.check();
@@ -608,8 +566,8 @@ fn bad_arguments_to_multimem_collectives_are_refused_before_any_launch() {
     };
     assert_eq!(arg(h.all_gather(src, dst, &s[1]).unwrap_err()), "output");
     // the ranks made no call: a correct one now runs on every rank and agrees
-    let mut seed = 91;
-    let x: Vec<Vec<f32>> = (0..n).map(|_| random_input(100, &mut seed)).collect();
+    let mut seed = Rng::new(91);
+    let x: Vec<Vec<f32>> = (0..n).map(|_| seed.input(100)).collect();
     for r in 0..n {
         a.write(r, 0, &x[r]).unwrap();
     }

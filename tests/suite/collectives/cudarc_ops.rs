@@ -76,10 +76,8 @@ fn cudarc_slices_allreduce_to_the_host_reference_for_every_dtype_and_op() {
     if devices.len() < 2 || !devices[0].can_access_peer(&devices[1]).unwrap_or(false) {
         return skip("cudarc_slices", "needs two GPUs that reach each other");
     }
-    let comm = Communicator::builder(&devices[..2])
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+    let comm =
+        cuda_multimem_tests::team_on(&devices[..2], Default::default(), MulticastPolicy::Never).0;
     let streams: Vec<_> = (0..2)
         .map(|r| CudaContext::new(r).unwrap().new_stream().unwrap())
         .collect();
@@ -104,10 +102,8 @@ fn a_cudarc_stream_of_another_device_is_refused() {
             "needs two GPUs that reach each other",
         );
     }
-    let comm = Communicator::builder(&devices[..2])
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+    let comm =
+        cuda_multimem_tests::team_on(&devices[..2], Default::default(), MulticastPolicy::Never).0;
     let s1 = CudaContext::new(1).unwrap().new_stream().unwrap();
     let mut x = s1.alloc_zeros::<f32>(64).unwrap();
     let r = comm

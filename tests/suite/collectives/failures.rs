@@ -15,10 +15,13 @@ use cuda_multimem_collectives::{
 use cuda_multimem_sim::{FailurePlan, SimConfig, Simulator};
 use cuda_multimem_sys::CUresult;
 use cuda_multimem_tests::collectives::{Call, Mem, Queued};
-use cuda_multimem_tests::{fail_each_call, sim, Rng};
+use cuda_multimem_tests::{fail_each_call, sim, Gate, Rng};
 
 const N: usize = 2;
-/// How long a rank waits for a peer that never comes (the injected rank's peer).
+/// How long a rank waits for a peer that never comes (the injected rank's peer). Short: many
+/// rounds wait it out. The rounds whose ranks must meet hold both ranks' streams behind a
+/// [`Gate`] until both calls are queued, so the timeout measures the kernels, never the host
+/// queueing the second rank's call (slow on a loaded machine).
 const TIMEOUT: Duration = Duration::from_millis(150);
 /// Bound on any stream's drain in these tests: far above every kernel's own timeout.
 const DRAIN: Duration = Duration::from_secs(10);
@@ -48,11 +51,12 @@ fn small() -> CommConfig {
 }
 
 fn build(e: &cuda_multimem_tests::Env, config: &CommConfig) -> Communicator {
-    Communicator::builder(&e.driver.devices()[..N])
-        .config(config.clone())
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap()
+    cuda_multimem_tests::team_on(
+        &e.driver.devices()[..N],
+        config.clone(),
+        MulticastPolicy::Never,
+    )
+    .0
 }
 
 fn streams(comm: &Communicator) -> Vec<Stream> {
@@ -99,14 +103,26 @@ fn setup(comm: &Communicator, spec: &Spec, seed: u64) -> Queued<f32> {
 }
 
 /// The whole case on every rank, cleanly: the form it expects, and the host reference.
-fn clean_run(comm: &Communicator, spec: &Spec, s: &[Stream], seed: u64) -> Result<(), String> {
+fn clean_run(
+    comm: &Communicator,
+    spec: &Spec,
+    s: &[Stream],
+    seed: u64,
+    gate: &Gate,
+) -> Result<(), String> {
     let mut b = setup(comm, spec, seed);
-    for (r, st) in s.iter().enumerate() {
-        let c = b.call(comm, r, st).map_err(|e| format!("rank {r}: {e}"))?;
+    gate.hold(s);
+    let called = (0..s.len()).try_for_each(|r| {
+        let c = b
+            .call(comm, r, &s[r])
+            .map_err(|e| format!("rank {r}: {e}"))?;
         if c.algorithm != spec.expect {
             return Err(format!("rank {r} ran {c}; expected {}", spec.expect));
         }
-    }
+        Ok(())
+    });
+    gate.open();
+    called?;
     drain(s);
     comm.check().map_err(|e| format!("check: {e}"))?;
     b.verify()
@@ -124,6 +140,7 @@ fn tolerated(fired: &str) -> bool {
 fn sweep(spec: &Spec, capture: bool) -> usize {
     let e = sim(SimConfig::new(N, 13000));
     let sim = e.sim.as_ref().unwrap();
+    let gate = Gate::new(&e);
     let base = live(sim);
     // warm up: entry points resolved, the case itself checked
     {
@@ -138,7 +155,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
             assert!(!sr.is_capturing().unwrap());
             drop(b);
         }
-        clean_run(&comm, spec, &s, 2).unwrap_or_else(|m| panic!("{spec:?}: warm-up: {m}"));
+        clean_run(&comm, spec, &s, 2, &gate).unwrap_or_else(|m| panic!("{spec:?}: warm-up: {m}"));
     }
     assert_eq!(live(sim), base, "{spec:?}: the warm-up left resources");
     let mut injected = 0;
@@ -149,6 +166,8 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
         let mut b = setup(&comm, spec, 10 + skip as u64);
         let before = live(sim);
         let sr = s[0].as_stream_ref();
+        // both streams start what they are given only once every call of the round is queued
+        gate.hold(&s);
         if capture {
             sr.begin_capture(CaptureMode::Relaxed).unwrap();
         }
@@ -184,6 +203,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
                 x.launch(&s[0]).unwrap();
             }
             b.call(&comm, 1, &s[1]).unwrap();
+            gate.open();
             drain(&s);
             comm.check().unwrap();
             b.verify().unwrap_or_else(|m| panic!("{what}: {m}"));
@@ -204,6 +224,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
                 Err(e) => panic!("{what}: rank 1's call: {e}"),
             }
         }
+        gate.open();
         // nothing waits forever (a stream left waiting on a never-recorded event would)
         drain(&s);
         assert_eq!(live(sim), before, "{what}: leaked");
@@ -221,7 +242,7 @@ fn sweep(spec: &Spec, capture: bool) -> usize {
                     b.verify().unwrap_or_else(|m| panic!("{what}: {m}"));
                 }
                 // the team still computes correct results (and the call released its lock)
-                clean_run(&comm, spec, &s, 4)
+                clean_run(&comm, spec, &s, 4, &gate)
                     .unwrap_or_else(|m| panic!("{what}: the team still reports no error but: {m}"));
             }
         }
@@ -259,6 +280,7 @@ fn sweep_all(specs: &[Spec], floor: usize) {
 fn a_symmetric_allocation_that_fails_half_way_leaks_nothing_and_the_team_stays_usable() {
     let e = sim(SimConfig::new(N, 13000));
     let s_ = e.sim.as_ref().unwrap();
+    let gate = Gate::new(&e);
     let comm = build(&e, &small());
     let s = streams(&comm);
     drop(comm.alloc::<f32>(1000).unwrap());
@@ -295,7 +317,7 @@ fn a_symmetric_allocation_that_fails_half_way_leaks_nothing_and_the_team_stays_u
     .iter()
     .enumerate()
     {
-        clean_run(&comm, sp, &s, 100 + k as u64).unwrap();
+        clean_run(&comm, sp, &s, 100 + k as u64, &gate).unwrap();
     }
 }
 

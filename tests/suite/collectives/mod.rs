@@ -129,16 +129,10 @@ fn two_devices(e: &Env, test: &str) -> Option<Vec<Device>> {
     Some(devices[..2].to_vec())
 }
 
-/// A peer-to-peer team of the first two devices with `config`.
+/// A peer-to-peer team of the first two devices with `config` (the harness's `team_on`).
 fn team_with(e: &Env, test: &str, config: CommConfig) -> Option<Communicator> {
     let d = two_devices(e, test)?;
-    Some(
-        Communicator::builder(&d)
-            .config(config)
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap(),
-    )
+    Some(cuda_multimem_tests::team_on(&d, config, MulticastPolicy::Never).0)
 }
 
 fn team(e: &Env, test: &str) -> Option<Communicator> {

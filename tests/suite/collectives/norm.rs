@@ -29,12 +29,7 @@ fn team(n: usize, config: CommConfig) -> (cuda_multimem_tests::Env, Communicator
         sim(SimConfig::new(n, 13000))
     };
     let devices = e.driver.devices()[..n].to_vec();
-    let comm = Communicator::builder(&devices)
-        .multicast(MulticastPolicy::Never)
-        .config(config)
-        .build()
-        .unwrap();
-    let s = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
+    let (comm, s) = cuda_multimem_tests::team_on(&devices, config, MulticastPolicy::Never);
     (e, comm, s)
 }
 
@@ -554,9 +549,9 @@ fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
     for (n, seed) in [(2usize, 1u64), (3, 2), (5, 3), (8, 4)] {
         let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(300), seed);
         let devices = e.driver.devices();
-        let comm = Communicator::builder(&devices)
-            .multicast(MulticastPolicy::Never)
-            .config(CommConfig {
+        let comm = cuda_multimem_tests::team_on(
+            &devices,
+            CommConfig {
                 // norm calls of 6 rows of 520 bytes run low-latency, of 7 one-shot, of 8 to 10
                 // two-shot
                 norm_ll_max_bytes: 3200,
@@ -566,9 +561,10 @@ fn norm_and_allreduce_calls_interleave_on_the_same_pad_with_random_delays() {
                 max_blocks: 4,
                 threads: 64,
                 ..Default::default()
-            })
-            .build()
-            .unwrap();
+            },
+            MulticastPolicy::Never,
+        )
+        .0;
         let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
         let mut rng = Rng::new(seed * 77 + 1);
         let calls = 12;
@@ -748,7 +744,13 @@ fn short_timeout(
 #[test]
 fn ranks_that_disagree_on_hidden_are_reported_not_waited_for() {
     for alg in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShotLl] {
-        let (_e, comm, s) = short_timeout(2, alg);
+        // the barrier forms report the disagreement when the ranks meet (no timeout may fire
+        // first); the low-latency form's polls end at the timeout: a short one
+        let (_e, comm, s) = if alg == Algorithm::OneShotLl {
+            short_timeout(2, alg)
+        } else {
+            team(2, forced(Some(alg)))
+        };
         let x: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
         let mut res: SymmetricBuffer<f32> = comm.alloc(512).unwrap();
         let g: SymmetricBuffer<f32> = comm.alloc(256).unwrap();

@@ -17,15 +17,16 @@ fn every_forced_algorithm_gives_the_reference_bits() {
         Algorithm::TwoShotPush,
         Algorithm::TwoShotCe,
     ] {
-        let comm = Communicator::builder(&devices)
-            .config(CommConfig {
+        let comm = cuda_multimem_tests::team_on(
+            &devices,
+            CommConfig {
                 algorithm: Some(algorithm),
                 ce_max_bytes: 1 << 20,
                 ..Default::default()
-            })
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap();
+            },
+            MulticastPolicy::Never,
+        )
+        .0;
         let s = streams(&comm);
         for count in [6usize, 12_346, 32_768] {
             let planned = comm

@@ -19,13 +19,20 @@ fn mp_driver() -> Env {
     }
 }
 
-fn mp_config() -> CommConfig {
+/// The team's configuration in `mode`: a short timeout where the test expects it to fire (a
+/// peer process that dies before a collective), else the suite's generous one (each process
+/// computes its references on the host between the calls, at its own pace).
+fn mp_config(mode: &str) -> CommConfig {
     CommConfig {
         one_shot_max_bytes: Some(64 << 10),
         // 80 KB and 300 KB calls by the copy-engine two-shot, 1.2 MB by the write-only one
         ce_max_bytes: 512 << 10,
         ce_min_bytes: 0,
-        timeout: Duration::from_millis(1500),
+        timeout: if mode == "die-before-collective" {
+            Duration::from_millis(1500)
+        } else {
+            cuda_multimem_tests::TEAM_TIMEOUT
+        },
         scratch_bytes: 256 << 10,
         // all-gathers into symmetric outputs of 512 KiB and more through the copy engines (the
         // low-latency forms, which come first, up to 512 KiB)
@@ -61,7 +68,7 @@ fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String
         std::process::exit(0);
     }
     let comm = Communicator::builder_with_bootstrap(&device, Box::new(boot))
-        .config(mp_config())
+        .config(mp_config(mode))
         .build()
         .map_err(|x| format!("rank {rank}: communicator: {x}"))?;
     let mut buf = comm.alloc::<u8>(2 << 20).map_err(|x| x.to_string())?;
@@ -299,7 +306,8 @@ fn a_peer_process_that_dies_before_a_collective_is_a_timeout() {
     }
     let path = rendezvous_path("die2");
     let mut child = spawn_child(&path, "die-before-collective");
-    let err = mp_rank(0, &path, "").unwrap_err();
+    // rank 0 takes the mode for the configuration only (both ranks build with the same)
+    let err = mp_rank(0, &path, "die-before-collective").unwrap_err();
     let _ = child.wait();
     assert!(err.contains("did not arrive"), "{err}");
 }
@@ -458,7 +466,7 @@ fn thread_config() -> CommConfig {
         stage_bytes: Some(16 << 10),
         scratch_bytes: 64 << 10,
         // generous: the suite runs many simulated teams at once
-        timeout: Duration::from_secs(20),
+        timeout: cuda_multimem_tests::TEAM_TIMEOUT,
         ..Default::default()
     }
 }

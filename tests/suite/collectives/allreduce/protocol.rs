@@ -12,8 +12,9 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
     let e = ar_sim(n);
     let sim = e.sim.as_ref().unwrap();
     sim.set_kernel_delays(Duration::from_micros(300), seed);
-    let comm = Communicator::builder(&e.driver.devices())
-        .config(CommConfig {
+    let comm = cuda_multimem_tests::team_on(
+        &e.driver.devices(),
+        CommConfig {
             one_shot_max_bytes: Some(8 << 10),
             ll_max_bytes: 4 << 10,
             // small slots: the write-only two-shot runs in several rounds per block
@@ -25,10 +26,10 @@ fn back_to_back(n: usize, calls: usize, seed: u64) {
             threads: 64,
             scratch_bytes: 0,
             ..Default::default()
-        })
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+        },
+        MulticastPolicy::Never,
+    )
+    .0;
     let s = streams(&comm);
     let mut rng = Rng::new(seed);
     let mut state = seed | 1;
@@ -123,13 +124,21 @@ fn short_timeout_config() -> CommConfig {
     }
 }
 
+/// A simulated team of `n` whose tests expect a timeout to fire: a short one.
 fn short_timeout_team(n: usize) -> (Env, Communicator) {
+    team_of(n, short_timeout_config())
+}
+
+/// A simulated team of `n` whose tests expect no timeout (a disagreement is reported when the
+/// ranks meet): the suite's generous one.
+fn generous_team(n: usize) -> (Env, Communicator) {
+    team_of(n, CommConfig::default())
+}
+
+fn team_of(n: usize, config: CommConfig) -> (Env, Communicator) {
     let e = ar_sim(n);
-    let comm = Communicator::builder(&e.driver.devices())
-        .config(short_timeout_config())
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+    let (comm, _) =
+        cuda_multimem_tests::team_on(&e.driver.devices(), config, MulticastPolicy::Never);
     (e, comm)
 }
 
@@ -157,7 +166,7 @@ fn disagree(
 
 #[test]
 fn ranks_that_disagree_on_the_size_are_reported_not_waited_for() {
-    let (_e, comm) = short_timeout_team(2);
+    let (_e, comm) = generous_team(2);
     let s = streams(&comm);
     let mut buf = comm.alloc::<u8>(1 << 20).unwrap();
     // above the low-latency limit, the call header names the disagreement
@@ -173,7 +182,7 @@ fn ranks_that_disagree_on_the_size_are_reported_not_waited_for() {
 
 #[test]
 fn after_a_disagreement_the_team_refuses_further_calls() {
-    let (_e, comm) = short_timeout_team(2);
+    let (_e, comm) = generous_team(2);
     let s = streams(&comm);
     let mut buf = comm.alloc::<u8>(1 << 20).unwrap();
     disagree(
@@ -218,7 +227,7 @@ fn small_calls_that_disagree_are_reported_as_a_peer_that_did_not_arrive() {
 
 #[test]
 fn ranks_that_disagree_on_the_dtype_are_reported() {
-    let (_e, comm) = short_timeout_team(2);
+    let (_e, comm) = generous_team(2);
     let s = streams(&comm);
     let mut buf = comm.alloc::<u8>(1 << 20).unwrap();
     let (_, err) = disagree(
@@ -236,15 +245,17 @@ fn ranks_that_disagree_on_the_dtype_are_reported() {
 /// (buffer id and offset) makes it a reported disagreement.
 fn different_operands(same_buffer: bool) -> Error {
     let e = ar_sim(2);
-    let comm = Communicator::builder(&e.driver.devices())
-        .config(CommConfig {
+    let comm = cuda_multimem_tests::team_on(
+        &e.driver.devices(),
+        CommConfig {
             one_shot_max_bytes: Some(16 << 10),
-            timeout: Duration::from_millis(500),
+            // a disagreement is reported when the ranks meet: no timeout is expected to fire
+            timeout: cuda_multimem_tests::TEAM_TIMEOUT,
             ..Default::default()
-        })
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+        },
+        MulticastPolicy::Never,
+    )
+    .0;
     let s = streams(&comm);
     let count = 40_000;
     let mut a = comm.alloc::<f32>(2 * count).unwrap();
@@ -344,7 +355,7 @@ fn after_a_timeout_later_calls_are_refused_as_unusable() {
 
 #[test]
 fn a_second_stream_is_refused_while_the_first_has_work_in_flight() {
-    let (e, comm) = short_timeout_team(2);
+    let (e, comm) = generous_team(2);
     let s = streams(&comm);
     let extra = Stream::new(comm.device(0).unwrap()).unwrap();
     let mut buf = comm.alloc::<f32>(1 << 14).unwrap();

@@ -194,11 +194,8 @@ fn a_copy_engine_all_gather_is_complete_for_the_next_work_on_the_stream() {
 #[test]
 fn captured_copy_engine_calls_replay_with_new_inputs() {
     let e = sim(SimConfig::new(3, 13000));
-    let comm = Communicator::builder(&e.driver.devices())
-        .config(ce_config())
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+    let comm =
+        cuda_multimem_tests::team_on(&e.driver.devices(), ce_config(), MulticastPolicy::Never).0;
     captured_copy_engine_calls(&comm);
 }
 

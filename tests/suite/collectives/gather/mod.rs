@@ -75,13 +75,7 @@ fn team(e: &Env, config: CommConfig) -> Option<Communicator> {
         );
         return None;
     }
-    Some(
-        Communicator::builder(&devices[..2])
-            .config(config)
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap(),
-    )
+    Some(cuda_multimem_tests::team_on(&devices[..2], config, MulticastPolicy::Never).0)
 }
 
 /// Every case of `kinds` at `sizes`, every type, every operand kind, in place and not; each
@@ -143,22 +137,23 @@ fn delayed_team(n: usize, seed: u64) -> (Env, Communicator) {
 fn delayed_team_ce(n: usize, seed: u64, ce_min: usize) -> (Env, Communicator) {
     let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(300), seed);
     let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(CommConfig {
+    let comm = cuda_multimem_tests::team_on(
+        &devices,
+        CommConfig {
             ll_max_bytes: 2048,
             gather_ll_max_bytes: 2048,
             broadcast_ll_max_bytes: 2048,
             one_shot_max_bytes: Some(4096),
             stage_bytes: Some(4096),
             max_blocks: 3,
-            timeout: Duration::from_secs(20),
+            timeout: cuda_multimem_tests::TEAM_TIMEOUT,
             gather_ce_min_bytes: ce_min,
             broadcast_ce_min_bytes: ce_min,
             ..Default::default()
-        })
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+        },
+        MulticastPolicy::Never,
+    )
+    .0;
     (e, comm)
 }
 

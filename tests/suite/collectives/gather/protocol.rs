@@ -69,14 +69,15 @@ fn back_to_back_low_latency_broadcasts_from_one_root_wait_for_every_receiver() {
     for (n, seed) in [(2usize, 5u64), (3, 6), (5, 7)] {
         let e = sim(SimConfig::new(n, 13000));
         let devices = e.driver.devices();
-        let comm = Communicator::builder(&devices)
-            .config(CommConfig {
-                timeout: Duration::from_secs(5),
+        let comm = cuda_multimem_tests::team_on(
+            &devices,
+            CommConfig {
+                timeout: cuda_multimem_tests::TEAM_TIMEOUT,
                 ..Default::default()
-            })
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap();
+            },
+            MulticastPolicy::Never,
+        )
+        .0;
         let s = streams(&comm);
         let mut data = seed;
         // every buffer allocated and written first: nothing between the calls synchronises
@@ -137,8 +138,9 @@ fn back_to_back_low_latency_broadcasts_from_one_root_wait_for_every_receiver() {
 fn captured_collectives_replay_with_new_inputs() {
     let e = sim(SimConfig::new(3, 13000));
     let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(CommConfig {
+    let comm = cuda_multimem_tests::team_on(
+        &devices,
+        CommConfig {
             ll_max_bytes: 1024,
             gather_ll_max_bytes: 1024,
             broadcast_ll_max_bytes: 1024,
@@ -146,10 +148,10 @@ fn captured_collectives_replay_with_new_inputs() {
             stage_bytes: Some(4096),
             max_blocks: 2,
             ..Default::default()
-        })
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+        },
+        MulticastPolicy::Never,
+    )
+    .0;
     let s = streams(&comm);
     let count = 700;
     // (call, count, in place, what it must run: None where any form will do); the low-latency
@@ -198,17 +200,27 @@ fn captured_collectives_replay_with_new_inputs() {
     }
 }
 
-/// A simulated team of `n` with a 300 ms timeout, with or without the low-latency forms.
+/// A simulated team of `n` with or without the low-latency forms (then with a short timeout).
 fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
     cuda_multimem_tests::sim_team(
         n,
         CommConfig {
             gather_ll_max_bytes: if ll { 64 << 10 } else { 0 },
             broadcast_ll_max_bytes: if ll { 64 << 10 } else { 0 },
+            // the low-latency forms' disagreements are polls that time out: a short timeout;
+            // the staged kernel reports them at its barrier, and its peers end with it
+            timeout: if ll {
+                SHORT
+            } else {
+                CommConfig::default().timeout
+            },
             ..Default::default()
         },
     )
 }
+
+/// The timeout of the teams whose tests expect it to fire.
+const SHORT: Duration = Duration::from_millis(300);
 
 /// Rank 0 and rank 1 call different things; `check()` must say the ranks disagree (the
 /// staged kernel compares call headers at its barrier), or, with the low-latency forms (flags
@@ -415,7 +427,13 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
         cases.push((kind, ce_config(), Algorithm::CopyEngine));
     }
     for (kind, config, want) in cases {
-        let (_e, comm, s) = cuda_multimem_tests::sim_team(3, config);
+        let (_e, comm, s) = cuda_multimem_tests::sim_team(
+            3,
+            CommConfig {
+                timeout: SHORT,
+                ..config
+            },
+        );
         let mut q = Queued::<f32>::new(&comm, kind.at(), 100, kind.params, Mem::SYM, false);
         q.fill(&mut Rng::new(7));
         // ranks 0 and 1 call; rank 2 never does (as the root of a broadcast, too)
@@ -426,7 +444,7 @@ fn a_peer_that_never_calls_is_reported_as_a_timeout() {
         sync(&s);
         match comm.check() {
             Err(Error::Timeout { after, .. }) => {
-                assert_eq!(after, Duration::from_millis(300), "{kind:?}")
+                assert_eq!(after, SHORT, "{kind:?}")
             }
             other => panic!("{kind:?} ({want}): expected a timeout, got {other:?}"),
         }
@@ -442,7 +460,7 @@ fn arg_of(r: cuda_multimem::Result<Choice>) -> &'static str {
 
 #[test]
 fn bad_lengths_roots_and_overlaps_are_refused_before_any_launch() {
-    let (_e, comm, s) = small_team(2, true);
+    let (_e, comm, s) = cuda_multimem_tests::sim_team(2, CommConfig::default());
     let h = comm.rank(0).unwrap();
     let st = &s[0];
     let a = comm.alloc::<f32>(1000).unwrap();

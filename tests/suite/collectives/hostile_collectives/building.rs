@@ -73,7 +73,7 @@ fn an_exchange_entry_announcing_an_absurd_length_is_a_peer_error() {
         // keep the connection until the peer is done
         let _ = s.read(&mut [0u8; 1]);
     });
-    let b = UnixBootstrap::new(&path, 1, 2, Duration::from_secs(5)).unwrap();
+    let b = UnixBootstrap::new(&path, 1, 2, Duration::from_secs(30)).unwrap();
     match b.all_gather(b"hello") {
         Err(Error::Peer { rank: 0, .. }) => {}
         other => panic!("expected a peer error naming rank 0, got {other:?}"),
@@ -122,7 +122,7 @@ fn hier_pair_with<R: Send + 'static>(
             let (driver, path, config) = (e.driver.clone(), path.clone(), config.clone());
             std::thread::spawn(move || {
                 let device = driver.device(rank).unwrap();
-                let boot = UnixBootstrap::new(&path, rank, n, Duration::from_secs(10)).unwrap();
+                let boot = UnixBootstrap::new(&path, rank, n, Duration::from_secs(30)).unwrap();
                 let b = HierCommunicator::builder(&device, Box::new(boot))
                     .domain_id(domain_of(rank))
                     .multicast(MulticastPolicy::Never)
@@ -139,7 +139,7 @@ fn hier_pair_with<R: Send + 'static>(
 
 fn short_config() -> CommConfig {
     CommConfig {
-        timeout: Duration::from_secs(5),
+        timeout: cuda_multimem_tests::TEAM_TIMEOUT,
         one_shot_max_bytes: Some(16 << 10),
         stage_bytes: Some(16 << 10),
         scratch_bytes: 64 << 10,

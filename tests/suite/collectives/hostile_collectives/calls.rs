@@ -79,10 +79,12 @@ fn every_case<T: table::Elem>(comm: &Communicator, count: usize, hidden: usize) 
 #[test]
 fn every_collective_refuses_a_foreign_stream_or_buffer_naming_it_before_any_launch() {
     let (e, comm, s) = team(2, CommConfig::default());
-    let other = Communicator::builder(&e.driver.devices())
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+    let other = cuda_multimem_tests::team_on(
+        &e.driver.devices(),
+        CommConfig::default(),
+        MulticastPolicy::Never,
+    )
+    .0;
     let sim = e.sim.as_ref().unwrap();
     let mut cases = every_case::<f32>(&comm, 64, 16);
     let mut foreign = every_case::<f32>(&other, 64, 16);
@@ -126,10 +128,12 @@ fn every_collective_refuses_a_foreign_stream_or_buffer_naming_it_before_any_laun
 #[test]
 fn operands_of_another_team_rank_or_device_are_refused_by_every_collective() {
     let (e, comm, s) = team(2, CommConfig::default());
-    let other = Communicator::builder(&e.driver.devices())
-        .multicast(MulticastPolicy::Never)
-        .build()
-        .unwrap();
+    let other = cuda_multimem_tests::team_on(
+        &e.driver.devices(),
+        CommConfig::default(),
+        MulticastPolicy::Never,
+    )
+    .0;
     let sim = e.sim.as_ref().unwrap();
     let foreign = other.alloc::<f32>(128).unwrap();
     let mut foreign_out = other.alloc::<f32>(128).unwrap();
@@ -359,7 +363,7 @@ fn two_threads_calling_one_rank_queue_whole_calls() {
             one_shot_max_bytes: Some(8 << 10),
             ll_max_bytes: 0,
             scratch_bytes: 48 << 10,
-            timeout: Duration::from_secs(10),
+            timeout: cuda_multimem_tests::TEAM_TIMEOUT,
             ..CommConfig::default()
         },
     );

@@ -70,7 +70,7 @@ fn every_collective<T: table::Elem>(comm: &Communicator, s: &[Stream], count: us
 #[test]
 fn configurations_at_the_edges_of_validity_still_give_the_reference() {
     let base = CommConfig {
-        timeout: Duration::from_secs(10),
+        timeout: cuda_multimem_tests::TEAM_TIMEOUT,
         ..Default::default()
     };
     let configs = [
@@ -134,7 +134,7 @@ fn configurations_at_the_edges_of_validity_still_give_the_reference() {
     for (what, config) in configs {
         config.validate().unwrap();
         let forced = config.algorithm.is_some();
-        let (_e, comm, s) = team_as_is(3, config);
+        let (_e, comm, s) = team(3, config);
         for count in [1, 7, 1000, 5000] {
             if forced && count * 4 > 4096 {
                 // a forced one-shot on symmetric buffers larger than its staging is refused

@@ -16,9 +16,7 @@ use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Mem, Queued};
 use cuda_multimem_tests::{sim, Rng};
 
-use cuda_multimem_tests::{
-    invalid_arg_of as arg_of, sim_team as team, sim_team_as_is as team_as_is, sync_all as sync,
-};
+use cuda_multimem_tests::{invalid_arg_of as arg_of, sim_team as team, sync_all as sync};
 
 mod building;
 mod calls;

@@ -13,17 +13,18 @@ fn a_rank_whose_multimem_barrier_timed_out_completes_no_later_barrier_of_its_pee
     for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
         let e = sim(SimConfig::new(3, 13000));
         let devices = e.driver.devices();
-        let comm = Communicator::builder(&devices)
-            .multicast(MulticastPolicy::Always)
-            .config(CommConfig {
+        let comm = cuda_multimem_tests::team_on(
+            &devices,
+            CommConfig {
                 algorithm: Some(algorithm),
                 max_blocks: 2,
                 threads: 64,
                 timeout: Duration::from_millis(200),
                 ..Default::default()
-            })
-            .build()
-            .unwrap();
+            },
+            MulticastPolicy::Always,
+        )
+        .0;
         let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
         let count = 4096;
         let mut buf = comm.alloc::<f32>(count).unwrap();
@@ -85,14 +86,15 @@ fn multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank() 
     let want = reference(ReduceOp::Sum, &refs);
     let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
     for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
-        let comm = Communicator::builder(&devices)
-            .multicast(MulticastPolicy::Always)
-            .config(CommConfig {
+        let comm = cuda_multimem_tests::team_on(
+            &devices,
+            CommConfig {
                 algorithm: Some(algorithm),
                 ..Default::default()
-            })
-            .build()
-            .unwrap();
+            },
+            MulticastPolicy::Always,
+        )
+        .0;
         let s: Vec<Stream> = devices.iter().map(|d| Stream::new(d).unwrap()).collect();
         let mut buf = comm.alloc::<f32>(count).unwrap();
         for (r, x) in inputs.iter().enumerate() {
@@ -139,15 +141,16 @@ fn multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank() 
 /// A communicator over every device of a simulated machine of `n` with `policy` and a small
 /// multimem region.
 fn mm_team(e: &Env, policy: MulticastPolicy, config: CommConfig) -> Communicator {
-    Communicator::builder(&e.driver.devices())
-        .config(CommConfig {
+    cuda_multimem_tests::team_on(
+        &e.driver.devices(),
+        CommConfig {
             multimem_capacity: 2 << 20,
             scratch_bytes: 1 << 20,
             ..config
-        })
-        .multicast(policy)
-        .build()
-        .unwrap()
+        },
+        policy,
+    )
+    .0
 }
 
 fn mm_every_op<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &mut u64) {
@@ -300,7 +303,8 @@ fn multimem_ranks_that_disagree_are_reported_not_reduced() {
             CommConfig {
                 max_blocks: 2,
                 threads: 64,
-                timeout: Duration::from_secs(2),
+                // a disagreement is reported when the ranks meet: no timeout is expected
+                timeout: cuda_multimem_tests::TEAM_TIMEOUT,
                 ..Default::default()
             },
         );

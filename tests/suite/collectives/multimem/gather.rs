@@ -258,7 +258,8 @@ fn multimem_collectives_whose_ranks_disagree_are_reported() {
             &e,
             CommConfig {
                 max_blocks: 1,
-                timeout: Duration::from_secs(2),
+                // a disagreement is reported when the ranks meet: no timeout is expected
+                timeout: cuda_multimem_tests::TEAM_TIMEOUT,
                 ..Default::default()
             },
         );
@@ -391,10 +392,12 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
     // one simulator at a time (per thread): the team of 8 first, in its own scope
     {
         let Some(e) = mm_sim(test, 8) else { return };
-        let comm = Communicator::builder(&e.driver.devices())
-            .config(config.clone())
-            .build()
-            .unwrap();
+        let comm = cuda_multimem_tests::team_on(
+            &e.driver.devices(),
+            config.clone(),
+            MulticastPolicy::WhenItPaysOff,
+        )
+        .0;
         assert_eq!(comm.multicast_policy(), MulticastPolicy::WhenItPaysOff);
         assert!(
             comm.multimem_active(),
@@ -449,11 +452,12 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
         p.check();
         q.check();
         // Never, and a team of 3 by default (multicast does not pay off there): peer-to-peer
-        let never = Communicator::builder(&e.driver.devices())
-            .config(config.clone())
-            .multicast(MulticastPolicy::Never)
-            .build()
-            .unwrap();
+        let never = cuda_multimem_tests::team_on(
+            &e.driver.devices(),
+            config.clone(),
+            MulticastPolicy::Never,
+        )
+        .0;
         assert!(!never.multimem_active());
         let s8 = mm_streams(&never);
         let p = mm_queue::<bf16>(
@@ -471,10 +475,9 @@ fn the_multimem_collectives_are_chosen_by_the_policy_and_the_choice_says_so() {
         p.check();
     }
     let Some(e3) = mm_sim(test, 3) else { return };
-    let three = Communicator::builder(&e3.driver.devices())
-        .config(config)
-        .build()
-        .unwrap();
+    let three =
+        cuda_multimem_tests::team_on(&e3.driver.devices(), config, MulticastPolicy::WhenItPaysOff)
+            .0;
     assert!(!three.multimem_active());
     let s3 = mm_streams(&three);
     let p = mm_queue::<bf16>(

@@ -54,11 +54,7 @@ fn mm_sim(test: &str, n: usize) -> Option<Env> {
 
 /// A multimem communicator over every device of `e` (policy `Always`) with `config`.
 fn mm_comm(e: &Env, config: CommConfig) -> Communicator {
-    let comm = Communicator::builder(&e.driver.devices())
-        .multicast(MulticastPolicy::Always)
-        .config(config)
-        .build()
-        .unwrap();
+    let comm = cuda_multimem_tests::team_on(&e.driver.devices(), config, MulticastPolicy::Always).0;
     assert!(
         comm.multimem_active(),
         "{:?}",

@@ -452,15 +452,19 @@ fn the_simulated_batch_copy_reports_the_failing_copy_and_reads_during_call_sourc
         );
         // DURING_API_CALL: the source as it was during the call, even if it changes before
         // the copy runs in stream order.
+        // (the copies wait behind a kernel that runs until the source has changed: held on the
+        // simulator, 1 s on a GPU)
         let spin = add_kernel(&e).function("cmm_test_spin").unwrap();
+        let (ns, hold) = running_kernel(&e, 1_000_000_000);
         // SAFETY: one .u64 parameter; the kernel touches no memory.
-        unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), &s, &[50_000_000]) }.unwrap();
+        unsafe { spin.launch_u64(&LaunchConfig::linear(1, 1), &s, &[ns]) }.unwrap();
         let during = attr(O::CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL, 0);
         assert_eq!(
             call([n, n], &mut [during, stream_order]),
             (CUresult::CUDA_SUCCESS, usize::MAX)
         );
         src.copy_from_host(0, &[2; 256]).unwrap();
+        drop(hold);
         s.synchronize().unwrap();
         let got = dst.to_vec().unwrap();
         assert!(got[..n].iter().all(|&v| v == 1), "read during the call");

@@ -179,7 +179,9 @@ fn events_time_stream_work_and_report_completion() {
     b.synchronize().unwrap();
     assert!(a.is_complete().unwrap() && b.is_complete().unwrap());
     let t = b.elapsed_since(&a).unwrap();
-    assert!(t.as_secs_f64() < 1.0, "{t:?}");
+    // two records back to back: a sane, small time (generous: a loaded machine may keep the
+    // stream's worker from the second record for a while)
+    assert!(t.as_secs_f64() < 10.0, "{t:?}");
     s.synchronize().unwrap();
     let untimed = Event::new(&dev, false).unwrap();
     untimed.record(&s).unwrap();

@@ -9,7 +9,7 @@ use cuda_multimem::{
     StreamRef,
 };
 use cuda_multimem_sim::{KernelError, LaunchArgs, SimConfig};
-use cuda_multimem_tests::{env, sim, skip, Env, Rng};
+use cuda_multimem_tests::{env, sim, skip, Env, Hold, Rng};
 
 mod copies;
 mod driver;
@@ -98,6 +98,19 @@ fn add_u32_on_the_host(a: &LaunchArgs) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// The parameter of `cmm_test_spin` for a kernel that must still be running when the host
+/// gets to its next steps: on the simulator a [`Hold`] (the kernel ends when the hold is
+/// released or dropped, however slow the host was meanwhile), on a GPU `ns` nanoseconds of
+/// spinning.
+fn running_kernel(e: &Env, ns: u64) -> (u64, Option<Hold>) {
+    if e.sim.is_some() {
+        let h = Hold::new();
+        (h.param(), Some(h))
+    } else {
+        (ns, None)
+    }
+}
+
 fn add_kernel(e: &Env) -> Module {
     add_kernel_on(e, 0)
 }
@@ -107,7 +120,7 @@ fn add_kernel_on(e: &Env, ordinal: usize) -> Module {
     if e.sim.is_some() {
         cuda_multimem_sim::register_kernel("cmm_test_add_u32", add_u32_on_the_host);
         cuda_multimem_sim::register_kernel("cmm_test_spin", |a| {
-            std::thread::sleep(Duration::from_nanos(a.u64(0)?));
+            cuda_multimem_tests::sleep_or_hold(a.u64(0)?);
             Ok(())
         });
     }

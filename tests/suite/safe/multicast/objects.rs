@@ -265,16 +265,25 @@ fn the_simulator_follows_the_documented_rules_for_raw_calls() {
         assert_eq!(add(h, 0), CUresult::CUDA_SUCCESS);
         assert_eq!(add(h, 0), CUresult::CUDA_ERROR_INVALID_VALUE, "added twice");
         assert_eq!(add(h, 7), CUresult::CUDA_ERROR_INVALID_DEVICE);
-        // Bind blocks until every device was added: another thread adds device 1.
-        let adder = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(100));
-            add(h, 1)
+        // Bind blocks until every device was added: another thread adds device 1 once the
+        // bind has reached the driver (the simulator counts a call when it enters it), so the
+        // bind's success means it waited for the add.
+        let binds = || e.sim.as_ref().unwrap().calls("cuMulticastBindMem");
+        let before = binds();
+        let added = std::thread::scope(|sc| {
+            let adder = sc.spawn(|| {
+                let t = Instant::now();
+                while binds() == before {
+                    assert!(t.elapsed() < Duration::from_secs(60), "the bind never came");
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                add(h, 1)
+            });
+            let a0 = mem[0].allocation().raw();
+            assert_eq!(bind(h, 0, 0, a0, 0, 2 * MIB, 0), CUresult::CUDA_SUCCESS);
+            adder.join().unwrap()
         });
-        let t = Instant::now();
-        let a0 = mem[0].allocation().raw();
-        assert_eq!(bind(h, 0, 0, a0, 0, 2 * MIB, 0), CUresult::CUDA_SUCCESS);
-        assert!(t.elapsed() >= Duration::from_millis(90), "the bind waited");
-        assert_eq!(adder.join().unwrap(), CUresult::CUDA_SUCCESS);
+        assert_eq!(added, CUresult::CUDA_SUCCESS);
         assert_eq!(
             add(h, 1),
             CUresult::CUDA_ERROR_INVALID_VALUE,

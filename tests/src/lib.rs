@@ -473,3 +473,16 @@ impl Drop for Gate {
         let _ = self.stream.synchronize();
     }
 }
+
+/// The simulated driver version `CUDA_MULTIMEM_DRIVER` selects (`sim:...,version=V`; `cargo
+/// xtask test` runs the suite at each), else 13000: for tests that make simulated machines of
+/// their own (as many devices as they need) at the version under test.
+pub fn sim_version() -> i32 {
+    std::env::var(DRIVER_ENV)
+        .ok()
+        .and_then(|v| {
+            v.split([':', ','])
+                .find_map(|kv| kv.trim().strip_prefix("version=")?.parse().ok())
+        })
+        .unwrap_or(13000)
+}

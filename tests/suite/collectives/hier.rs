@@ -14,20 +14,7 @@ use cuda_multimem_collectives::{
     MulticastPolicy, Nccl, ReduceOp, UnixBootstrap,
 };
 use cuda_multimem_sim::SimConfig;
-use cuda_multimem_tests::{sim, skip};
-
-/// The simulated driver version `CUDA_MULTIMEM_DRIVER` selects (`sim:...,version=V`; `cargo
-/// xtask test` runs the suite at each), else 13000: the hierarchical teams make their own
-/// simulated machines of as many devices as they need, at that version.
-fn sim_version() -> i32 {
-    std::env::var(cuda_multimem::DRIVER_ENV)
-        .ok()
-        .and_then(|v| {
-            v.split([':', ','])
-                .find_map(|kv| kv.trim().strip_prefix("version=")?.parse().ok())
-        })
-        .unwrap_or(13000)
-}
+use cuda_multimem_tests::{sim, sim_version, skip};
 
 fn rendezvous(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("cmm-hier-{tag}-{}", std::process::id()))

@@ -11,7 +11,12 @@ use super::*;
 #[test]
 fn a_rank_whose_multimem_barrier_timed_out_completes_no_later_barrier_of_its_peers() {
     for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
-        let e = sim(SimConfig::new(3, 13000));
+        let Some(e) = mm_machine(
+            "a_rank_whose_multimem_barrier_timed_out_completes_no_later_barrier_of_its_peers",
+            3,
+        ) else {
+            return;
+        };
         let devices = e.driver.devices();
         let comm = cuda_multimem_tests::team_on(
             &devices,
@@ -67,7 +72,12 @@ fn a_rank_whose_multimem_barrier_timed_out_completes_no_later_barrier_of_its_pee
 /// reference, but neither is the rank-order sum bit for bit.
 #[test]
 fn multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank() {
-    let e = sim(SimConfig::new(3, 13000));
+    let Some(e) = mm_machine(
+        "multimem_sums_are_not_in_rank_order_and_two_shot_is_the_same_on_every_rank",
+        3,
+    ) else {
+        return;
+    };
     let devices = e.driver.devices();
     let count = 20_000;
     // magnitudes over several binades, so that the order of the additions shows in the bits
@@ -198,7 +208,9 @@ fn mm_every_op<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &m
 }
 
 fn multimem_round(n: usize, seed: u64, forced: Option<Algorithm>) {
-    let e = ar_sim(n);
+    let Some(e) = mm_machine(&format!("multimem_round (a team of {n})"), n) else {
+        return;
+    };
     e.sim
         .as_ref()
         .unwrap()
@@ -242,7 +254,9 @@ fn multimem_one_shot_and_two_shot_forced_on_a_simulated_team_of_5() {
 /// too.
 #[test]
 fn multimem_messages_larger_than_the_region_run_in_chunks() {
-    let e = ar_sim(4);
+    let Some(e) = mm_machine("multimem_messages_larger_than_the_region_run_in_chunks", 4) else {
+        return;
+    };
     let comm = mm_team(&e, MulticastPolicy::Always, CommConfig::default());
     let s = streams(&comm);
     let n = 4;
@@ -296,7 +310,9 @@ fn multimem_ranks_that_disagree_are_reported_not_reduced() {
         ),
     ];
     for (mine, theirs) in cases {
-        let e = ar_sim(3);
+        let Some(e) = mm_machine("multimem_ranks_that_disagree_are_reported_not_reduced", 3) else {
+            return;
+        };
         let comm = mm_team(
             &e,
             MulticastPolicy::Always,
@@ -348,7 +364,12 @@ fn multimem_ranks_that_disagree_are_reported_not_reduced() {
 
 #[test]
 fn multimem_with_a_dead_rank_times_out_on_every_calling_rank() {
-    let e = ar_sim(3);
+    let Some(e) = mm_machine(
+        "multimem_with_a_dead_rank_times_out_on_every_calling_rank",
+        3,
+    ) else {
+        return;
+    };
     let comm = mm_team(
         &e,
         MulticastPolicy::Always,
@@ -412,7 +433,10 @@ fn multimem_pays_off_only_for_teams_larger_than_3() {
 #[test]
 fn on_a_simulated_8_device_machine_the_default_policy_picks_multimem_for_large_sums_only() {
     cuda_multimem_collectives::sim::install();
-    let e = sim(SimConfig::new(8, 13030));
+    let e = sim(SimConfig::new(
+        8,
+        cuda_multimem_tests::sim_version().max(13030),
+    ));
     let comm = Communicator::new(&e.driver.devices()).unwrap();
     assert_eq!(comm.multicast_policy(), MulticastPolicy::WhenItPaysOff);
     assert!(
@@ -461,9 +485,34 @@ fn on_a_simulated_8_device_machine_the_default_policy_picks_multimem_for_large_s
     }
 }
 
+/// Below CUDA 12.1 there is no multicast: a team that must have the multimem path is refused
+/// naming the missing entry point and the versions, and the default policy builds a
+/// peer-to-peer team that says why it has no multimem path (the multimem tests skip there).
+#[test]
+fn before_cuda_12_1_a_multimem_team_is_refused_and_the_default_policy_says_why() {
+    let e = sim(SimConfig::new(4, 12000));
+    match Communicator::builder(&e.driver.devices())
+        .multicast(MulticastPolicy::Always)
+        .build()
+    {
+        Err(Error::Unsupported { needed, driver, .. }) => {
+            assert_eq!((needed, driver), (12010, 12000))
+        }
+        other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
+    }
+    let comm = Communicator::new(&e.driver.devices()).unwrap();
+    assert!(!comm.multimem_active());
+    let why = comm.multimem_unavailable_reason().unwrap();
+    assert!(why.contains("12010") && why.contains("12000"), "{why}");
+    let c = comm
+        .choice(DType::Bf16, ReduceOp::Sum, 1 << 24, Operands::Symmetric)
+        .unwrap();
+    assert_eq!(c.path, Path::PeerToPeer);
+}
+
 #[test]
 fn the_never_policy_never_picks_multimem() {
-    let e = ar_sim(8);
+    let e = sim(SimConfig::new(8, cuda_multimem_tests::sim_version()));
     let comm = mm_team(&e, MulticastPolicy::Never, CommConfig::default());
     assert!(!comm.multimem_active());
     let why = comm.multimem_unavailable_reason().unwrap();
@@ -478,7 +527,7 @@ fn the_never_policy_never_picks_multimem() {
 
 #[test]
 fn on_a_2_device_machine_when_it_pays_off_does_not_pick_multimem_and_says_why() {
-    let e = ar_sim(2);
+    let e = sim(SimConfig::new(2, cuda_multimem_tests::sim_version()));
     let comm = Communicator::new(&e.driver.devices()).unwrap();
     assert!(!comm.multimem_active());
     let why = comm.multimem_unavailable_reason().unwrap();
@@ -491,7 +540,7 @@ fn on_a_2_device_machine_when_it_pays_off_does_not_pick_multimem_and_says_why() 
 
 #[test]
 fn always_fails_to_build_with_disabled_where_the_guard_refuses_multicast() {
-    let e = ar_sim(4);
+    let e = sim(SimConfig::new(4, cuda_multimem_tests::sim_version()));
     let before = e.sim.as_ref().unwrap().calls("cuMulticastCreate");
     let _off = cuda_multimem::multicast::disable_multicast_on_this_thread();
     match Communicator::builder(&e.driver.devices())

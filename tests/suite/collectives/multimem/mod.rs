@@ -16,7 +16,7 @@ use cuda_multimem_collectives::{
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Call, Mem, Params, Queued};
-use cuda_multimem_tests::{sim, sim_delayed, skip, Env, Rng};
+use cuda_multimem_tests::{sim, skip, Env, Rng};
 
 use super::*;
 
@@ -43,13 +43,33 @@ fn skipped_on_real_driver(test: &str) -> bool {
     real
 }
 
-/// A simulated machine of `n` devices for one multimem test, or a printed skip where the suite
-/// runs on a real driver ([`skipped_on_real_driver`]).
+/// A simulated machine of `n` devices for one multimem test at the driver version under test
+/// ([`cuda_multimem_tests::sim_version`]: multicast objects, from 13.3 logical endpoints), or a
+/// printed skip where the suite runs on a real driver ([`skipped_on_real_driver`]) or the
+/// version has no multicast ([`mm_machine`]).
 fn mm_sim(test: &str, n: usize) -> Option<Env> {
     if skipped_on_real_driver(test) {
         return None;
     }
-    Some(sim(SimConfig::new(n, 13000)))
+    mm_machine(test, n)
+}
+
+/// A simulated machine of `n` devices at the driver version under test, or — below CUDA 12.1,
+/// which has no multicast (`before_cuda_12_1_a_multimem_team_is_refused_and_the_default_policy_says_why`
+/// checks what the library does there) — a printed skip.
+fn mm_machine(test: &str, n: usize) -> Option<Env> {
+    let v = cuda_multimem_tests::sim_version();
+    if v < cuda_multimem::multicast::MULTICAST_MIN_DRIVER {
+        skip(
+            test,
+            format!(
+                "the simulated driver {v} has no multicast (CUDA {} or newer): no multimem path",
+                cuda_multimem::multicast::MULTICAST_MIN_DRIVER
+            ),
+        );
+        return None;
+    }
+    Some(sim(SimConfig::new(n, v)))
 }
 
 /// A multimem communicator over every device of `e` (policy `Always`) with `config`.
@@ -139,7 +159,13 @@ fn mm_once<T: Elem>(
 /// scalar tail, on a simulated team of `n` with random delays.
 /// The caller checked [`skipped_on_real_driver`].
 fn mm_sweep(n: usize, counts: &[usize], seed: u64) {
-    let e = sim_delayed(SimConfig::new(n, 13000), Duration::from_micros(100), seed);
+    let Some(e) = mm_machine(&format!("mm_sweep (a team of {n})"), n) else {
+        return;
+    };
+    e.sim
+        .as_ref()
+        .unwrap()
+        .set_kernel_delays(Duration::from_micros(100), seed);
     let comm = mm_comm(
         &e,
         CommConfig {

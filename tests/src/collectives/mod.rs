@@ -7,9 +7,13 @@
 //! with random data from the harness's one generator ([`crate::Rng`]), calls every rank, and
 //! checks every rank against the reference.
 //!
-//! Adding a collective is one more entry in [`table`]; an element type is one instantiation
-//! (`table::<T>()`); the team size and the devices are the caller's ([`crate::team_on`] takes
-//! the device list, so ranks may share a device where the library allows it).
+//! Adding a collective is one more entry (a function in `entries.rs` returning its
+//! [`Collective`], and its line in [`table`]); an element type is one instantiation
+//! (`table::<T>()`, and a line in [`for_each_elem`](crate::for_each_elem) for the sweeps); the
+//! team size and the devices are the caller's ([`crate::team_on`] takes the device list, so
+//! ranks may share a device where the library allows it; today it takes 2 to 8 distinct ones).
+//! A collective whose output type differs from its input's (an FP8 norm output) needs a second
+//! type parameter here.
 
 // Ranks index their buffers: `for r in 0..n` reads as the protocol does.
 #![allow(clippy::needless_range_loop)]

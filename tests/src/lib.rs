@@ -85,6 +85,19 @@ pub fn skip(test: &str, reason: impl std::fmt::Display) {
     eprintln!("SKIPPED: {test}: {reason}");
 }
 
+/// Why the collectives cannot run on `driver` (its version below what their PTX needs: CUDA
+/// 12.1, PTX ISA 8.1 — a communicator refuses to build there, `Error::HardwareTooOld`), if so.
+/// The tests of the collectives that run at every simulated driver version skip with it; the
+/// refusal itself is a test of its own.
+pub fn collectives_unsupported(driver: &cuda_multimem::Driver) -> Option<String> {
+    (driver.version() < 12010).then(|| {
+        format!(
+            "the collectives' kernels need a CUDA 12.1 driver or newer (PTX ISA 8.1); this driver is {}",
+            driver.version()
+        )
+    })
+}
+
 /// Random data: a small, seeded xorshift generator (tests need reproducible, non-trivial data).
 pub struct Rng(u64);
 

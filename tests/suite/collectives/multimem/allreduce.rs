@@ -534,6 +534,9 @@ fn before_cuda_12_1_a_multimem_team_is_refused_and_the_default_policy_says_why()
 #[test]
 fn the_never_policy_never_picks_multimem() {
     let e = sim(SimConfig::new(8, cuda_multimem_tests::sim_version()));
+    if let Some(why) = cuda_multimem_tests::collectives_unsupported(&e.driver) {
+        return cuda_multimem_tests::skip("the_never_policy_never_picks_multimem", why);
+    }
     let comm = mm_team(&e, MulticastPolicy::Never, CommConfig::default());
     assert!(!comm.multimem_active());
     let why = comm.multimem_unavailable_reason().unwrap();
@@ -549,6 +552,12 @@ fn the_never_policy_never_picks_multimem() {
 #[test]
 fn on_a_2_device_machine_when_it_pays_off_does_not_pick_multimem_and_says_why() {
     let e = sim(SimConfig::new(2, cuda_multimem_tests::sim_version()));
+    if let Some(why) = cuda_multimem_tests::collectives_unsupported(&e.driver) {
+        return cuda_multimem_tests::skip(
+            "on_a_2_device_machine_when_it_pays_off_does_not_pick_multimem_and_says_why",
+            why,
+        );
+    }
     let comm = Communicator::new(&e.driver.devices()).unwrap();
     assert!(!comm.multimem_active());
     let why = comm.multimem_unavailable_reason().unwrap();
@@ -562,6 +571,12 @@ fn on_a_2_device_machine_when_it_pays_off_does_not_pick_multimem_and_says_why() 
 #[test]
 fn always_fails_to_build_with_disabled_where_the_guard_refuses_multicast() {
     let e = sim(SimConfig::new(4, cuda_multimem_tests::sim_version()));
+    if let Some(why) = cuda_multimem_tests::collectives_unsupported(&e.driver) {
+        return cuda_multimem_tests::skip(
+            "always_fails_to_build_with_disabled_where_the_guard_refuses_multicast",
+            why,
+        );
+    }
     let before = e.sim.as_ref().unwrap().calls("cuMulticastCreate");
     let _off = cuda_multimem::multicast::disable_multicast_on_this_thread();
     match Communicator::builder(&e.driver.devices())

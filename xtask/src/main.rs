@@ -3,7 +3,8 @@
 //! - `bindgen [--check]`: regenerate (or verify) the committed bindings of cuda-multimem-sys.
 //! - `ptx [--check]`: regenerate (or verify) the committed PTX kernels of
 //!   cuda-multimem-collectives (generator: cuda-multimem-ptxgen).
-//! - `test`: the whole workspace on the simulated driver at each driver version.
+//! - `test`: the unit tests, and the suite on the simulated driver: all of it at the newest driver
+//!   version, the version-dependent tests at the others (`test_cmd`).
 //! - `test-hw`: the suite against the real driver (builds a bundle first unless run from one).
 //! - `bench-hw memory|allreduce|collectives|norm|hier`: benchmarks on the real driver, side by
 //!   side with the references.
@@ -80,14 +81,7 @@ fn main() {
             versions,
             devices,
             extra,
-        } => {
-            let v = if versions.is_empty() {
-                test_cmd::VERSIONS.to_vec()
-            } else {
-                versions
-            };
-            test_cmd::test(&v, devices, &extra)
-        }
+        } => test_cmd::test(&versions, devices, &extra),
         Cmd::TestHw { filter } => hw::test_hw(&filter),
         Cmd::BenchHw { what, args } => hw::bench_hw(&what, &args),
         Cmd::PtxCheck => hw::ptx_check(),

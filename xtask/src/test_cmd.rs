@@ -1,11 +1,111 @@
-//! `cargo xtask test`: the whole workspace on the simulated driver, once per driver version.
+//! `cargo xtask test`: the workspace's unit and doc tests, the MPI runs, and the suite on the
+//! simulated driver: by default all of it at [`FULL_VERSION`] and, at each of [`OTHER_VERSIONS`],
+//! only the tests whose behaviour depends on the driver version ([`VERSION_DEPENDENT`]);
+//! `--versions a,b` runs all of it at each version named.
 
 use std::process::{Command, Stdio};
 
 use crate::{workspace_root, Result};
 
-/// The simulated driver versions every suite runs at.
-pub const VERSIONS: [i32; 5] = [12000, 12080, 13000, 13030, 13050];
+/// The driver version the whole suite runs at by default: the newest the simulator models, the
+/// one with every function of the table.
+pub const FULL_VERSION: i32 = 13050;
+
+/// The other driver versions of the default run, each a different function table (12080: the
+/// first `cuMemcpyBatchAsync`; 13000: its second ABI and the managed-memory batch calls; 13030:
+/// logical endpoints; 12000: none of these): only [`VERSION_DEPENDENT`] runs there.
+pub const OTHER_VERSIONS: [i32; 4] = [12000, 12080, 13000, 13030];
+
+/// The suite's version-dependent tests: a test runs at every version of the default run when its
+/// name starts with one of these. Why each:
+/// - `safe::`: the safe layer over the loader; which entry points resolve, at which ABI, and
+///   which way the wrappers go (batch copies, managed memory, endpoints) is the version's.
+/// - `sim::`: the simulator itself, whose function table and refusals follow the version.
+/// - `collectives::multimem::`: the multicast path, whose setup (multicast objects, logical
+///   endpoints on 13.3+) the version decides.
+/// - `collectives::smoke::`: every collective once at small sizes, so a collective that breaks
+///   on an older driver's table shows there without its whole matrix running at each version.
+///
+/// Every entry must select at least one test (checked before anything runs), so a rename in the
+/// suite cannot silently drop tests from the older versions.
+pub const VERSION_DEPENDENT: [&str; 4] = [
+    "safe::",
+    "sim::",
+    "collectives::multimem::",
+    "collectives::smoke::",
+];
+
+/// Which tests of the suite one run takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// The whole suite (and the tests crate's other targets).
+    Whole,
+    /// [`VERSION_DEPENDENT`] only.
+    VersionDependent,
+}
+
+/// The runs of the suite: (driver version, selection). Empty `versions`: the default plan.
+pub fn plan(versions: &[i32]) -> Vec<(i32, Selection)> {
+    if versions.is_empty() {
+        std::iter::once((FULL_VERSION, Selection::Whole))
+            .chain(OTHER_VERSIONS.map(|v| (v, Selection::VersionDependent)))
+            .collect()
+    } else {
+        versions.iter().map(|&v| (v, Selection::Whole)).collect()
+    }
+}
+
+/// The names of `--list --format=terse` output (`name: test` lines).
+pub fn listed_tests(list: &str) -> Vec<String> {
+    list.lines()
+        .filter_map(|l| l.trim_end().strip_suffix(": test"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// How many of `tests` each filter selects (name starts with it); an error naming every filter
+/// that selects none.
+pub fn check_filters(filters: &[&str], tests: &[String]) -> Result<Vec<(String, usize)>> {
+    let counts: Vec<(String, usize)> = filters
+        .iter()
+        .map(|f| {
+            (
+                f.to_string(),
+                tests.iter().filter(|t| t.starts_with(f)).count(),
+            )
+        })
+        .collect();
+    let empty: Vec<&str> = counts
+        .iter()
+        .filter(|(_, n)| *n == 0)
+        .map(|(f, _)| f.as_str())
+        .collect();
+    if empty.is_empty() {
+        return Ok(counts);
+    }
+    Err(format!(
+        "the version-dependent test filter(s) {} select no test of the suite ({} tests listed): \
+         VERSION_DEPENDENT in xtask/src/test_cmd.rs no longer matches the modules of tests/suite; \
+         rename the entries after the suite's modules (the tests they meant must still run at \
+         every driver version)",
+        empty
+            .iter()
+            .map(|f| format!("`{f}`"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        tests.len()
+    )
+    .into())
+}
+
+/// The tests among `tests` that [`VERSION_DEPENDENT`] (here `filters`) selects, in order.
+pub fn select<'a>(filters: &[&str], tests: &'a [String]) -> Vec<&'a str> {
+    tests
+        .iter()
+        .filter(|t| filters.iter().any(|f| t.starts_with(f)))
+        .map(String::as_str)
+        .collect()
+}
 
 /// Tally of one or more libtest runs, read from their output.
 #[derive(Default, Debug)]
@@ -156,10 +256,60 @@ fn target_dir() -> Result<std::path::PathBuf> {
         .ok_or_else(|| "cargo metadata gave no target_directory".into())
 }
 
-/// Entry point of `cargo xtask test`.
+/// The suite's test names, as `cargo test -p cuda-multimem-tests --test suite -- --list` gives
+/// them with `extra` (the user's libtest filters and flags) applied.
+fn list_suite(extra: &[String]) -> Result<Vec<String>> {
+    let out = cargo()
+        .args([
+            "test",
+            "--quiet",
+            "-p",
+            "cuda-multimem-tests",
+            "--test",
+            "suite",
+            "--",
+            "--list",
+            "--format=terse",
+        ])
+        .args(extra)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot start cargo test --list: {e}"))?;
+    if !out.status.success() {
+        return Err("listing the suite's tests (cargo test --test suite -- --list) failed".into());
+    }
+    Ok(listed_tests(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Entry point of `cargo xtask test`; `versions` empty: the default plan ([`plan`]).
 pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
     println!("== build (workspace, all targets)");
     crate::run(cargo().args(["build", "--workspace", "--all-targets", "--quiet"]))?;
+    let plan = plan(versions);
+    // The version-dependent tests, checked before anything runs: each filter must select a test
+    // of the whole suite; the runs take those of them that `extra` selects too.
+    let dependent = if plan.iter().any(|(_, s)| *s == Selection::VersionDependent) {
+        let all = list_suite(&[])?;
+        let counts = check_filters(&VERSION_DEPENDENT, &all)?;
+        let chosen = list_suite(extra)?;
+        let names: Vec<String> = select(&VERSION_DEPENDENT, &chosen)
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        println!(
+            "== version-dependent tests: {} of the {} selected ({})",
+            names.len(),
+            chosen.len(),
+            counts
+                .iter()
+                .map(|(f, n)| format!("{f} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        names
+    } else {
+        Vec::new()
+    };
     let mut tally = Tally::default();
     let mut failed_runs = Vec::new();
 
@@ -219,15 +369,31 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
         tally.skipped.push("[mpi] example hier_allreduce under mpirun: `mpirun` is not on this machine (install openmpi-bin and libopenmpi-dev)".into());
     }
 
-    for v in versions {
+    for (v, selection) in plan {
         let sel = format!("sim:devices={devices},version={v}");
-        println!("== suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}");
-        let (ok, out) = run_capture(
-            cargo()
-                .args(["test", "-p", "cuda-multimem-tests", "--", "--nocapture"])
-                .args(extra)
-                .env("CUDA_MULTIMEM_DRIVER", &sel),
-        )?;
+        let mut cmd = cargo();
+        match selection {
+            Selection::Whole => {
+                println!("== suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}");
+                cmd.args(["test", "-p", "cuda-multimem-tests", "--", "--nocapture"]);
+            }
+            Selection::VersionDependent if dependent.is_empty() => {
+                println!(
+                    "== no version-dependent test among those selected: nothing to run at {sel}"
+                );
+                continue;
+            }
+            Selection::VersionDependent => {
+                println!(
+                    "== the {} version-dependent tests on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}",
+                    dependent.len()
+                );
+                cmd.args(["test", "-p", "cuda-multimem-tests", "--test", "suite", "--"])
+                    .args(["--nocapture", "--exact"])
+                    .args(&dependent);
+            }
+        }
+        let (ok, out) = run_capture(cmd.args(extra).env("CUDA_MULTIMEM_DRIVER", &sel))?;
         tally.read(&out, &format!("sim {v}"));
         if !ok {
             failed_runs.push(format!("suite at {sel}"));
@@ -244,6 +410,88 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_plan_runs_everything_once_and_the_dependent_tests_at_the_other_versions() {
+        let p = plan(&[]);
+        assert_eq!(p[0], (13050, Selection::Whole));
+        assert_eq!(
+            p[1..],
+            [12000, 12080, 13000, 13030].map(|v| (v, Selection::VersionDependent))
+        );
+        // Explicit versions: the whole suite at each, as before.
+        assert_eq!(
+            plan(&[12000, 13030]),
+            [(12000, Selection::Whole), (13030, Selection::Whole)]
+        );
+    }
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn filters_select_by_prefix_and_each_must_select_a_test() {
+        let listed = listed_tests(
+            "safe::vmm::maps: test\nsim::sticky: test\ncollectives::allreduce::sum: test\n\
+             collectives::multimem::one: test\ncollectives::smoke::all_gather: test\n\
+             collectives::hier::sim::isolated: test\nsome_bench: bench\n",
+        );
+        assert_eq!(listed.len(), 6);
+        let counts = check_filters(&VERSION_DEPENDENT, &listed).unwrap();
+        assert_eq!(
+            counts,
+            [
+                ("safe::".to_string(), 1),
+                ("sim::".to_string(), 1),
+                ("collectives::multimem::".to_string(), 1),
+                ("collectives::smoke::".to_string(), 1)
+            ]
+        );
+        // A prefix, not libtest's substring match: `collectives::hier::sim::` is not `sim::`.
+        assert_eq!(
+            select(&VERSION_DEPENDENT, &listed),
+            [
+                "safe::vmm::maps",
+                "sim::sticky",
+                "collectives::multimem::one",
+                "collectives::smoke::all_gather"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_filter_that_selects_nothing_fails_naming_it() {
+        // The suite's layout before the safe/sim/collectives modules: every filter is stale.
+        let old = names(&["vmm::maps", "multimem::one", "hostile_sim::sticky"]);
+        let e = check_filters(&VERSION_DEPENDENT, &old)
+            .unwrap_err()
+            .to_string();
+        for f in VERSION_DEPENDENT {
+            assert!(e.contains(&format!("`{f}`")), "{e}");
+        }
+        assert!(e.contains("3 tests listed"), "{e}");
+        let one_stale = names(&["safe::a", "sim::b", "collectives::multimem::c"]);
+        let e = check_filters(&VERSION_DEPENDENT, &one_stale)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`collectives::smoke::`") && !e.contains("`safe::`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_help_names_the_default_versions() {
+        let about = xtask_front::cli::COMMANDS
+            .iter()
+            .find(|c| c.name == "test")
+            .map(|c| c.about)
+            .unwrap_or_default();
+        for v in std::iter::once(FULL_VERSION).chain(OTHER_VERSIONS) {
+            assert!(about.contains(&v.to_string()), "{v}: {about}");
+        }
+    }
 
     #[test]
     fn tally_reads_libtest_summaries_and_skip_lines() {

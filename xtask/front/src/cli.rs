@@ -96,7 +96,8 @@ pub const COMMANDS: &[Spec] = &[
     },
     Spec {
         name: "test",
-        about: "Build, then run every suite on the simulated driver at each driver version",
+        about: "Build, then run the tests on the simulated driver: the whole suite at driver version \
+                13050, the version-dependent tests at 12000, 12080, 13000 and 13030",
         args: &[
             Arg {
                 name: "versions",
@@ -104,8 +105,8 @@ pub const COMMANDS: &[Spec] = &[
                     value: "VERSIONS",
                     list: true,
                 },
-                help: "Driver versions, comma separated or repeated (default: 12000, 12080, 13000, \
-                       13030, 13050)",
+                help: "Driver versions, comma separated or repeated; the whole suite runs at each \
+                       (default: as above)",
             },
             value("devices", "DEVICES", "Simulated devices [default: 2]"),
             rest("EXTRA", "Extra arguments for the test binaries (after `--`)"),
@@ -195,7 +196,7 @@ pub enum Cmd {
         check: bool,
     },
     Test {
-        /// Empty: the default versions (see the tools' `test_cmd`).
+        /// Empty: the default plan (see the tools' `test_cmd`).
         versions: Vec<i32>,
         devices: usize,
         extra: Vec<String>,

@@ -203,10 +203,9 @@ fn hier_example_under_mpirun(tally: &mut Tally, failed_runs: &mut Vec<String>) -
     let (built, _) = run_capture(cargo().args([
         "build",
         "--quiet",
-        "-p",
-        "cuda-multimem-examples",
+        "--workspace",
         "--features",
-        "mpi",
+        "cuda-multimem-examples/mpi",
         "--example",
         "hier_allreduce",
     ]))?;
@@ -256,42 +255,128 @@ fn target_dir() -> Result<std::path::PathBuf> {
         .ok_or_else(|| "cargo metadata gave no target_directory".into())
 }
 
-/// The suite's test names, as `cargo test -p cuda-multimem-tests --test suite -- --list` gives
-/// them with `extra` (the user's libtest filters and flags) applied.
-fn list_suite(extra: &[String]) -> Result<Vec<String>> {
-    let out = cargo()
-        .args([
-            "test",
-            "--quiet",
-            "-p",
-            "cuda-multimem-tests",
-            "--test",
-            "suite",
-            "--",
-            "--list",
-            "--format=terse",
-        ])
+/// One test executable of `cargo test --workspace --no-run`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TestBinary {
+    /// The folder of its package's manifest (cargo runs tests there).
+    pub package_dir: std::path::PathBuf,
+    /// `lib`, `bin`, `test`, …
+    pub kind: String,
+    pub name: String,
+    pub exe: std::path::PathBuf,
+}
+
+impl TestBinary {
+    /// Whether this is a test executable of the tests crate (`tests/`: its lib and the suite).
+    fn of_tests_crate(&self) -> bool {
+        self.package_dir == workspace_root().join("tests")
+    }
+
+    fn is_suite(&self) -> bool {
+        self.of_tests_crate() && self.kind == "test" && self.name == "suite"
+    }
+
+    /// `cuda-multimem-sim test guide`, for the log.
+    fn label(&self) -> String {
+        let dir = self
+            .package_dir
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy();
+        format!("{dir} {} {}", self.kind, self.name)
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.current_dir(&self.package_dir)
+            .env("CARGO_MANIFEST_DIR", &self.package_dir);
+        c
+    }
+}
+
+/// The test executables among cargo's JSON messages (`compiler-artifact` lines of a test profile
+/// with an executable), in a stable order.
+pub fn test_binaries(messages: &str) -> Vec<TestBinary> {
+    let mut v: Vec<TestBinary> = messages
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+        .filter_map(|m| {
+            let exe = m["executable"].as_str()?;
+            let manifest = std::path::Path::new(m["manifest_path"].as_str()?);
+            Some(TestBinary {
+                package_dir: manifest.parent()?.to_path_buf(),
+                kind: m["target"]["kind"][0]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                name: m["target"]["name"].as_str().unwrap_or_default().to_string(),
+                exe: exe.into(),
+            })
+        })
+        .collect();
+    v.sort_by(|a, b| (&a.package_dir, &a.kind, &a.name).cmp(&(&b.package_dir, &b.kind, &b.name)));
+    v.dedup();
+    v
+}
+
+/// The suite's test names, as `suite --list --format=terse` gives them with `extra` (the user's
+/// libtest filters and flags) applied.
+fn list_suite(suite: &TestBinary, extra: &[String]) -> Result<Vec<String>> {
+    let out = suite
+        .command()
+        .args(["--list", "--format=terse"])
         .args(extra)
         .stderr(Stdio::inherit())
         .output()
-        .map_err(|e| format!("cannot start cargo test --list: {e}"))?;
+        .map_err(|e| format!("cannot start {}: {e}", suite.exe.display()))?;
     if !out.status.success() {
-        return Err("listing the suite's tests (cargo test --test suite -- --list) failed".into());
+        return Err(format!(
+            "listing the suite's tests ({} --list) failed",
+            suite.exe.display()
+        )
+        .into());
     }
     Ok(listed_tests(&String::from_utf8_lossy(&out.stdout)))
 }
 
 /// Entry point of `cargo xtask test`; `versions` empty: the default plan ([`plan`]).
+///
+/// Every cargo command here selects the whole workspace (`--workspace`, with `--test`,
+/// `--example` or `--features pkg/feature` to narrow): cargo unifies features over the packages
+/// selected, so `-p cuda-multimem-tests` or `--exclude` would build the library stack again with
+/// other features (three builds of it before, about a minute of CPU each on 2 cores). The test
+/// executables of one build then run directly.
 pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
     println!("== build (workspace, all targets)");
     crate::run(cargo().args(["build", "--workspace", "--all-targets", "--quiet"]))?;
+    let built = cargo()
+        .args([
+            "test",
+            "--workspace",
+            "--no-run",
+            "--quiet",
+            "--message-format=json-render-diagnostics",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot start cargo test --no-run: {e}"))?;
+    if !built.status.success() {
+        return Err("cargo test --workspace --no-run failed".into());
+    }
+    let binaries = test_binaries(&String::from_utf8_lossy(&built.stdout));
+    let suite = binaries
+        .iter()
+        .find(|b| b.is_suite())
+        .ok_or("cargo test --workspace --no-run built no `suite` test of the tests crate")?
+        .clone();
     let plan = plan(versions);
     // The version-dependent tests, checked before anything runs: each filter must select a test
     // of the whole suite; the runs take those of them that `extra` selects too.
     let dependent = if plan.iter().any(|(_, s)| *s == Selection::VersionDependent) {
-        let all = list_suite(&[])?;
+        let all = list_suite(&suite, &[])?;
         let counts = check_filters(&VERSION_DEPENDENT, &all)?;
-        let chosen = list_suite(extra)?;
+        let chosen = list_suite(&suite, extra)?;
         let names: Vec<String> = select(&VERSION_DEPENDENT, &chosen)
             .into_iter()
             .map(str::to_string)
@@ -313,25 +398,26 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
     let mut tally = Tally::default();
     let mut failed_runs = Vec::new();
 
-    println!("== unit and doc tests (no driver selection needed)");
+    println!("== unit tests (no driver selection needed)");
+    for b in binaries.iter().filter(|b| !b.of_tests_crate()) {
+        println!("-- {}", b.label());
+        let (ok, out) = run_capture(b.command().arg("--nocapture").args(extra))?;
+        tally.read(&out, "unit");
+        if !ok {
+            failed_runs.push(format!("unit tests of {}", b.label()));
+        }
+    }
+    println!("== doc tests");
+    // The collectives' doc example runs on the simulator (sim::install): the workspace's
+    // features include cuda-multimem-collectives/sim (the tests crate enables it).
     let (ok, out) = run_capture(
         cargo()
-            .args([
-                "test",
-                "--workspace",
-                "--exclude",
-                "cuda-multimem-tests",
-                // the collectives' doc example runs on the simulator (sim::install)
-                "--features",
-                "cuda-multimem-collectives/sim",
-                "--",
-                "--nocapture",
-            ])
+            .args(["test", "--workspace", "--doc", "--", "--nocapture"])
             .args(extra),
     )?;
-    tally.read(&out, "unit");
+    tally.read(&out, "doc");
     if !ok {
-        failed_runs.push("unit and doc tests".to_string());
+        failed_runs.push("doc tests".to_string());
     }
 
     // The MPI bootstrap: a test that starts `mpirun -n 2` over this crate's test binary, on the
@@ -348,10 +434,9 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
             cargo()
                 .args([
                     "test",
-                    "-p",
-                    "cuda-multimem-collectives",
+                    "--workspace",
                     "--features",
-                    "mpi,sim",
+                    "cuda-multimem-collectives/mpi",
                     "--test",
                     "mpi",
                     "--",
@@ -371,11 +456,15 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
 
     for (v, selection) in plan {
         let sel = format!("sim:devices={devices},version={v}");
-        let mut cmd = cargo();
-        match selection {
+        // (executable, test-name arguments)
+        let runs: Vec<(&TestBinary, &[String])> = match selection {
             Selection::Whole => {
                 println!("== suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}");
-                cmd.args(["test", "-p", "cuda-multimem-tests", "--", "--nocapture"]);
+                binaries
+                    .iter()
+                    .filter(|b| b.of_tests_crate())
+                    .map(|b| (b, &[][..]))
+                    .collect()
             }
             Selection::VersionDependent if dependent.is_empty() => {
                 println!(
@@ -388,15 +477,20 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
                     "== the {} version-dependent tests on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}",
                     dependent.len()
                 );
-                cmd.args(["test", "-p", "cuda-multimem-tests", "--test", "suite", "--"])
-                    .args(["--nocapture", "--exact"])
-                    .args(&dependent);
+                vec![(&suite, &dependent[..])]
             }
-        }
-        let (ok, out) = run_capture(cmd.args(extra).env("CUDA_MULTIMEM_DRIVER", &sel))?;
-        tally.read(&out, &format!("sim {v}"));
-        if !ok {
-            failed_runs.push(format!("suite at {sel}"));
+        };
+        for (b, names) in runs {
+            let mut cmd = b.command();
+            cmd.arg("--nocapture");
+            if !names.is_empty() {
+                cmd.arg("--exact").args(names);
+            }
+            let (ok, out) = run_capture(cmd.args(extra).env("CUDA_MULTIMEM_DRIVER", &sel))?;
+            tally.read(&out, &format!("sim {v}"));
+            if !ok {
+                failed_runs.push(format!("{} at {sel}", b.label()));
+            }
         }
     }
     tally.report();
@@ -479,6 +573,62 @@ mod tests {
             e.contains("`collectives::smoke::`") && !e.contains("`safe::`"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn test_binaries_come_from_cargos_artifact_messages() {
+        let root = workspace_root();
+        let msg = |dir: &str, kind: &str, name: &str, test: bool, exe: Option<&str>| {
+            serde_json::json!({
+                "reason": "compiler-artifact",
+                "manifest_path": root.join(dir).join("Cargo.toml"),
+                "target": { "kind": [kind], "name": name },
+                "profile": { "test": test },
+                "executable": exe,
+            })
+            .to_string()
+        };
+        let text = [
+            msg("tests", "test", "suite", true, Some("/t/suite-1")),
+            msg(
+                "tests",
+                "lib",
+                "cuda_multimem_tests",
+                true,
+                Some("/t/tests-2"),
+            ),
+            msg(
+                "crates/cuda-multimem-sim",
+                "test",
+                "guide",
+                true,
+                Some("/t/guide-3"),
+            ),
+            // a library (no executable), a binary built to run (not a test), other messages
+            msg(
+                "crates/cuda-multimem-sim",
+                "lib",
+                "cuda_multimem_sim",
+                false,
+                None,
+            ),
+            msg(
+                "bench",
+                "bin",
+                "bench-memory",
+                false,
+                Some("/t/bench-memory"),
+            ),
+            r#"{"reason":"build-finished","success":true}"#.to_string(),
+            "not json".to_string(),
+        ]
+        .join("\n");
+        let b = test_binaries(&text);
+        let names: Vec<&str> = b.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(names, ["guide", "cuda_multimem_tests", "suite"]);
+        assert!(b[2].is_suite() && b[1].of_tests_crate() && !b[1].is_suite());
+        assert!(!b[0].of_tests_crate());
+        assert_eq!(b[0].label(), "cuda-multimem-sim test guide");
     }
 
     #[test]

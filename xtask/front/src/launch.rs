@@ -1,9 +1,10 @@
-//! Running the xtask tools (the `xtask` package) from the front: `cargo run --quiet --package
-//! xtask -- <the same arguments>`, after a visible `cargo build` when the tools are not built yet
-//! or their sources changed since (cargo's own progress shows instead of minutes of silence).
+//! Running the xtask tools (the `xtask` package) from the front: `cargo build --workspace --bin
+//! xtask`, quiet when the tools are built and their sources unchanged, else after saying so and
+//! with cargo's own progress showing (instead of minutes of silence); then the binary with the
+//! same arguments.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::SystemTime;
 
 /// The package of the tools.
@@ -94,7 +95,42 @@ fn target_dir(root: &Path) -> PathBuf {
     }
 }
 
+/// The executable of the `xtask` binary among cargo's JSON messages (`compiler-artifact` lines).
+pub fn tools_executable(messages: &str) -> Option<PathBuf> {
+    let file = format!("{TOOLS}{}", std::env::consts::EXE_SUFFIX);
+    messages
+        .lines()
+        .filter(|l| l.contains(r#""reason":"compiler-artifact""#))
+        .filter_map(|l| json_string_after(l, r#""executable":""#))
+        .map(PathBuf::from)
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy() == file))
+}
+
+/// The JSON string that starts right after `key` in `line`, unescaped (`\"`, `\\`, `\/`).
+fn json_string_after(line: &str, key: &str) -> Option<String> {
+    let rest = &line[line.find(key)? + key.len()..];
+    let mut out = String::new();
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                c => out.push(c),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
 /// Build the tools where needed (visibly), then run them with `args`; the tools' exit status.
+///
+/// The build selects the whole workspace and then the one binary (`--workspace --bin xtask`):
+/// cargo unifies features over the packages selected, so this builds the libraries with the same
+/// features as `cargo xtask test`'s workspace build, and CI builds them once for both (`-p xtask`
+/// would build the library stack a second time, with xtask's features only).
 pub fn run_tools(args: &[String]) -> i32 {
     let root = workspace_root();
     let manifest = root.join("Cargo.toml");
@@ -109,31 +145,40 @@ pub fn run_tools(args: &[String]) -> i32 {
         )),
     };
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    if let Some(why) = why {
-        eprintln!("{why}");
-        let built = Command::new(&cargo)
-            .args(["build", "--package", TOOLS, "--manifest-path"])
-            .arg(&manifest)
-            .status();
-        match built {
-            Ok(s) if s.success() => {}
-            Ok(s) => return s.code().unwrap_or(1),
-            Err(e) => {
-                eprintln!("xtask: cannot start {}: {e}", Path::new(&cargo).display());
-                return 1;
-            }
+    let mut build = Command::new(&cargo);
+    build
+        .args(["build", "--workspace", "--bin", TOOLS])
+        .arg("--message-format=json-render-diagnostics")
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    match &why {
+        // cargo's progress on stderr, the JSON on stdout for the executable's path
+        Some(why) => eprintln!("{why}"),
+        None => {
+            build.arg("--quiet");
         }
     }
-    let ran = Command::new(&cargo)
-        .args(["run", "--quiet", "--package", TOOLS, "--manifest-path"])
-        .arg(&manifest)
-        .arg("--")
-        .args(args)
-        .status();
-    match ran {
-        Ok(s) => s.code().unwrap_or(1),
+    let built = match build.output() {
+        Ok(o) => o,
         Err(e) => {
             eprintln!("xtask: cannot start {}: {e}", Path::new(&cargo).display());
+            return 1;
+        }
+    };
+    if !built.status.success() {
+        eprintln!("xtask: building the xtask tools failed (above)");
+        return built.status.code().unwrap_or(1);
+    }
+    let Some(exe) = tools_executable(&String::from_utf8_lossy(&built.stdout)) else {
+        eprintln!("xtask: cargo built no `{TOOLS}` binary (cargo build --workspace --bin {TOOLS})");
+        return 1;
+    };
+    match Command::new(&exe).args(args).status() {
+        Ok(s) => s.code().unwrap_or(1),
+        Err(e) => {
+            eprintln!("xtask: cannot start {}: {e}", exe.display());
             1
         }
     }
@@ -142,6 +187,22 @@ pub fn run_tools(args: &[String]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tools_executable_comes_from_cargos_artifact_messages() {
+        let exe = format!("/t/debug/xtask{}", std::env::consts::EXE_SUFFIX);
+        let msgs = format!(
+            "{{\"reason\":\"compiler-artifact\",\"target\":{{\"name\":\"xtask_front\"}},\"executable\":null}}\n\
+             {{\"reason\":\"compiler-artifact\",\"target\":{{\"name\":\"xtask\"}},\"executable\":\"{exe}\",\"fresh\":true}}\n\
+             {{\"reason\":\"build-finished\",\"success\":true}}\n"
+        );
+        assert_eq!(tools_executable(&msgs), Some(PathBuf::from(&exe)));
+        assert_eq!(
+            json_string_after(r#"{"executable":"/a\"b\\c"}"#, r#""executable":""#),
+            Some(r#"/a"b\c"#.to_string())
+        );
+        assert_eq!(tools_executable(r#"{"reason":"build-finished"}"#), None);
+    }
 
     #[test]
     fn dep_info_lists_the_sources_with_escaped_spaces() {

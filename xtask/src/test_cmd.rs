@@ -199,7 +199,6 @@ const HIER_MPI_OK: &str = "all results match the host reference on all";
 /// simulated driver (`HIER_MPI_RUNS`); each run counts as one test, passed only if mpirun
 /// exits 0 and the example says every rank matched the host reference.
 fn hier_example_under_mpirun(tally: &mut Tally, failed_runs: &mut Vec<String>) -> Result<()> {
-    println!("== example hier_allreduce under mpirun (feature mpi) on the simulated driver");
     let (built, _) = run_capture(cargo().args([
         "build",
         "--quiet",
@@ -253,6 +252,40 @@ fn target_dir() -> Result<std::path::PathBuf> {
         .as_str()
         .map(std::path::PathBuf::from)
         .ok_or_else(|| "cargo metadata gave no target_directory".into())
+}
+
+/// The elapsed seconds of each section of `cargo xtask test`: printed as each ends, and as a
+/// table before the tally (so CI's log says where the time goes).
+#[derive(Default)]
+struct Clock {
+    current: Option<(String, std::time::Instant)>,
+    done: Vec<(String, f64)>,
+}
+
+impl Clock {
+    /// End the current section and start `name`.
+    fn section(&mut self, name: impl Into<String>) {
+        self.end();
+        let name = name.into();
+        println!("== {name}");
+        self.current = Some((name, std::time::Instant::now()));
+    }
+
+    fn end(&mut self) {
+        if let Some((name, t)) = self.current.take() {
+            let s = t.elapsed().as_secs_f64();
+            println!("-- {name}: {s:.0} s");
+            self.done.push((name, s));
+        }
+    }
+
+    fn report(&mut self) {
+        self.end();
+        println!("\n== cargo xtask test: seconds per section");
+        for (name, s) in &self.done {
+            println!("{s:6.0}  {name}");
+        }
+    }
 }
 
 /// One test executable of `cargo test --workspace --no-run`.
@@ -348,8 +381,10 @@ fn list_suite(suite: &TestBinary, extra: &[String]) -> Result<Vec<String>> {
 /// other features (three builds of it before, about a minute of CPU each on 2 cores). The test
 /// executables of one build then run directly.
 pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
-    println!("== build (workspace, all targets)");
+    let mut clock = Clock::default();
+    clock.section("build (workspace, all targets)");
     crate::run(cargo().args(["build", "--workspace", "--all-targets", "--quiet"]))?;
+    clock.section("the test executables (cargo test --workspace --no-run) and the suite's list");
     let built = cargo()
         .args([
             "test",
@@ -382,7 +417,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
             .map(str::to_string)
             .collect();
         println!(
-            "== version-dependent tests: {} of the {} selected ({})",
+            "version-dependent tests: {} of the {} selected ({})",
             names.len(),
             chosen.len(),
             counts
@@ -398,7 +433,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
     let mut tally = Tally::default();
     let mut failed_runs = Vec::new();
 
-    println!("== unit tests (no driver selection needed)");
+    clock.section("unit tests (no driver selection needed)");
     for b in binaries.iter().filter(|b| !b.of_tests_crate()) {
         println!("-- {}", b.label());
         let (ok, out) = run_capture(b.command().arg("--nocapture").args(extra))?;
@@ -407,7 +442,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
             failed_runs.push(format!("unit tests of {}", b.label()));
         }
     }
-    println!("== doc tests");
+    clock.section("doc tests");
     // The collectives' doc example runs on the simulator (sim::install): the workspace's
     // features include cuda-multimem-collectives/sim (the tests crate enables it).
     let (ok, out) = run_capture(
@@ -429,7 +464,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
         .status()
         .is_ok_and(|s| s.success())
     {
-        println!("== MPI bootstrap (feature mpi) on the simulated driver");
+        clock.section("MPI bootstrap (feature mpi) on the simulated driver");
         let (ok, out) = run_capture(
             cargo()
                 .args([
@@ -448,6 +483,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
         if !ok {
             failed_runs.push("MPI bootstrap test".to_string());
         }
+        clock.section("example hier_allreduce under mpirun (feature mpi) on the simulated driver");
         hier_example_under_mpirun(&mut tally, &mut failed_runs)?;
     } else {
         tally.skipped.push("[mpi] MPI bootstrap: `mpirun` is not on this machine (install openmpi-bin and libopenmpi-dev)".into());
@@ -459,7 +495,9 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
         // (executable, test-name arguments)
         let runs: Vec<(&TestBinary, &[String])> = match selection {
             Selection::Whole => {
-                println!("== suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}");
+                clock.section(format!(
+                    "suite on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}"
+                ));
                 binaries
                     .iter()
                     .filter(|b| b.of_tests_crate())
@@ -467,16 +505,14 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
                     .collect()
             }
             Selection::VersionDependent if dependent.is_empty() => {
-                println!(
-                    "== no version-dependent test among those selected: nothing to run at {sel}"
-                );
+                println!("no version-dependent test among those selected: nothing to run at {sel}");
                 continue;
             }
             Selection::VersionDependent => {
-                println!(
-                    "== the {} version-dependent tests on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}",
+                clock.section(format!(
+                    "the {} version-dependent tests on the simulated driver, CUDA_MULTIMEM_DRIVER={sel}",
                     dependent.len()
-                );
+                ));
                 vec![(&suite, &dependent[..])]
             }
         };
@@ -493,6 +529,7 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
             }
         }
     }
+    clock.report();
     tally.report();
     if failed_runs.is_empty() && tally.failed == 0 {
         Ok(())

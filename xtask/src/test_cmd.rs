@@ -161,6 +161,47 @@ impl Tally {
     }
 }
 
+/// How many processes run the suite at once: `CUDA_MULTIMEM_TEST_JOBS`, else 4 (its tests
+/// mostly wait on simulated devices; measured on 2 cores: the whole suite in 48 s in 6
+/// processes where one process took 140 s).
+fn jobs() -> usize {
+    std::env::var("CUDA_MULTIMEM_TEST_JOBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(4)
+}
+
+/// `names` dealt round-robin into at most `n` non-empty shards (neighbours in the list — often
+/// the slow tests of one module — go to different shards).
+pub fn shard(names: &[String], n: usize) -> Vec<Vec<String>> {
+    let n = n.clamp(1, names.len().max(1));
+    let mut v = vec![Vec::new(); n];
+    for (i, name) in names.iter().enumerate() {
+        v[i % n].push(name.clone());
+    }
+    v.retain(|s| !s.is_empty());
+    v
+}
+
+/// Run a command and return (success, combined output) without echoing it (shards run at once:
+/// their outputs are printed one after another by the caller).
+fn quiet_capture(cmd: &mut Command) -> Result<(bool, String)> {
+    let out = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    Ok((
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    ))
+}
+
 /// Run a command, echo its output, and return (success, combined output).
 pub fn run_capture(cmd: &mut Command) -> Result<(bool, String)> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -517,15 +558,51 @@ pub fn test(versions: &[i32], devices: usize, extra: &[String]) -> Result<()> {
             }
         };
         for (b, names) in runs {
-            let mut cmd = b.command();
-            cmd.arg("--nocapture");
-            if !names.is_empty() {
-                cmd.arg("--exact").args(names);
-            }
-            let (ok, out) = run_capture(cmd.args(extra).env("CUDA_MULTIMEM_DRIVER", &sel))?;
-            tally.read(&out, &format!("sim {v}"));
-            if !ok {
-                failed_runs.push(format!("{} at {sel}", b.label()));
+            // the suite in parallel processes (one simulated machine is live per process at a
+            // time, and the suite's tests mostly wait: shards overlap their waits)
+            let names: Vec<String> = if names.is_empty() && b.is_suite() {
+                list_suite(b, extra)?
+            } else {
+                names.to_vec()
+            };
+            let shards = if names.is_empty() {
+                vec![Vec::new()]
+            } else {
+                shard(&names, jobs())
+            };
+            let outs = std::thread::scope(|sc| {
+                let handles: Vec<_> = shards
+                    .iter()
+                    .map(|part| {
+                        let sel = &sel;
+                        sc.spawn(move || -> std::result::Result<(bool, String), String> {
+                            let mut cmd = b.command();
+                            cmd.arg("--nocapture");
+                            if !part.is_empty() {
+                                cmd.arg("--exact").args(part);
+                            } else {
+                                cmd.args(extra);
+                            }
+                            quiet_capture(cmd.env("CUDA_MULTIMEM_DRIVER", sel))
+                                .map_err(|e| e.to_string())
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err("a shard's thread panicked".to_string()))
+                    })
+                    .collect::<Vec<_>>()
+            });
+            for (i, o) in outs.into_iter().enumerate() {
+                let (ok, out) = o?;
+                print!("{out}");
+                tally.read(&out, &format!("sim {v}"));
+                if !ok {
+                    failed_runs.push(format!("{} (shard {i}) at {sel}", b.label()));
+                }
             }
         }
     }
@@ -678,6 +755,16 @@ mod tests {
         for v in std::iter::once(FULL_VERSION).chain(OTHER_VERSIONS) {
             assert!(about.contains(&v.to_string()), "{v}: {about}");
         }
+    }
+
+    #[test]
+    fn shards_deal_every_name_once_round_robin() {
+        let v = names(&["a", "b", "c", "d", "e"]);
+        let s = shard(&v, 2);
+        assert_eq!(s, vec![names(&["a", "c", "e"]), names(&["b", "d"])]);
+        assert_eq!(shard(&v, 9).len(), 5);
+        assert_eq!(shard(&v, 0), vec![v.clone()]);
+        assert!(shard(&[], 4).is_empty());
     }
 
     #[test]

@@ -214,6 +214,7 @@ fn small_team(n: usize, ll: bool) -> (Env, Communicator, Vec<Stream>) {
             } else {
                 CommConfig::default().timeout
             },
+            first_call_timeout: ll.then_some(SHORT),
             ..Default::default()
         },
     )

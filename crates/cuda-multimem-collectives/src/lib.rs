@@ -69,6 +69,9 @@ pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use buffer::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
+/// The stream side of a call, re-exported from `cuda-multimem`: what every collective takes as
+/// its stream ([`IntoStream`]) and what an operand's conversion sees of it ([`CallStream`]).
+pub use cuda_multimem::{CallStream, IntoStream};
 #[cfg(feature = "sim")]
 pub use hier::HostCrossDomainDouble;
 pub use hier::{
@@ -76,7 +79,7 @@ pub use hier::{
 };
 pub use kernels::multimem::supported as multimem_supports;
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
-pub use operand::{Dst, Src};
+pub use operand::{Dst, IntoDst, IntoSrc, Src};
 pub use reference::{
     add_rms_norm_reference, all_gather_reference, broadcast_reference, next_random, random_bytes,
     random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,

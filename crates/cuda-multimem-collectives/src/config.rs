@@ -25,6 +25,12 @@ pub struct CommConfig {
     pub algorithm: Option<Algorithm>,
     /// A barrier that waits longer than this sets the rank's error word and gives up.
     pub timeout: Duration,
+    /// The same bound for each rank's first call after the build (and after
+    /// [`crate::Communicator::recover`]): ranks that start unevenly — weight loading, JIT and
+    /// library warm-up before the first collective — meet there. `None`: the longer of
+    /// `timeout` and [`CommConfig::FIRST_CALL_TIMEOUT`]; else at least `timeout`, at most 24
+    /// hours. Make the first call a warm-up where the start is uneven (any call serves).
+    pub first_call_timeout: Option<Duration>,
     /// Most threads per block (small messages use fewer).
     pub threads: u32,
     /// Most blocks per launch (at most [`MAX_BLOCKS`]); 0: two per multiprocessor.
@@ -113,6 +119,7 @@ impl Default for CommConfig {
             one_shot_max_bytes: None,
             algorithm: None,
             timeout: Duration::from_secs(5),
+            first_call_timeout: None,
             threads: 512,
             max_blocks: 0,
             scratch_bytes: 96 << 20,
@@ -274,7 +281,27 @@ impl CommConfig {
                 format!("{:?}; at most 24 hours", self.timeout),
             ));
         }
+        if let Some(f) = self.first_call_timeout {
+            if f < self.timeout || f > Duration::from_secs(24 * 3600) {
+                return Err(Error::invalid(
+                    "config.first_call_timeout",
+                    format!(
+                        "{f:?}; expected at least config.timeout ({:?}) and at most 24 hours",
+                        self.timeout
+                    ),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The default of [`CommConfig::first_call_timeout`] (where `timeout` is shorter).
+    pub const FIRST_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// The bound of a rank's first call.
+    pub(crate) fn first_call(&self) -> Duration {
+        self.first_call_timeout
+            .unwrap_or(self.timeout.max(Self::FIRST_CALL_TIMEOUT))
     }
 
     /// The barrier deadline in nanoseconds, as the kernels take it.
@@ -304,6 +331,7 @@ impl CommConfig {
             self.gather_ce_min_bytes as u64,
             self.broadcast_ce_min_bytes as u64,
             self.timeout_ns(),
+            self.first_call().as_nanos().min(u64::MAX as u128) as u64,
             multiprocessors as u64,
         ] {
             v.extend_from_slice(&x.to_le_bytes());

@@ -1,8 +1,11 @@
-//! Collectives for teams of NVLink-connected GPUs — allreduce today — through one typed
+//! Collectives for teams of NVLink-connected GPUs — allreduce, reduce-scatter, all-gather,
+//! broadcast and allreduce fused with residual add + RMSNorm — through one typed
 //! [`Communicator`] that chooses per call between peer-to-peer kernels (every rank's memory
 //! mapped on every peer) and `multimem` kernels (NVLink multicast, where it is allowed and pays
 //! off), on symmetric buffers or on the caller's own device memory; graph-safe (counters that
-//! only grow, nothing reset from the host), with bounded waits instead of hangs.
+//! only grow, nothing reset from the host), with bounded waits instead of hangs. Every call goes
+//! through one funnel — one description, one check, one planner, executors — so what
+//! [`Communicator::choice`] reports is what a call runs (`docs/architecture.md`).
 //!
 //! ```
 //! # #[cfg(feature = "sim")] {
@@ -31,8 +34,9 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Operands are [`SymmetricBuffer`]s and their views ([`SymSlice`], [`SymSliceMut`]), which run
-//! with no extra copies, or the caller's own memory: a [`cuda_multimem::DeviceBuffer`], a cudarc
+//! Operands are [`SymmetricBuffer`]s and their views ([`SymSlice`], [`SymSliceMut`]), which the
+//! peer-to-peer kernels use in place (the multimem path copies through its team's regions), or
+//! the caller's own memory: a [`cuda_multimem::DeviceBuffer`], a cudarc
 //! `CudaSlice`/`CudaView` (feature `cudarc`, `RankHandle::all_reduce_cudarc`), or a raw pointer
 //! under `unsafe` ([`Src::from_raw`]). Engines with a run-time element type use
 //! [`RankHandle::all_reduce_dyn`] on byte views. The protocol, what each operand kind costs, and
@@ -40,7 +44,15 @@
 //!
 //! Reduce-scatter, all-gather and broadcast ([`RankHandle::reduce_scatter`],
 //! [`RankHandle::all_gather`], [`RankHandle::broadcast`] and their in-place forms) take the same
-//! operands, peer-to-peer on every team: `docs/design/collectives.md`.
+//! operands: `docs/design/collectives.md`; the fused norm
+//! ([`RankHandle::all_reduce_add_rms_norm`]): `docs/design/rmsnorm.md`.
+//!
+//! Teams have 1 to 8 ranks (a team of one runs every collective as a local copy); several ranks
+//! may share a device ([`CommunicatorBuilder::allow_shared_devices`]); a rank's calls take any
+//! stream of its device (a call on another stream than the previous one waits for it on the
+//! GPU). A timeout or a disagreement makes the team unusable until every rank calls
+//! [`Communicator::recover`]. The devices must be of compute capability 9.0 or newer with a CUDA
+//! 12.1 driver or newer (checked at build: [`cuda_multimem::Error::HardwareTooOld`]).
 
 #![deny(missing_docs)]
 // `usize::is_multiple_of` needs Rust 1.87; the code keeps `%` for older toolchains.

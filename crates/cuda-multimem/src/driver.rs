@@ -27,6 +27,18 @@ pub(crate) struct Inner {
     simulated: bool,
     device_count: i32,
     contexts: Box<[OnceLock<CUcontext>]>,
+    /// Releases that failed during a teardown (a `Drop` cannot return the error): tried again
+    /// before every later teardown and when the driver goes ([`Driver::unreleased`]).
+    unreleased: parking_lot::Mutex<Vec<Unreleased>>,
+}
+
+/// The driver call that gives a resource back.
+type Release = Box<dyn FnMut(&Inner) -> Result<()> + Send>;
+
+/// A release that failed: what it was, and the call that gives the resource back.
+struct Unreleased {
+    what: String,
+    retry: Release,
 }
 
 // SAFETY: CUcontext handles are process-wide driver handles, usable from any thread; the table
@@ -36,13 +48,47 @@ unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
 
 impl Inner {
-    fn sys(&self) -> &sys::Driver {
+    pub(crate) fn sys(&self) -> &sys::Driver {
         &self.sys
+    }
+
+    /// Make device `ordinal`'s primary context current (a teardown's retry: the context was
+    /// retained when the resource was made).
+    pub(crate) fn bind(&self, ordinal: CUdevice) -> Result<()> {
+        let ctx = self
+            .contexts
+            .get(ordinal as usize)
+            .and_then(|c| c.get())
+            .copied()
+            .ok_or_else(|| Error::invalid("device", format!("{ordinal}: no retained context")))?;
+        // SAFETY: a live primary context retained by this driver.
+        unsafe { cu!(self, cuCtxSetCurrent(ctx)) }
+    }
+}
+
+impl Inner {
+    /// Try the releases that failed before, once each; keep those that fail again.
+    fn retry_unreleased(&self) {
+        let pending = std::mem::take(&mut *self.unreleased.lock());
+        let mut kept = Vec::new();
+        for mut u in pending {
+            if (u.retry)(self).is_err() {
+                kept.push(u);
+            }
+        }
+        self.unreleased.lock().extend(kept);
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        self.retry_unreleased();
+        for u in self.unreleased.get_mut().iter() {
+            eprintln!(
+                "cuda-multimem: {} could not be given back to the driver (the process ends with it held)",
+                u.what
+            );
+        }
         for (ordinal, c) in self.contexts.iter().enumerate() {
             if c.get().is_some() {
                 if let Ok(release) = self.sys.cuDevicePrimaryCtxRelease_v11000() {
@@ -113,6 +159,7 @@ impl Driver {
             simulated,
             device_count: 0,
             contexts: Box::new([]),
+            unreleased: parking_lot::Mutex::new(Vec::new()),
         };
         // SAFETY: cuInit takes a flags word, which must be 0.
         unsafe { cu!(inner, cuInit(0)) }?;
@@ -124,6 +171,48 @@ impl Driver {
         Ok(Driver {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Give a resource back in a teardown (a `Drop`): `release` is the driver call; `what`
+    /// names the resource. A failed release is tried once more at once; if it fails again it
+    /// is reported on stderr with the error and kept: tried again before every later teardown
+    /// of this driver and when the driver goes, and listed by [`Driver::unreleased`] — never
+    /// silently dropped.
+    pub(crate) fn teardown(
+        &self,
+        what: impl FnOnce() -> String,
+        mut release: impl FnMut(&Inner) -> Result<()> + Send + 'static,
+    ) {
+        self.inner.retry_unreleased();
+        if release(&self.inner).is_ok() {
+            return;
+        }
+        match release(&self.inner) {
+            Ok(()) => {}
+            Err(e) => {
+                let what = what();
+                eprintln!(
+                    "cuda-multimem: {what} failed during a teardown ({e}); it is tried again at the next teardown and when the driver goes"
+                );
+                self.inner.unreleased.lock().push(Unreleased {
+                    what,
+                    retry: Box::new(release),
+                });
+            }
+        }
+    }
+
+    /// The resources whose release failed during a teardown and is still pending (each was
+    /// reported on stderr; each is tried again before every later teardown and when the last
+    /// clone of this driver goes). Empty in a healthy program.
+    pub fn unreleased(&self) -> Vec<String> {
+        self.inner.retry_unreleased();
+        self.inner
+            .unreleased
+            .lock()
+            .iter()
+            .map(|u| u.what.clone())
+            .collect()
     }
 
     /// Whether `other` is this same driver value (a clone of it), not merely a driver over the

@@ -154,8 +154,15 @@ impl Graph {
 
 impl Drop for Graph {
     fn drop(&mut self) {
-        // SAFETY: we own the graph; executable graphs made from it do not need it.
-        let _ = unsafe { cu!(self.device.driver(), cuGraphDestroy(self.raw.0)) };
+        let g = self.raw;
+        self.device.driver().teardown(
+            || format!("the graph {:p} (cuGraphDestroy)", g.0),
+            // SAFETY: we own the graph; executable graphs made from it do not need it.
+            move |d| {
+                let g = g; // the whole Send wrapper, not its raw field
+                unsafe { cu!(d, cuGraphDestroy(g.0)) }
+            },
+        );
     }
 }
 
@@ -207,7 +214,14 @@ impl GraphExec {
 
 impl Drop for GraphExec {
     fn drop(&mut self) {
-        // SAFETY: we own the executable graph.
-        let _ = unsafe { cu!(self.device.driver(), cuGraphExecDestroy(self.raw.0)) };
+        let g = self.raw;
+        self.device.driver().teardown(
+            || format!("the executable graph {:p} (cuGraphExecDestroy)", g.0),
+            // SAFETY: we own the executable graph.
+            move |d| {
+                let g = g; // the whole Send wrapper, not its raw field
+                unsafe { cu!(d, cuGraphExecDestroy(g.0)) }
+            },
+        );
     }
 }

@@ -255,9 +255,14 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: we own the allocation; nothing uses its address after this.
-            let _ = unsafe { cu!(self.device.driver(), cuMemFree_v3020(self.ptr)) };
-        }
+        let (ptr, ordinal) = (self.ptr, self.device.ordinal());
+        self.device.driver().teardown(
+            || format!("the device memory {ptr:#x} of device {ordinal} (cuMemFree)"),
+            move |d| {
+                d.bind(ordinal)?;
+                // SAFETY: we own the allocation; nothing uses its address after this.
+                unsafe { cu!(d, cuMemFree_v3020(ptr)) }
+            },
+        );
     }
 }

@@ -165,10 +165,16 @@ fn jit_log(device: &Device, text: &CString) -> Option<String> {
 
 impl Drop for ModuleInner {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: we own the module and no Function of it is left (they hold the Arc).
-            let _ = unsafe { cu!(self.device.driver(), cuModuleUnload(self.raw.0)) };
-        }
+        let (m, ordinal) = (self.raw, self.device.ordinal());
+        self.device.driver().teardown(
+            || format!("the module {:p} of device {ordinal} (cuModuleUnload)", m.0),
+            move |d| {
+                let m = m; // the whole Send wrapper, not its raw field
+                d.bind(ordinal)?;
+                // SAFETY: we own the module and no Function of it is left (they hold the Arc).
+                unsafe { cu!(d, cuModuleUnload(m.0)) }
+            },
+        );
     }
 }
 

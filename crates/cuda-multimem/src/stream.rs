@@ -88,8 +88,15 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: we own the stream; nothing uses the handle after this (borrows have ended).
-        let _ = unsafe { cu!(self.device.driver(), cuStreamDestroy_v4000(self.raw.0)) };
+        let s = self.raw;
+        self.device.driver().teardown(
+            || format!("the stream {:p} (cuStreamDestroy)", s.0),
+            // SAFETY: we own the stream; nothing uses the handle after this (borrows have ended).
+            move |d| {
+                let s = s; // the whole Send wrapper, not its raw field
+                unsafe { cu!(d, cuStreamDestroy_v4000(s.0)) }
+            },
+        );
     }
 }
 
@@ -602,8 +609,15 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: we own the event.
-        let _ = unsafe { cu!(self.device.driver(), cuEventDestroy_v4000(self.raw.0)) };
+        let e = self.raw;
+        self.device.driver().teardown(
+            || format!("the event {:p} (cuEventDestroy)", e.0),
+            // SAFETY: we own the event.
+            move |d| {
+                let e = e; // the whole Send wrapper, not its raw field
+                unsafe { cu!(d, cuEventDestroy_v4000(e.0)) }
+            },
+        );
     }
 }
 

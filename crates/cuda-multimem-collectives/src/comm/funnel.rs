@@ -8,6 +8,7 @@ use cuda_multimem::{Result, StreamRef};
 
 use super::RankHandle;
 use crate::call::{Call, Kind};
+use crate::config::CommConfig;
 use crate::engine::{check, plan, Ctx, Exec};
 use crate::exec::p2p::{allreduce, copy_engine, gather, norm};
 use crate::types::Choice;
@@ -30,7 +31,19 @@ impl RankHandle<'_> {
             _ => Some(l.begin(&stream)?),
         };
         let facts = checked.facts();
-        let (t, c) = (&inner.facts, &inner.config);
+        let t = &inner.facts;
+        // a rank's first call (after the build or a recovery) waits as long as the start of an
+        // uneven team may take
+        let first;
+        let c = if l.calls.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            first = CommConfig {
+                timeout: inner.config.first_call(),
+                ..inner.config.clone()
+            };
+            &first
+        } else {
+            &inner.config
+        };
         let plan = plan(t, c, &facts)?;
         let mut choice = plan.choice;
         if plan.exec == Exec::Nothing {

@@ -260,6 +260,48 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// Make a team that reported a timeout or a disagreement usable again without rebuilding
+    /// it, when every rank agrees: every rank (every process of a team across processes) calls
+    /// `recover` at the same point, after its last collective call. It waits for the work on
+    /// this process's devices (every collective kernel ends by its timeout), meets the other
+    /// processes through the bootstrap (so no peer's kernel writes into this rank's memory any
+    /// more), puts every rank's protocol state back to a fresh team's (error words, counters,
+    /// signals, call headers, low-latency flags; the multicast team's headers), meets them again,
+    /// and clears the failure. Symmetric buffers and their contents stay. Calls made after a
+    /// failure and before `recover` have left their outputs undefined. An error here (a peer
+    /// that does not arrive, a device whose context a kernel fault killed) leaves the team
+    /// unusable: drop it and build a new one.
+    pub fn recover(&self) -> Result<()> {
+        let inner = &*self.inner;
+        let ranks = &inner.ranks;
+        let mut devices: Vec<&Device> = Vec::new();
+        for l in &ranks.locals {
+            if !devices.contains(&&l.device) {
+                devices.push(&l.device);
+            }
+        }
+        for d in &devices {
+            d.synchronize()?;
+        }
+        if ranks.bootstrap.is_some() {
+            ranks.meet("recovery: every rank's work has finished")?;
+        }
+        inner.p2p.reset(ranks)?;
+        if let Some(mm) = &inner.mm {
+            mm.reset()?;
+        }
+        if ranks.bootstrap.is_some() {
+            ranks.meet("recovery: every rank's state is reset")?;
+        }
+        for l in &ranks.locals {
+            l.calls.store(0, Ordering::Relaxed);
+        }
+        ranks.restore();
+        Ok(())
+    }
+}
+
 impl Inner {
     /// What the error words of local rank `l` say (a disagreement before a timeout).
     pub(crate) fn rank_error(&self, l: &Local) -> Result<Option<Error>> {

@@ -76,7 +76,7 @@ impl Mm {
             .size(mmk::MM_DATA + 2 * region)
             .backend(Backend::MulticastObject)
             .build()?;
-        let n = devices.len();
+
         let mut members = Vec::new();
         for d in devices {
             let m = load_module(d, mmk::FILE, mmk::PTX)?;
@@ -95,6 +95,21 @@ impl Mm {
                 kernels,
             });
         }
+        let mm = Mm {
+            team,
+            members,
+            region,
+        };
+        mm.write_headers()?;
+        Ok(mm)
+    }
+
+    /// Every member's header as a fresh team has it: zeros (error word, counters, signal
+    /// slots, call headers), then its rank, the team size, the region size and every member's
+    /// address. Written by the build and by [`Mm::reset`].
+    fn write_headers(&self) -> Result<()> {
+        let (team, members, region, n) =
+            (&self.team, &self.members, self.region, self.members.len());
         let peers: Vec<u64> = (0..n).map(|i| team.member_ptr(i)).collect::<Result<_>>()?;
         for (i, m) in members.iter().enumerate() {
             let mut hdr = vec![0u8; mmk::MM_DATA];
@@ -110,11 +125,13 @@ impl Mm {
             // copy has landed when this returns.
             unsafe { m.device.copy_from_host_blocking(peers[i], &hdr) }?;
         }
-        Ok(Mm {
-            team,
-            members,
-            region,
-        })
+        Ok(())
+    }
+
+    /// Back to a fresh team's protocol state (`Communicator::recover`: every member's device
+    /// has finished its work).
+    pub(crate) fn reset(&self) -> Result<()> {
+        self.write_headers()
     }
 
     fn member(&self, rank: usize) -> Result<&Member> {

@@ -63,6 +63,30 @@ impl Ranks {
         e
     }
 
+    /// Make the team usable again after [`Ranks::break_with`] (its recovery).
+    pub(crate) fn restore(&self) {
+        *self.broken.lock() = None;
+    }
+
+    /// Meet every other rank through the bootstrap, past a failure of the team (the recovery's
+    /// exchanges): a failed meeting leaves the team unusable.
+    pub(crate) fn meet(&self, what: &str) -> Result<()> {
+        let b = self
+            .bootstrap
+            .as_deref()
+            .ok_or_else(|| Error::invalid("bootstrap", "this team has no bootstrap"))?;
+        let all = b
+            .all_gather(what.as_bytes())
+            .map_err(|e| self.break_with(with_context(e, what)))?;
+        self.check_count(what, all.len())?;
+        if let Some(r) = all.iter().position(|x| x.as_slice() != what.as_bytes()) {
+            return Err(self.break_with(Error::RanksDisagree {
+                what: format!("rank {r} was not in the same step of the recovery ({what})"),
+            }));
+        }
+        Ok(())
+    }
+
     /// Every rank's `data` through the bootstrap, checked: one entry per rank, each of
     /// `expect_len` bytes when given. A failed or malformed exchange breaks the team: the ranks
     /// no longer agree on what comes next.

@@ -152,6 +152,29 @@ impl Sym {
             .ok_or_else(|| Error::invalid("rank", format!("{rank}; not a rank of this team")))
     }
 
+    /// Zero `bytes` of rank `rank`'s part from byte `offset` (synchronous; a rank whose part
+    /// is mapped in this process).
+    pub(crate) fn zero(&self, rank: usize, offset: usize, bytes: usize) -> Result<()> {
+        self.mapping(rank)?;
+        if offset.checked_add(bytes).is_none_or(|e| e > self.bytes) {
+            return Err(Error::invalid(
+                "bytes",
+                format!(
+                    "{bytes} bytes at {offset} pass the {}-byte part",
+                    self.bytes
+                ),
+            ));
+        }
+        // every device of this process was granted access to every part mapped here
+        let d = self
+            .devices
+            .first()
+            .ok_or_else(|| Error::invalid("rank", "no device of this process maps the part"))?;
+        // SAFETY: inside rank `rank`'s part (checked), mapped read-write for `d`; the copy has
+        // landed when this returns.
+        unsafe { d.memset_blocking(self.addrs[rank] + offset as u64, 0, bytes) }
+    }
+
     /// Copy `data` into rank `rank`'s part at byte `offset` (synchronous, checked).
     pub(crate) fn write<T: DeviceRepr>(
         &self,

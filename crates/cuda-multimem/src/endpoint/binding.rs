@@ -62,7 +62,7 @@ impl EndpointBinding {
 impl Drop for EndpointBinding {
     fn drop(&mut self) {
         // SAFETY: exactly the range this value bound, on a live endpoint (we hold it).
-        let _ = unsafe {
+        let r = unsafe {
             cu!(
                 self.endpoint.range.driver,
                 cuLogicalEndpointUnbind(
@@ -73,6 +73,12 @@ impl Drop for EndpointBinding {
                 )
             )
         };
+        if let Err(e) = r {
+            eprintln!(
+                "cuda-multimem: unbinding {} bytes at {} of logical endpoint {} failed during a teardown ({e})",
+                self.size, self.offset, self.endpoint.id
+            );
+        }
     }
 }
 

@@ -385,9 +385,13 @@ impl IdRange {
 
 impl Drop for IdRange {
     fn drop(&mut self) {
-        // SAFETY: the range was reserved by us and every endpoint on it was destroyed (they hold
-        // this range, so they are gone).
-        let _ = unsafe { cu!(self.driver, cuLogicalEndpointIdRelease(self.base, self.len)) };
+        let (base, len) = (self.base, self.len);
+        self.driver.teardown(
+            || format!("the logical endpoint ids {base}..+{len} (cuLogicalEndpointIdRelease)"),
+            // SAFETY: the range was reserved by us and every endpoint on it was destroyed (they
+            // hold this range, so they are gone).
+            move |d| unsafe { cu!(d, cuLogicalEndpointIdRelease(base, len)) },
+        );
     }
 }
 
@@ -407,9 +411,13 @@ pub(crate) struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // SAFETY: the endpoint was created or imported on this id by us; every binding holds this
-        // value, so none is left.
-        let _ = unsafe { cu!(self.range.driver, cuLogicalEndpointDestroy(self.id)) };
+        let id = self.id;
+        self.range.driver.teardown(
+            || format!("the logical endpoint {id} (cuLogicalEndpointDestroy)"),
+            // SAFETY: the endpoint was created or imported on this id by us; every binding holds
+            // this value, so none is left.
+            move |d| unsafe { cu!(d, cuLogicalEndpointDestroy(id)) },
+        );
     }
 }
 

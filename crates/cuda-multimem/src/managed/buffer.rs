@@ -302,8 +302,14 @@ impl Drop for ManagedBuffer {
         if !self.owned {
             return;
         }
-        let _ = self.device.bind();
-        // SAFETY: we own the allocation; no borrow of it outlives `self`.
-        let _ = unsafe { cu!(self.device.driver(), cuMemFree(self.ptr)) };
+        let (ptr, ordinal) = (self.ptr, self.device.ordinal());
+        self.device.driver().teardown(
+            || format!("the managed memory {ptr:#x} (cuMemFree)"),
+            move |d| {
+                d.bind(ordinal)?;
+                // SAFETY: we own the allocation; no borrow of it outlives `self`.
+                unsafe { cu!(d, cuMemFree(ptr)) }
+            },
+        );
     }
 }

@@ -210,11 +210,18 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let pending = std::mem::take(&mut self.state.get_mut().pending_unbind);
         for r in &pending {
-            let _ = self.unbind(r);
+            if let Err(e) = self.unbind(r) {
+                eprintln!("cuda-multimem: unbinding a multicast object's memory failed during a teardown ({e})");
+            }
         }
         drop(pending);
-        // SAFETY: our handle reference; no binding or mapping holds us any more.
-        let _ = unsafe { cu!(self.driver, cuMemRelease(self.handle)) };
+        let h = self.handle;
+        self.driver.teardown(
+            || format!("the multicast object {h:#x} (cuMemRelease)"),
+            // SAFETY: our handle reference; no binding or mapping holds us any more; a retry
+            // releases it once.
+            move |d| unsafe { cu!(d, cuMemRelease(h)) },
+        );
     }
 }
 
@@ -850,15 +857,21 @@ impl MulticastMapping {
 
 impl Drop for MulticastMapping {
     fn drop(&mut self) {
-        // SAFETY: exactly the range we mapped; the reservation and object are alive (held).
-        let _ = unsafe { cu!(self.object.driver, cuMemUnmap(self.ptr, self.size)) };
+        let (ptr, size) = (self.ptr, self.size);
+        self.object.driver.teardown(
+            || format!("the multicast mapping {ptr:#x} of {size} bytes (cuMemUnmap)"),
+            // SAFETY: exactly the range we mapped; the reservation and object are alive (held).
+            move |d| unsafe { cu!(d, cuMemUnmap(ptr, size)) },
+        );
         let mut st = self.object.state.lock();
         st.mapped -= 1;
         if st.mapped == 0 {
             for r in std::mem::take(&mut st.pending_unbind) {
                 st.bound
                     .retain(|&(d, o, s)| !(d == r.device && o == r.offset && s == r.size));
-                let _ = self.object.unbind(&r);
+                if let Err(e) = self.object.unbind(&r) {
+                    eprintln!("cuda-multimem: unbinding a multicast object's memory failed during a teardown ({e})");
+                }
             }
         }
     }

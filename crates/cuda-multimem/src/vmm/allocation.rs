@@ -346,6 +346,11 @@ impl Drop for PhysicalAllocation {
     fn drop(&mut self) {
         // SAFETY: we own one reference to the handle; every mapping of it holds an Arc of us, so
         // none is left when this runs (the driver frees the memory now).
-        let _ = unsafe { cu!(self.driver, cuMemRelease(self.handle)) };
+        let h = self.handle;
+        self.driver.teardown(
+            || format!("the physical allocation {h:#x} (cuMemRelease)"),
+            // SAFETY: as above; a retry releases the same handle once.
+            move |d| unsafe { cu!(d, cuMemRelease(h)) },
+        );
     }
 }

@@ -304,6 +304,12 @@ impl Drop for Mapping {
         }
         // SAFETY: we mapped exactly this range; after this the Arcs (allocation, reservation)
         // are dropped, in that order, with nothing mapped any more.
-        let _ = unsafe { cu!(self.allocation.driver(), cuMemUnmap(self.ptr, self.size)) };
+        let (ptr, size) = (self.ptr, self.size);
+        self.allocation.driver().teardown(
+            || format!("the mapping {ptr:#x} of {size} bytes (cuMemUnmap)"),
+            // SAFETY: as above; a retry unmaps the same range, still reserved (the reservation
+            // frees it only after this, and retries of its own come after this one's).
+            move |d| unsafe { cu!(d, cuMemUnmap(ptr, size)) },
+        );
     }
 }

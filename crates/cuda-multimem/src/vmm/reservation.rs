@@ -126,6 +126,11 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         // SAFETY: we reserved exactly this range; every mapping in it holds an Arc of us, so none
         // is left when this runs.
-        let _ = unsafe { cu!(self.driver, cuMemAddressFree(self.ptr, self.size)) };
+        let (ptr, size) = (self.ptr, self.size);
+        self.driver.teardown(
+            || format!("the address range {ptr:#x} of {size} bytes (cuMemAddressFree)"),
+            // SAFETY: as above; a retry frees the same range, which nothing else can hold.
+            move |d| unsafe { cu!(d, cuMemAddressFree(ptr, size)) },
+        );
     }
 }

@@ -87,7 +87,7 @@ impl RankKernels {
 pub(crate) struct P2p {
     pub(crate) pads: Sym,
     _stages: Sym,
-    _ll: Sym,
+    ll: Sym,
     lands: Sym,
     pub(crate) land_slot: usize,
     pub(crate) stage_half: usize,
@@ -159,7 +159,7 @@ impl P2p {
         Ok(P2p {
             pads,
             _stages: stages,
-            _ll: ll,
+            ll,
             lands,
             land_slot,
             stage_half,
@@ -219,6 +219,20 @@ impl P2p {
             }
         }
         Ok((blocks, clusters))
+    }
+
+    /// Back to a fresh team's protocol state for the ranks this process drives (`Communicator::
+    /// recover`: no kernel of the team runs any more): the error word, the per-block counters,
+    /// signal slots and call headers of every local pad, and the low-latency slots (whose flags
+    /// follow the counters) zeroed, as a new team has them.
+    pub(crate) fn reset(&self, ranks: &Ranks) -> Result<()> {
+        for l in &ranks.locals {
+            self.pads.zero(l.rank, kernels::OFF_ERR, 4)?;
+            self.pads
+                .zero(l.rank, kernels::OFF_CTR, PAD_BYTES - kernels::OFF_CTR)?;
+            self.ll.zero(l.rank, 0, self.ll.bytes)?;
+        }
+        Ok(())
     }
 
     /// The error word of local rank `rank`.

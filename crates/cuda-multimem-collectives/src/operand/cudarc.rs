@@ -48,6 +48,77 @@ impl<'a, T> Src<'a, T> {
     /// `arg` of a call queued on `on`, a cudarc stream of the call's device (feature `cudarc`):
     /// what an engine's [`IntoSrc`] for its own tensor type returns. Refused, naming `arg`, when
     /// `on` is not a cudarc stream or the slice is not in the device's primary context.
+    ///
+    /// The returned `Src` holds cudarc's guard, and through it borrows the slice and the
+    /// stream, until the call that takes it returns:
+    ///
+    /// ```no_run
+    /// use cuda_multimem_collectives::{CallStream, IntoSrc, IntoStream, RankHandle, ReduceOp, Src};
+    /// use cudarc::driver::{CudaSlice, CudaStream};
+    ///
+    /// /// An engine's tensor: a cudarc slice and a shape.
+    /// struct Tensor {
+    ///     data: CudaSlice<f32>,
+    ///     shape: Vec<usize>,
+    /// }
+    ///
+    /// impl<'a> IntoSrc<'a, f32> for &'a Tensor {
+    ///     fn into_src<'g>(
+    ///         self,
+    ///         on: &CallStream<'g>,
+    ///         arg: &'static str,
+    ///     ) -> cuda_multimem::Result<Src<'g, f32>>
+    ///     where
+    ///         'a: 'g,
+    ///     {
+    ///         Src::from_cudarc(&self.data, on, arg)
+    ///     }
+    /// }
+    ///
+    /// fn layer(
+    ///     h: RankHandle<'_>,
+    ///     x: &Tensor,
+    ///     out: &mut CudaSlice<f32>,
+    ///     stream: &CudaStream,
+    /// ) -> cuda_multimem::Result<()> {
+    ///     h.all_reduce(x, out, ReduceOp::Sum, stream)?;
+    ///     Ok(())
+    /// }
+    ///
+    /// /// An operand made before the call holds the guard until the call returns.
+    /// fn late(
+    ///     h: RankHandle<'_>,
+    ///     y: CudaSlice<f32>,
+    ///     out: &mut CudaSlice<f32>,
+    ///     stream: &CudaStream,
+    /// ) -> cuda_multimem::Result<()> {
+    ///     let on = stream.into_stream(h.device())?;
+    ///     let input = Src::from_cudarc(&y, &on, "input")?;
+    ///     h.all_reduce(input, out, ReduceOp::Max, stream)?;
+    ///     drop(y);
+    ///     Ok(())
+    /// }
+    /// ```
+    ///
+    /// The slice cannot go while the operand (and cudarc's guard) lives (`late` with the
+    /// `drop` one line earlier; the error code is checked on nightly only):
+    ///
+    /// ```compile_fail,E0505
+    /// # use cuda_multimem_collectives::{IntoStream, RankHandle, ReduceOp, Src};
+    /// # use cudarc::driver::{CudaSlice, CudaStream};
+    /// fn early(
+    ///     h: RankHandle<'_>,
+    ///     y: CudaSlice<f32>,
+    ///     out: &mut CudaSlice<f32>,
+    ///     stream: &CudaStream,
+    /// ) -> cuda_multimem::Result<()> {
+    ///     let on = stream.into_stream(h.device())?;
+    ///     let input = Src::from_cudarc(&y, &on, "input")?;
+    ///     drop(y); // cannot move out of `y` because it is borrowed
+    ///     h.all_reduce(input, out, ReduceOp::Max, stream)?;
+    ///     Ok(())
+    /// }
+    /// ```
     pub fn from_cudarc<P: DevicePtr<T>>(
         slice: &'a P,
         on: &CallStream<'a>,
@@ -79,7 +150,45 @@ impl<'a, T> Src<'a, T> {
 
 impl<'a, T> Dst<'a, T> {
     /// A cudarc slice or view (anything cudarc writes through [`DevicePtrMut`]) as the output
-    /// named `arg` of a call queued on `on` (feature `cudarc`). As [`Src::from_cudarc`].
+    /// named `arg` of a call queued on `on` (feature `cudarc`). As [`Src::from_cudarc`]; the
+    /// slice is borrowed mutably until the call returns, so nothing reads what the call is
+    /// still to write (`read_after` below with the read one line earlier):
+    ///
+    /// ```compile_fail,E0502
+    /// # use cuda_multimem_collectives::{Dst, IntoStream, RankHandle, ReduceOp};
+    /// # use std::sync::Arc;
+    /// # use cudarc::driver::{CudaSlice, CudaStream};
+    /// fn read_too_soon(
+    ///     h: RankHandle<'_>,
+    ///     x: &CudaSlice<f32>,
+    ///     mut out: CudaSlice<f32>,
+    ///     stream: &Arc<CudaStream>,
+    /// ) -> cuda_multimem::Result<()> {
+    ///     let on = stream.into_stream(h.device())?;
+    ///     let output = Dst::from_cudarc(&mut out, &on, "output")?;
+    ///     let _host = stream.clone_dtoh(&out); // `out` is borrowed mutably by `output`
+    ///     h.all_reduce(x, output, ReduceOp::Sum, stream)?;
+    ///     Ok(())
+    /// }
+    /// ```
+    ///
+    /// ```no_run
+    /// # use cuda_multimem_collectives::{Dst, IntoStream, RankHandle, ReduceOp};
+    /// # use std::sync::Arc;
+    /// # use cudarc::driver::{CudaSlice, CudaStream};
+    /// fn read_after(
+    ///     h: RankHandle<'_>,
+    ///     x: &CudaSlice<f32>,
+    ///     mut out: CudaSlice<f32>,
+    ///     stream: &Arc<CudaStream>,
+    /// ) -> cuda_multimem::Result<()> {
+    ///     let on = stream.into_stream(h.device())?;
+    ///     let output = Dst::from_cudarc(&mut out, &on, "output")?;
+    ///     h.all_reduce(x, output, ReduceOp::Sum, stream)?;
+    ///     let _host = stream.clone_dtoh(&out);
+    ///     Ok(())
+    /// }
+    /// ```
     pub fn from_cudarc<P: DevicePtrMut<T>>(
         slice: &'a mut P,
         on: &CallStream<'a>,

@@ -1,4 +1,6 @@
-//! The harness of the workspace suite: which driver a test runs on, and honest skips.
+//! The harness of the workspace suite: which driver a test runs on, honest skips, the one
+//! random generator, the one place a team is built ([`team_on`]), and the collectives as a
+//! table ([`collectives`]) that the suite's correctness, graph-replay and hostile tests iterate.
 //!
 //! `CUDA_MULTIMEM_DRIVER` decides: `sim[:options]` runs on the simulated driver (what
 //! `cargo xtask test` sets, once per driver version), `cuda` on the real one (`cargo xtask
@@ -6,6 +8,8 @@
 //! itself never falls back on its own; this harness does, because it is test tooling.
 
 use std::sync::Once;
+
+pub mod collectives;
 
 use cuda_multimem::{DeviceBuffer, DeviceRepr, Driver, DRIVER_ENV};
 use cuda_multimem_collectives::Communicator;
@@ -81,6 +85,19 @@ pub fn skip(test: &str, reason: impl std::fmt::Display) {
     eprintln!("SKIPPED: {test}: {reason}");
 }
 
+/// Why the collectives cannot run on `driver` (its version below what their PTX needs: CUDA
+/// 12.1, PTX ISA 8.1 — a communicator refuses to build there, `Error::HardwareTooOld`), if so.
+/// The tests of the collectives that run at every simulated driver version skip with it; the
+/// refusal itself is a test of its own.
+pub fn collectives_unsupported(driver: &cuda_multimem::Driver) -> Option<String> {
+    (driver.version() < 12010).then(|| {
+        format!(
+            "the collectives' kernels need a CUDA 12.1 driver or newer (PTX ISA 8.1); this driver is {}",
+            driver.version()
+        )
+    })
+}
+
 /// Random data: a small, seeded xorshift generator (tests need reproducible, non-trivial data).
 pub struct Rng(u64);
 
@@ -101,6 +118,11 @@ impl Rng {
     /// A float in [-1, 1).
     pub fn f32(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// `len` random elements in [-1, 1) (the values of the collectives' `random_input` for
+    /// this generator's state).
+    pub fn input<T: cuda_multimem_collectives::Element>(&mut self, len: usize) -> Vec<T> {
+        cuda_multimem_collectives::random_input(len, &mut self.0)
     }
     /// Fill `buf` with random bytes.
     pub fn fill(&mut self, buf: &mut [u8]) {
@@ -231,38 +253,60 @@ pub fn assert_child_passes(mut cmd: std::process::Command, what: &str) {
     );
 }
 
-/// A simulated team of `n` devices (driver 13000, peer-to-peer only) built with `config` as
-/// it is, and a stream per rank.
-pub fn sim_team_as_is(
-    n: usize,
+/// The one place the suite builds a team of the local devices: a communicator over `devices`
+/// (by rank; a device may repeat, for ranks that share a GPU where the library allows it) with
+/// `config` (a default timeout made [`generous`]) and `policy`, and a stream per rank (on its
+/// rank's device).
+pub fn team_on(
+    devices: &[cuda_multimem::Device],
     config: cuda_multimem_collectives::CommConfig,
-) -> (Env, Communicator, Vec<cuda_multimem::Stream>) {
-    let e = sim(SimConfig::new(n, 13000));
-    let devices = e.driver.devices();
-    let comm = Communicator::builder(&devices)
-        .config(config)
-        .multicast(cuda_multimem_collectives::MulticastPolicy::Never)
+    policy: cuda_multimem_collectives::MulticastPolicy,
+) -> (Communicator, Vec<cuda_multimem::Stream>) {
+    let comm = Communicator::builder(devices)
+        .config(generous(config))
+        .multicast(policy)
         .build()
-        .expect("a simulated team builds");
+        .unwrap_or_else(|e| panic!("a team of {} devices builds: {e}", devices.len()));
     let s = devices
         .iter()
         .map(|d| cuda_multimem::Stream::new(d).expect("a stream"))
         .collect();
-    (e, comm, s)
+    (comm, s)
 }
 
-/// [`sim_team_as_is`] with a 300 ms timeout (a test that waits on one waits briefly).
+/// The barrier timeout of the suite's teams where a test leaves `CommConfig::timeout` at its
+/// default: generous, so that no timeout a test does not expect fires on a loaded machine (a
+/// wait that ends normally costs nothing more; a test that expects a timeout sets its own).
+pub const TEAM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `config` with [`TEAM_TIMEOUT`] where its timeout is the default.
+pub fn generous(
+    config: cuda_multimem_collectives::CommConfig,
+) -> cuda_multimem_collectives::CommConfig {
+    let default = cuda_multimem_collectives::CommConfig::default().timeout;
+    if config.timeout == default {
+        cuda_multimem_collectives::CommConfig {
+            timeout: TEAM_TIMEOUT,
+            ..config
+        }
+    } else {
+        config
+    }
+}
+
+/// A simulated team of `n` devices (driver 13000, peer-to-peer only) built with `config` (a
+/// default timeout made [`generous`]), and a stream per rank.
 pub fn sim_team(
     n: usize,
     config: cuda_multimem_collectives::CommConfig,
 ) -> (Env, Communicator, Vec<cuda_multimem::Stream>) {
-    sim_team_as_is(
-        n,
-        cuda_multimem_collectives::CommConfig {
-            timeout: std::time::Duration::from_millis(300),
-            ..config
-        },
-    )
+    let e = sim(SimConfig::new(n, 13000));
+    let (comm, s) = team_on(
+        &e.driver.devices(),
+        config,
+        cuda_multimem_collectives::MulticastPolicy::Never,
+    );
+    (e, comm, s)
 }
 
 /// Wait for every stream of `streams`.
@@ -278,4 +322,180 @@ pub fn invalid_arg_of<T: std::fmt::Debug>(r: cuda_multimem::Result<T>) -> &'stat
         Err(cuda_multimem::Error::InvalidArgument { arg, .. }) => arg,
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
+}
+
+/// A held kernel's parameter is this bit and the hold's id ([`Hold::param`]).
+pub const HOLD_BIT: u64 = 1 << 63;
+
+/// How long a hold holds at most (then the kernel ends by itself: a test that forgot to release
+/// it fails on its own terms, it does not hang).
+pub const HOLD_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
+#[derive(Default)]
+struct HoldState {
+    started: std::sync::atomic::AtomicBool,
+    released: std::sync::atomic::AtomicBool,
+}
+
+/// Every hold's state, by id.
+static HOLDS: std::sync::Mutex<Vec<std::sync::Arc<HoldState>>> = std::sync::Mutex::new(Vec::new());
+
+/// A simulated kernel that runs until the test releases it: what tests use on the simulator
+/// where they would otherwise count on a kernel of a fixed duration still running (or having
+/// started) when the host gets to its next step — which a loaded machine does not promise. A
+/// host kernel equivalent takes [`Hold::param`] where it takes a duration and passes it to
+/// [`sleep_or_hold`]. Never give a hold's parameter to a real GPU's kernel: it would take it
+/// for nanoseconds. Released when dropped.
+pub struct Hold {
+    id: usize,
+}
+
+impl Hold {
+    /// A new hold, not started, not released.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Hold {
+        let mut h = HOLDS.lock().unwrap();
+        h.push(std::sync::Arc::new(HoldState::default()));
+        Hold { id: h.len() - 1 }
+    }
+
+    fn state(&self) -> std::sync::Arc<HoldState> {
+        HOLDS.lock().unwrap()[self.id].clone()
+    }
+
+    /// The kernel parameter that makes [`sleep_or_hold`] hold on this hold.
+    pub fn param(&self) -> u64 {
+        HOLD_BIT | self.id as u64
+    }
+
+    /// Wait until the held kernel has started (it marks that once it got past whatever it does
+    /// first); panics after [`HOLD_MAX`].
+    pub fn wait_started(&self) {
+        let s = self.state();
+        let t = std::time::Instant::now();
+        while !s.started.load(std::sync::atomic::Ordering::Acquire) {
+            assert!(t.elapsed() < HOLD_MAX, "the held kernel never started");
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Let the held kernel end.
+    pub fn release(&self) {
+        self.state()
+            .released
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// In a host kernel equivalent: sleep `ns` nanoseconds, or, where `ns` is a [`Hold::param`],
+/// mark that hold started and block until it is released (at most [`HOLD_MAX`]).
+pub fn sleep_or_hold(ns: u64) {
+    if ns & HOLD_BIT == 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(ns));
+        return;
+    }
+    let s = HOLDS.lock().unwrap()[(ns & !HOLD_BIT) as usize].clone();
+    s.started.store(true, std::sync::atomic::Ordering::Release);
+    let t = std::time::Instant::now();
+    while !s.released.load(std::sync::atomic::Ordering::Acquire) && t.elapsed() < HOLD_MAX {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// Holds simulated streams until the host opens it: work queued behind [`Gate::hold`] starts
+/// only at [`Gate::open`], so every rank's kernels of a call start together however long the
+/// host took to queue them (on a loaded machine, longer than a short barrier timeout meant for
+/// a peer that never comes). Simulator only: a held host kernel ([`Hold`]) on a stream of the
+/// gate's own, and the held streams wait for an event recorded after it.
+pub struct Gate {
+    function: cuda_multimem::Function,
+    stream: cuda_multimem::Stream,
+    event: cuda_multimem::Event,
+    holds: std::sync::Mutex<Vec<Hold>>,
+    _module: cuda_multimem::Module,
+}
+
+const GATE_PTX: &str = ".version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry cmm_test_gate(
+	.param .u64 p_hold
+)
+{
+	ret;
+}
+";
+
+impl Gate {
+    /// A gate on `env`'s simulated device 0 (its module, stream and event live as long as it:
+    /// make it before counting a simulator's live resources).
+    pub fn new(env: &Env) -> Gate {
+        assert!(env.sim.is_some(), "a gate holds simulated streams only");
+        cuda_multimem_sim::register_kernel("cmm_test_gate", |a| {
+            sleep_or_hold(a.u64(0)?);
+            Ok(())
+        });
+        let d = env.driver.device(0).expect("device 0");
+        let module = cuda_multimem::Module::load_ptx(&d, GATE_PTX).expect("the gate's module");
+        Gate {
+            function: module.function("cmm_test_gate").expect("the gate kernel"),
+            stream: cuda_multimem::Stream::new(&d).expect("the gate's stream"),
+            event: cuda_multimem::Event::new(&d, false).expect("the gate's event"),
+            holds: std::sync::Mutex::new(Vec::new()),
+            _module: module,
+        }
+    }
+
+    /// Close the gate and make every stream of `streams` wait for it: what they are given next
+    /// starts at [`Gate::open`].
+    pub fn hold(&self, streams: &[cuda_multimem::Stream]) {
+        let hold = Hold::new();
+        // SAFETY: the gate kernel takes one .u64 parameter and touches no memory.
+        unsafe {
+            self.function
+                .launch_u64(
+                    &cuda_multimem::LaunchConfig::linear(1, 1),
+                    &self.stream,
+                    &[hold.param()],
+                )
+                .expect("the gate's launch")
+        };
+        self.event.record(&self.stream).expect("the gate's event");
+        for s in streams {
+            s.wait(&self.event).expect("a stream waits for the gate");
+        }
+        self.holds.lock().unwrap().push(hold);
+    }
+
+    /// Open the gate: the held streams go on.
+    pub fn open(&self) {
+        self.holds.lock().unwrap().clear();
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// The simulated driver version `CUDA_MULTIMEM_DRIVER` selects (`sim:...,version=V`; `cargo
+/// xtask test` runs the suite at each), else 13000: for tests that make simulated machines of
+/// their own (as many devices as they need) at the version under test.
+pub fn sim_version() -> i32 {
+    std::env::var(DRIVER_ENV)
+        .ok()
+        .and_then(|v| {
+            v.split([':', ','])
+                .find_map(|kv| kv.trim().strip_prefix("version=")?.parse().ok())
+        })
+        .unwrap_or(13000)
 }

@@ -84,6 +84,9 @@ pub fn bundle() -> Result<PathBuf> {
         "--bins",
         "--exclude",
         "xtask",
+        // the front of `cargo xtask` (no use without cargo; `bundle/xtask` parses alike)
+        "--exclude",
+        "xtask-front",
         "--features",
         "cuda-multimem-collectives/ptx-override",
     ])?;
@@ -262,15 +265,18 @@ fn machine_name(ranks: u32) -> String {
     }
 }
 
-/// Entry point of `cargo xtask bench-hw <what>`: run the benchmark (and, for the collectives, the
-/// reference in the same run), save its RESULT lines to `hw-logs/<bench>-<date>.jsonl`, print
-/// the nccl-tests style table and write the charts beside the log (`hw-logs/charts/`).
-pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
-    let b = bundle_dir()?;
-    // (binary, the collectives NCCL measures beside it, the torch script and its arguments:
-    // torch symm_mem's operations that need no multicast; for the norm, NCCL's allreduce then
-    // add + rms_norm as an engine runs it without the fusion)
-    let (bin, nccl_colls, torch): (_, _, Option<(&str, Vec<String>)>) = match what {
+/// A benchmark's binary, the collectives NCCL measures beside it, and the torch script with its
+/// arguments (torch symm_mem's operations that need no multicast; for the norm, NCCL's allreduce
+/// then add + rms_norm as an engine runs it without the fusion).
+type BenchPlan = (
+    &'static str,
+    Option<&'static str>,
+    Option<(&'static str, Vec<String>)>,
+);
+
+/// The plan of benchmark `what`; `None` for a name not in `cli::BENCHES`.
+fn bench_plan(what: &str, args: &[String]) -> Option<BenchPlan> {
+    Some(match what {
         "memory" => ("bench-memory", None, None),
         "allreduce" => (
             "bench-allreduce",
@@ -297,13 +303,23 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
             )),
         ),
         "hier" => ("bench-hier", None, None),
-        other => {
-            return Err(format!(
-                "unknown benchmark `{other}` (memory, allreduce, collectives, norm, hier)"
-            )
-            .into())
-        }
+        _ => return None,
+    })
+}
+
+/// Entry point of `cargo xtask bench-hw <what>`: run the benchmark (and, for the collectives, the
+/// reference in the same run), save its RESULT lines to `hw-logs/<bench>-<date>.jsonl`, print
+/// the nccl-tests style table and write the charts beside the log (`hw-logs/charts/`).
+pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
+    // Checked before the bundle builds (the front checked it too: `cli::BENCHES`).
+    let Some((bin, nccl_colls, torch)) = bench_plan(what, args) else {
+        return Err(format!(
+            "unknown benchmark `{what}` ({})",
+            xtask_front::cli::BENCHES.join(", ")
+        )
+        .into());
     };
+    let b = bundle_dir()?;
     let path = b.join("bin").join(bin);
     if !path.is_file() {
         return Err(format!("{} is not in the bundle", path.display()).into());
@@ -480,5 +496,19 @@ pub fn ptx_check() -> Result<()> {
         Ok(())
     } else {
         Err("ptx-check failed".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_benchmark_the_command_line_accepts_has_a_plan() {
+        for b in xtask_front::cli::BENCHES {
+            let (bin, _, _) = bench_plan(b, &[]).unwrap_or_else(|| panic!("no plan for `{b}`"));
+            assert_eq!(bin, format!("bench-{b}"));
+        }
+        assert!(bench_plan("bogus", &[]).is_none());
     }
 }

@@ -3,14 +3,22 @@
 //! - `bindgen [--check]`: regenerate (or verify) the committed bindings of cuda-multimem-sys.
 //! - `ptx [--check]`: regenerate (or verify) the committed PTX kernels of
 //!   cuda-multimem-collectives (generator: cuda-multimem-ptxgen).
-//! - `test`: the whole workspace on the simulated driver at each driver version.
+//! - `test`: the unit tests, and the suite on the simulated driver: all of it at the newest driver
+//!   version, the version-dependent tests at the others (`test_cmd`).
 //! - `test-hw`: the suite against the real driver (builds a bundle first unless run from one).
-//! - `bench-hw memory|allreduce`: benchmarks on the real driver, side by side with the reference.
+//! - `bench-hw memory|allreduce|collectives|norm|hier`: benchmarks on the real driver, side by
+//!   side with the references.
 //! - `ptx-check`: assemble every PTX kernel with ptxas for sm_90 (where ptxas exists).
 //! - `info [--json]`: what the selected driver and its devices can do, and the peer matrix.
 //! - `chart <results> [--out-dir docs/charts] [--date D --machine M]`: table and SVG charts of a
 //!   benchmark run's RESULT lines (`bench-hw` saves them in `hw-logs/` and charts them itself).
 //! - `bundle`: build what the GPU machines run (they have no Rust toolchain) into `bundle/`.
+//! - `modules [--check] [--verbose]`: the import graph between sibling modules of the library
+//!   crates; `--check` fails on a circle (it runs in the front, `xtask/front`, without these tools).
+//!
+//! The command line is parsed by the front's grammar (`xtask_front::cli`): `cargo xtask` runs the
+//! front, which answers `--help` and refuses bad arguments before these tools build, then runs
+//! this binary with the same arguments; `bundle/xtask` is this binary.
 
 mod bench;
 mod bindgen_cmd;
@@ -23,83 +31,9 @@ mod test_cmd;
 use std::path::PathBuf;
 use std::process::Command;
 
-use clap::{Parser, Subcommand};
+use xtask_front::cli::{self, Cmd, Parsed, USAGE_EXIT};
 
 pub type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
-
-#[derive(Parser)]
-#[command(name = "cargo xtask", about = "cuda-multimem developer commands")]
-struct Cli {
-    #[command(subcommand)]
-    cmd: Cmd,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// Regenerate the committed bindings of cuda-multimem-sys from the pinned CUDA 13.5 headers.
-    Bindgen {
-        /// Regenerate into a temporary folder and fail on any difference.
-        #[arg(long)]
-        check: bool,
-    },
-    /// Regenerate the committed PTX kernels of cuda-multimem-collectives (cuda-multimem-ptxgen).
-    Ptx {
-        /// Regenerate in memory and fail naming every committed file that differs.
-        #[arg(long)]
-        check: bool,
-    },
-    /// Build, then run every suite on the simulated driver at each driver version.
-    Test {
-        /// Driver versions (default: 12000, 12080, 13000, 13030, 13050).
-        #[arg(long, value_delimiter = ',')]
-        versions: Vec<i32>,
-        /// Simulated devices.
-        #[arg(long, default_value_t = 2)]
-        devices: usize,
-        /// Extra arguments for the test binaries (after `--`).
-        #[arg(last = true)]
-        extra: Vec<String>,
-    },
-    /// Run the suite against the real driver; capabilities the device lacks are skipped with a reason.
-    TestHw {
-        /// Test-name filter and libtest arguments.
-        #[arg(last = true)]
-        filter: Vec<String>,
-    },
-    /// Benchmarks on the real driver: `memory` or `allreduce`.
-    BenchHw {
-        /// Which benchmark.
-        what: String,
-        /// Arguments for the benchmark binary.
-        #[arg(last = true)]
-        args: Vec<String>,
-    },
-    /// Assemble every PTX kernel with ptxas for sm_90.
-    PtxCheck,
-    /// Report the selected driver's capabilities (CUDA_MULTIMEM_DRIVER picks the driver).
-    Info {
-        /// One JSON object.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Build the binaries the GPU machines run into bundle/.
-    Bundle,
-    /// Print the nccl-tests style table of a benchmark run and write its SVG charts
-    /// (`<bench>-time.svg`, `<bench>-bandwidth.svg` per collective).
-    Chart {
-        /// The run's results: a `hw-logs/<bench>-<date>.jsonl`, or captured benchmark output.
-        results: PathBuf,
-        /// Where the charts go (default: docs/charts).
-        #[arg(long)]
-        out_dir: Option<PathBuf>,
-        /// The run's date, YYYY-MM-DD, for the titles (default: today).
-        #[arg(long)]
-        date: Option<String>,
-        /// The machine, for the titles (e.g. "2 x H200, NV18").
-        #[arg(long)]
-        machine: Option<String>,
-    },
-}
 
 /// The workspace root: beside a bundled xtask, its bundle; else the parent of this crate.
 pub fn workspace_root() -> PathBuf {
@@ -121,22 +55,33 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 }
 
 fn main() {
-    let cli = Cli::parse();
-    let r = match cli.cmd {
+    // The grammar is the front's (xtask/front): `cargo xtask` checked these arguments already;
+    // in a bundle (`bundle/xtask`, no front there) this is the first check.
+    let program = if hw::running_bundle().is_some() {
+        "xtask"
+    } else {
+        "cargo xtask"
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cmd = match cli::parse(program, &args) {
+        Ok(Parsed::Run(cmd)) => cmd,
+        Ok(Parsed::Help(h)) => {
+            print!("{h}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(USAGE_EXIT);
+        }
+    };
+    let r = match cmd {
         Cmd::Bindgen { check } => bindgen_cmd::bindgen(check),
         Cmd::Ptx { check } => ptx_cmd::ptx(check),
         Cmd::Test {
             versions,
             devices,
             extra,
-        } => {
-            let v = if versions.is_empty() {
-                test_cmd::VERSIONS.to_vec()
-            } else {
-                versions
-            };
-            test_cmd::test(&v, devices, &extra)
-        }
+        } => test_cmd::test(&versions, devices, &extra),
         Cmd::TestHw { filter } => hw::test_hw(&filter),
         Cmd::BenchHw { what, args } => hw::bench_hw(&what, &args),
         Cmd::PtxCheck => hw::ptx_check(),
@@ -148,6 +93,9 @@ fn main() {
             date,
             machine,
         } => bench::chart_cmd(&results, out_dir, date, machine),
+        Cmd::Modules { check, verbose } => {
+            std::process::exit(xtask_front::modules::run(&workspace_root(), check, verbose))
+        }
     };
     if let Err(e) = r {
         eprintln!("xtask: {e}");

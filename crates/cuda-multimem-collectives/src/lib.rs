@@ -36,11 +36,19 @@
 //!
 //! Operands are [`SymmetricBuffer`]s and their views ([`SymSlice`], [`SymSliceMut`]), which the
 //! peer-to-peer kernels use in place (the multimem path copies through its team's regions), or
-//! the caller's own memory: a [`cuda_multimem::DeviceBuffer`], a cudarc
-//! `CudaSlice`/`CudaView` (feature `cudarc`, `RankHandle::all_reduce_cudarc`), or a raw pointer
-//! under `unsafe` ([`Src::from_raw`]). Engines with a run-time element type use
-//! [`RankHandle::all_reduce_dyn`] on byte views. The protocol, what each operand kind costs, and
-//! the memory-ordering argument: `docs/design/allreduce.md`.
+//! the caller's own memory: a [`cuda_multimem::DeviceBuffer`], cudarc's `CudaSlice`,
+//! `CudaView` and `CudaViewMut` (feature `cudarc`), an engine's own tensor type, or a raw pointer
+//! under `unsafe` ([`Src::from_raw`]). Every collective takes any [`IntoSrc`] / [`IntoDst`] and
+//! any [`IntoStream`] (our streams; with `cudarc`, a `&CudaStream`): the conversion runs inside
+//! the call once its stream is known, and what an operand keeps alive for the call — cudarc's
+//! guard, which records the call's use for cudarc's event tracking — is dropped when the call
+//! returns. An engine on cudarc implements the two traits for its tensor type (on a GPU with
+//! [`Src::from_cudarc`], on the simulator with a `DeviceBuffer`), so that one generic code path
+//! is tested without a GPU: `examples/cudarc_engine.rs`. cudarc's linkage and CUDA version are
+//! the application's (only its driver API is used): the feature builds beside candle's
+//! `dynamic-linking` and `cuda-version-from-build-system`. Engines with a run-time element type
+//! use [`RankHandle::all_reduce_dyn`] on byte views. The protocol, what each operand kind costs,
+//! and the memory-ordering argument: `docs/design/allreduce.md`.
 //!
 //! Reduce-scatter, all-gather and broadcast ([`RankHandle::reduce_scatter`],
 //! [`RankHandle::all_gather`], [`RankHandle::broadcast`] and their in-place forms) take the same
@@ -81,6 +89,9 @@ pub use bootstrap::{Bootstrap, UnixBootstrap};
 pub use buffer::{SymPartMut, SymSlice, SymSliceMut, SymmetricBuffer};
 pub use comm::{Communicator, CommunicatorBuilder, RankHandle};
 pub use config::CommConfig;
+/// The stream side of a call, re-exported from `cuda-multimem`: what every collective takes as
+/// its stream ([`IntoStream`]) and what an operand's conversion sees of it ([`CallStream`]).
+pub use cuda_multimem::{CallStream, IntoStream};
 #[cfg(feature = "sim")]
 pub use hier::HostCrossDomainDouble;
 pub use hier::{
@@ -88,7 +99,7 @@ pub use hier::{
 };
 pub use kernels::multimem::supported as multimem_supports;
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
-pub use operand::{Dst, Src};
+pub use operand::{Dst, IntoDst, IntoSrc, Src};
 pub use reference::{
     add_rms_norm_reference, all_gather_reference, broadcast_reference, next_random, random_bytes,
     random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,

@@ -1,13 +1,18 @@
 //! Operands of a collective: views of symmetric buffers, or the caller's own device memory
-//! (a [`DeviceBuffer`], a cudarc slice, or — under `unsafe` — a raw pointer and length); and
-//! [`resolve`], the one place an operand becomes a device address, with every check.
+//! (a [`DeviceBuffer`], a cudarc slice, an engine's own tensor type, or — under `unsafe` — a raw
+//! pointer and length); [`IntoSrc`] and [`IntoDst`], what every collective takes, with what an
+//! operand keeps alive for the call (cudarc's guards); and [`resolve`], the one place an operand
+//! becomes a device address, with every check.
 
 use std::marker::PhantomData;
 
 use cuda_multimem::sys::CUdeviceptr;
-use cuda_multimem::{Device, DeviceBuffer, DeviceRepr, Error, Result};
+use cuda_multimem::{CallStream, Device, DeviceBuffer, DeviceRepr, Error, Result};
 
 use crate::buffer::{SymBuf, SymSlice, SymSliceMut, SymmetricBuffer};
+
+#[cfg(feature = "cudarc")]
+mod cudarc;
 
 /// Where an operand lives.
 #[derive(Clone, Copy)]
@@ -257,18 +262,80 @@ pub(crate) fn resolve<'a>(
     }
 }
 
+/// What an operand keeps alive until the call that takes it returns, then drops: nothing (our
+/// own memory), the guard cudarc hands out with a slice's device pointer (dropped after the call
+/// has queued its work, it records that use for cudarc's event tracking), or what an engine
+/// attached with [`Src::hold`] / [`Dst::hold`].
+// The variants' fields are never read: they are held to be dropped.
+#[allow(dead_code)]
+#[derive(Default)]
+pub(crate) enum Keep<'a> {
+    #[default]
+    Nothing,
+    #[cfg(feature = "cudarc")]
+    Cudarc(::cudarc::driver::SyncOnDrop<'a>),
+    Held(Box<dyn Held + Send + Sync + 'a>),
+}
+
+/// Anything, as a trait object that [`Keep`] drops.
+pub(crate) trait Held {}
+impl<G: ?Sized> Held for G {}
+
+impl<'a> Keep<'a> {
+    /// `self`, then `guard` too.
+    fn and<G: Send + Sync + 'a>(self, guard: G) -> Keep<'a> {
+        match self {
+            Keep::Nothing => Keep::Held(Box::new(guard)),
+            kept => Keep::Held(Box::new((kept, guard))),
+        }
+    }
+}
+
+/// The stream a bound operand was made for (its guard records the use there), as an address.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BoundTo(usize);
+
+impl BoundTo {
+    pub(crate) fn of(on: &CallStream<'_>) -> BoundTo {
+        BoundTo(on.stream().raw() as usize)
+    }
+}
+
+/// Refuse an operand made for a call on another stream than `on` (`arg` names it).
+fn check_bound(bound: Option<BoundTo>, on: &CallStream<'_>, arg: &'static str) -> Result<()> {
+    match bound {
+        Some(b) if b != BoundTo::of(on) => Err(Error::invalid(
+            arg,
+            format!(
+                "an operand made for a call on stream {:#x}; this call queues on stream {:p} (cudarc records the use on the stream the operand was made for)",
+                b.0,
+                on.stream().raw()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The input of a collective, read only. Made from a [`SymmetricBuffer`] (`&buf`), a
-/// [`SymSlice`], a [`DeviceBuffer`] (`&buf`), or [`Src::from_raw`].
+/// [`SymSlice`], a [`DeviceBuffer`] (`&buf`), a cudarc slice or view ([`Src::from_cudarc`],
+/// feature `cudarc`), or [`Src::from_raw`]; what it keeps alive for the call (cudarc's guard, an
+/// engine's [`Src::hold`]) is dropped when the call that takes it returns. Collectives take any
+/// [`IntoSrc`].
 pub struct Src<'a, T> {
-    pub(crate) op: Operand<'a>,
+    op: Operand<'a>,
+    keep: Keep<'a>,
+    bound: Option<BoundTo>,
     _t: PhantomData<&'a [T]>,
 }
 
 /// The output of a collective, written. Made from a [`SymmetricBuffer`] (`&mut buf`), a
-/// [`SymSliceMut`], a [`DeviceBuffer`] (`&mut buf`), or [`Dst::from_raw`]. In-place calls take
-/// one `Dst` as both operands.
+/// [`SymSliceMut`], a [`DeviceBuffer`] (`&mut buf`), a cudarc slice or view
+/// ([`Dst::from_cudarc`], feature `cudarc`), or [`Dst::from_raw`]. In-place calls take one `Dst`
+/// as both operands. Collectives take any [`IntoDst`].
 pub struct Dst<'a, T> {
-    pub(crate) op: Operand<'a>,
+    op: Operand<'a>,
+    keep: Keep<'a>,
+    bound: Option<BoundTo>,
     _t: PhantomData<&'a mut [T]>,
 }
 
@@ -286,19 +353,61 @@ impl<T> std::fmt::Debug for Dst<'_, T> {
 
 impl<'a, T> Src<'a, T> {
     pub(crate) fn new(op: Operand<'a>) -> Self {
+        Src::kept(op, Keep::Nothing, None)
+    }
+
+    pub(crate) fn kept(op: Operand<'a>, keep: Keep<'a>, bound: Option<BoundTo>) -> Self {
         Src {
             op,
+            keep,
+            bound,
             _t: PhantomData,
         }
+    }
+
+    /// The operand, for as long as this `Src` (and what it keeps alive) is borrowed: a call
+    /// built from it cannot outlive the guards.
+    pub(crate) fn operand(&self) -> Operand<'_> {
+        self.op
+    }
+
+    /// This operand, keeping `guard` alive until the call that takes it returns (after the call
+    /// queued its work), then dropping it: what an engine's tensor type attaches when it
+    /// implements [`IntoSrc`] (a borrow, a use count, an event to record on the call's stream).
+    pub fn hold<G: Send + Sync + 'a>(self, guard: G) -> Src<'a, T> {
+        let Src {
+            op, keep, bound, ..
+        } = self;
+        Src::kept(op, keep.and(guard), bound)
     }
 }
 
 impl<'a, T> Dst<'a, T> {
     pub(crate) fn new(op: Operand<'a>) -> Self {
+        Dst::kept(op, Keep::Nothing, None)
+    }
+
+    pub(crate) fn kept(op: Operand<'a>, keep: Keep<'a>, bound: Option<BoundTo>) -> Self {
         Dst {
             op,
+            keep,
+            bound,
             _t: PhantomData,
         }
+    }
+
+    /// The operand, for as long as this `Dst` (and what it keeps alive) is borrowed.
+    pub(crate) fn operand(&self) -> Operand<'_> {
+        self.op
+    }
+
+    /// This operand, keeping `guard` alive until the call that takes it returns, then dropping
+    /// it (see [`Src::hold`]).
+    pub fn hold<G: Send + Sync + 'a>(self, guard: G) -> Dst<'a, T> {
+        let Dst {
+            op, keep, bound, ..
+        } = self;
+        Dst::kept(op, keep.and(guard), bound)
     }
 }
 
@@ -320,7 +429,9 @@ impl<T: DeviceRepr> Src<'_, T> {
     /// device can read), valid for `len` elements of `T` until the work queued with it on the
     /// call's stream has completed, and not written by anything else meanwhile. The byte length
     /// (overflow included), the address range (that it does not wrap) and the alignment are
-    /// still checked by the call.
+    /// still checked by the call. A pointer of a library that tracks its uses (cudarc's
+    /// `device_ptr`) comes with a guard that must outlive the call: use [`Src::from_cudarc`], or
+    /// [`Src::hold`] the guard.
     pub unsafe fn from_raw(ptr: CUdeviceptr, len: usize) -> Src<'static, T> {
         Src::new(Operand::local::<T>(ptr, len, None))
     }
@@ -344,6 +455,56 @@ impl<T: DeviceRepr> Dst<'_, T> {
     /// with it has completed.
     pub unsafe fn from_raw(ptr: CUdeviceptr, len: usize) -> Dst<'static, T> {
         Dst::new(Operand::local::<T>(ptr, len, None))
+    }
+}
+
+/// What a collective takes as an input: anything that is a [`Src`] (symmetric buffers and
+/// views, [`DeviceBuffer`]s), cudarc's `&CudaSlice`, `&CudaView`, `CudaView` and `&CudaViewMut`
+/// (feature `cudarc`), and whatever an engine implements it for (its own tensor type).
+///
+/// The conversion runs inside the call, once the call's stream is known: a cudarc operand takes
+/// its device pointer against that stream, and the guard cudarc hands out with it stays in the
+/// returned [`Src`] until the call returns. An engine's tensor type implements it by making a
+/// `Src` of what it holds — on a GPU its cudarc slice ([`Src::from_cudarc`]), on the simulator
+/// a [`DeviceBuffer`] — so that its communication code is one generic code path, tested on the
+/// simulator (`examples/cudarc_engine.rs`).
+pub trait IntoSrc<'a, T> {
+    /// This operand as the input named `arg` of a call queued on `on`.
+    fn into_src<'g>(self, on: &CallStream<'g>, arg: &'static str) -> Result<Src<'g, T>>
+    where
+        'a: 'g;
+}
+
+/// What a collective takes as an output (or an in-place buffer): anything that is a [`Dst`]
+/// (symmetric buffers and views, [`DeviceBuffer`]s), cudarc's `&mut CudaSlice`,
+/// `&mut CudaViewMut` and `CudaViewMut` (feature `cudarc`), and whatever an engine implements it
+/// for. As [`IntoSrc`].
+pub trait IntoDst<'a, T> {
+    /// This operand as the output named `arg` of a call queued on `on`.
+    fn into_dst<'g>(self, on: &CallStream<'g>, arg: &'static str) -> Result<Dst<'g, T>>
+    where
+        'a: 'g;
+}
+
+impl<'a, T: 'a, X: Into<Src<'a, T>>> IntoSrc<'a, T> for X {
+    fn into_src<'g>(self, on: &CallStream<'g>, arg: &'static str) -> Result<Src<'g, T>>
+    where
+        'a: 'g,
+    {
+        let s = self.into();
+        check_bound(s.bound, on, arg)?;
+        Ok(s)
+    }
+}
+
+impl<'a, T: 'a, X: Into<Dst<'a, T>>> IntoDst<'a, T> for X {
+    fn into_dst<'g>(self, on: &CallStream<'g>, arg: &'static str) -> Result<Dst<'g, T>>
+    where
+        'a: 'g,
+    {
+        let d = self.into();
+        check_bound(d.bound, on, arg)?;
+        Ok(d)
     }
 }
 
@@ -401,42 +562,4 @@ impl<'a, T: DeviceRepr> From<&'a mut DeviceBuffer<T>> for Dst<'a, T> {
             Some(b.device()),
         ))
     }
-}
-
-/// cudarc operands (feature `cudarc`): `len` elements of `T` at `ptr` of `device`. The pointer
-/// of a cudarc slice is taken against the call's cudarc stream, so cudarc's own event tracking
-/// orders our kernels after earlier writes.
-#[cfg(feature = "cudarc")]
-pub(crate) fn cudarc_operand<'a, T>(
-    ptr: CUdeviceptr,
-    len: usize,
-    device: &'a Device,
-) -> Operand<'a> {
-    Operand::local::<T>(ptr, len, Some(device))
-}
-
-/// Refuse a cudarc slice (`arg`) that does not live in `device`'s primary context: its pointer
-/// would reach another device's memory, or none, from this rank's kernels.
-#[cfg(feature = "cudarc")]
-pub(crate) fn check_cudarc<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
-    slice: &S,
-    device: &Device,
-    arg: &'static str,
-) -> Result<()> {
-    let ctx = slice.stream().context();
-    let theirs = ctx.cu_ctx();
-    let ours = device.primary_context()?;
-    if ctx.ordinal() != device.ordinal() as usize
-        || !std::ptr::eq(theirs.cast::<std::ffi::c_void>(), ours.cast())
-    {
-        return Err(Error::invalid(
-            arg,
-            format!(
-                "a cudarc slice of device {} (context {theirs:p}); expected device {}'s primary context {ours:p}",
-                ctx.ordinal(),
-                device.ordinal()
-            ),
-        ));
-    }
-    Ok(())
 }

@@ -33,7 +33,7 @@ pub use error::{Error, Result};
 pub use graph::{CaptureMode, Graph, GraphExec};
 pub use memory::{DeviceBuffer, DeviceRepr};
 pub use module::{Function, FunctionAttributes, LaunchConfig, Module, MAX_THREADS_PER_BLOCK};
-pub use stream::{Event, Stream, StreamRef};
+pub use stream::{CallStream, Event, IntoStream, Stream, StreamRef};
 
 /// The raw bindings and loader, for calls this crate does not wrap.
 pub use cuda_multimem_sys as sys;

@@ -425,6 +425,90 @@ impl<'a> StreamRef<'a> {
     }
 }
 
+/// The stream a call queues its work on, as the call's operands see it: a [`StreamRef`], and
+/// (feature `cudarc`) the cudarc stream it was made from, against which cudarc operands take
+/// their device pointers (so that cudarc's event tracking records the call's use on the stream
+/// it runs on). A call makes one from its stream argument ([`IntoStream::into_stream`]) and
+/// hands it to each operand's conversion; the operands borrow it for `'a`.
+#[derive(Clone, Copy, Debug)]
+pub struct CallStream<'a> {
+    stream: StreamRef<'a>,
+    #[cfg(feature = "cudarc")]
+    cudarc: Option<&'a cudarc::driver::CudaStream>,
+}
+
+impl<'a> CallStream<'a> {
+    /// The stream.
+    pub fn stream(&self) -> StreamRef<'a> {
+        self.stream
+    }
+
+    /// Its device.
+    pub fn device(&self) -> &'a Device {
+        self.stream.device
+    }
+
+    /// The cudarc stream it was made from (feature `cudarc`); `None` for other streams.
+    #[cfg(feature = "cudarc")]
+    pub fn cudarc(&self) -> Option<&'a cudarc::driver::CudaStream> {
+        self.cudarc
+    }
+}
+
+impl<'a> From<StreamRef<'a>> for CallStream<'a> {
+    fn from(stream: StreamRef<'a>) -> CallStream<'a> {
+        CallStream {
+            stream,
+            #[cfg(feature = "cudarc")]
+            cudarc: None,
+        }
+    }
+}
+
+/// What a call takes as its stream: anything that is a [`StreamRef`] (`&Stream`, a
+/// `StreamRef`) and, with the feature `cudarc`, a cudarc stream (`&CudaStream` or
+/// `&Arc<CudaStream>`, which must be a stream of the call's device in its primary context).
+pub trait IntoStream<'x> {
+    /// This stream for a call of `device`, borrowed for the call (`'g`). A stream that needs
+    /// the device to become a [`StreamRef`] (a cudarc stream) is checked against it here;
+    /// others are checked by the call.
+    fn into_stream<'g>(self, device: &'g Device) -> Result<CallStream<'g>>
+    where
+        'x: 'g;
+}
+
+impl<'x, S: Into<StreamRef<'x>>> IntoStream<'x> for S {
+    fn into_stream<'g>(self, _device: &'g Device) -> Result<CallStream<'g>>
+    where
+        'x: 'g,
+    {
+        Ok(CallStream::from(self.into()))
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl<'x> IntoStream<'x> for &'x cudarc::driver::CudaStream {
+    fn into_stream<'g>(self, device: &'g Device) -> Result<CallStream<'g>>
+    where
+        'x: 'g,
+    {
+        Ok(CallStream {
+            stream: StreamRef::from_cudarc(device, self)?,
+            cudarc: Some(self),
+        })
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl<'x> IntoStream<'x> for &'x std::sync::Arc<cudarc::driver::CudaStream> {
+    fn into_stream<'g>(self, device: &'g Device) -> Result<CallStream<'g>>
+    where
+        'x: 'g,
+    {
+        (&**self).into_stream(device)
+    }
+}
+
 /// An event of one device.
 pub struct Event {
     device: Device,

@@ -169,6 +169,36 @@ pub struct Args<'a, T> {
     pub side: Vec<SideArg<'a, T>>,
 }
 
+impl<'a, T> Args<'a, T> {
+    /// Every operand keeping what `guard(argument name)` gives alive until the call that takes
+    /// it returns (`Src::hold` / `Dst::hold`), as an engine's tensor type attaches its guards.
+    pub fn hold<G: Send + Sync + 'a>(
+        self,
+        names: &[&'static str],
+        mut guard: impl FnMut(&'static str) -> G,
+    ) -> Self {
+        let (i, o) = if self.input.is_some() {
+            ("input", "output")
+        } else {
+            ("buf", "buf")
+        };
+        Args {
+            input: self.input.map(|s| s.hold(guard(i))),
+            output: self.output.hold(guard(o)),
+            raw: self.raw,
+            side: self
+                .side
+                .into_iter()
+                .zip(names)
+                .map(|(a, &name)| match a {
+                    SideArg::Read(s) => SideArg::Read(s.hold(guard(name))),
+                    SideArg::Write(d) => SideArg::Write(d.hold(guard(name))),
+                })
+                .collect(),
+        }
+    }
+}
+
 /// What every rank must hold after a call: by rank, its results (the output, then every
 /// further operand the call writes); from every rank's input and the further operands' data.
 pub type ExpectedFn<T> = fn(p: &Params, inputs: &[Vec<T>], sides: &[Vec<T>]) -> Results<T>;
@@ -631,6 +661,18 @@ impl<T: Elem> Queued<T> {
         r: usize,
         stream: &Stream,
     ) -> cuda_multimem::Result<Choice> {
+        self.call_holding(comm, r, stream, |_| ())
+    }
+
+    /// [`Queued::call`] with every operand holding `guard(argument name)` for the call
+    /// ([`Args::hold`]).
+    pub fn call_holding<G: Send + Sync>(
+        &mut self,
+        comm: &Communicator,
+        r: usize,
+        stream: &Stream,
+        guard: impl FnMut(&'static str) -> G,
+    ) -> cuda_multimem::Result<Choice> {
         let h = comm.rank(r)?;
         let (n, count) = (self.n, self.count);
         let (il, ol) = (self.coll.counts)(n, count);
@@ -658,6 +700,8 @@ impl<T: Elem> Queued<T> {
             output: self.output.dst(r, oa, len),
             side,
         };
+        let names: Vec<&'static str> = self.sides.iter().map(|s| s.name).collect();
+        let args = args.hold(&names, guard);
         let c = (self.coll.call)(&h, &self.params, args, stream)?;
         self.choices.push(c);
         Ok(c)

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
 use cuda_multimem_collectives::{
-    bf16, random_input, reference, CommConfig, Element, HierCommunicator, HierLayout,
+    bf16, random_input, reference, CommConfig, DType, Element, HierCommunicator, HierLayout,
     MulticastPolicy, Nccl, ReduceOp, UnixBootstrap,
 };
 use cuda_multimem_sim::SimConfig;
@@ -555,7 +555,86 @@ fn hw_rank(rank: usize, path: &std::path::Path, nccl: Arc<Nccl>) -> Result<(), S
             return Err(format!("rank {rank}, graph replay {replay}: {d}"));
         }
     }
+    hw_rank_cudarc(rank, &hier, &l)?;
     println!("HIER-RANK-OK {rank}");
+    Ok(())
+}
+
+/// Every hierarchical collective on cudarc slices and views and a cudarc stream (feature
+/// `cudarc`), in place and not, against the host reference.
+fn hw_rank_cudarc(rank: usize, hier: &HierCommunicator, l: &HierLayout) -> Result<(), String> {
+    let err = |x: Error| format!("rank {rank}, cudarc: {x}");
+    let cu = |x: cudarc::driver::DriverError| format!("rank {rank}, cudarc: {x:?}");
+    let s = cudarc::driver::CudaContext::new(rank)
+        .and_then(|c| c.new_stream())
+        .map_err(cu)?;
+    let n = l.size();
+    let check = |what: &str, got: &[f32], want: &[f32]| match first_difference(got, want) {
+        Some(d) => Err(format!("rank {rank}, cudarc {what}: {d}")),
+        None => Ok(()),
+    };
+    let count = 4096;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(200, r, count)).collect();
+    let sum = hier_reference(l, ReduceOp::Sum, &inputs);
+    // allreduce out of place (a view in), then in place
+    let x = s.clone_htod(&inputs[rank]).map_err(cu)?;
+    let mut y = s.alloc_zeros::<f32>(count).map_err(cu)?;
+    hier.all_reduce(x.slice(..), &mut y, ReduceOp::Sum, &s)
+        .map_err(err)?;
+    let mut z = s.clone_htod(&inputs[rank]).map_err(cu)?;
+    hier.all_reduce_in_place(&mut z, ReduceOp::Sum, &s)
+        .map_err(err)?;
+    s.synchronize().map_err(cu)?;
+    hier.check().map_err(err)?;
+    check("all_reduce", &s.clone_dtoh(&y).map_err(cu)?, &sum)?;
+    check("all_reduce_in_place", &s.clone_dtoh(&z).map_err(cu)?, &sum)?;
+    // reduce-scatter of N chunks, out of place and in place (chunk r)
+    let chunk = count / n;
+    let mine = &sum[rank * chunk..(rank + 1) * chunk];
+    let mut out = s.alloc_zeros::<f32>(chunk).map_err(cu)?;
+    hier.reduce_scatter(&x, &mut out, ReduceOp::Sum, &s)
+        .map_err(err)?;
+    let mut b = s.clone_htod(&inputs[rank]).map_err(cu)?;
+    hier.reduce_scatter_in_place(&mut b, ReduceOp::Sum, &s)
+        .map_err(err)?;
+    s.synchronize().map_err(cu)?;
+    hier.check().map_err(err)?;
+    check("reduce_scatter", &s.clone_dtoh(&out).map_err(cu)?, mine)?;
+    let got = s.clone_dtoh(&b).map_err(cu)?;
+    check(
+        "reduce_scatter_in_place",
+        &got[rank * chunk..(rank + 1) * chunk],
+        mine,
+    )?;
+    // all-gather of every rank's chunk, out of place (a view in) and in place (a view)
+    let parts: Vec<Vec<f32>> = (0..n).map(|r| input(201, r, chunk)).collect();
+    let all: Vec<f32> = parts.concat();
+    let p = s.clone_htod(&parts[rank]).map_err(cu)?;
+    let mut g = s.alloc_zeros::<f32>(n * chunk).map_err(cu)?;
+    hier.all_gather(p.slice(..), &mut g, &s).map_err(err)?;
+    let mut placed = vec![0.0f32; n * chunk];
+    placed[rank * chunk..(rank + 1) * chunk].copy_from_slice(&parts[rank]);
+    let mut gi = s.clone_htod(&placed).map_err(cu)?;
+    hier.all_gather_in_place(gi.slice_mut(..), &s)
+        .map_err(err)?;
+    s.synchronize().map_err(cu)?;
+    hier.check().map_err(err)?;
+    check("all_gather", &s.clone_dtoh(&g).map_err(cu)?, &all)?;
+    check("all_gather_in_place", &s.clone_dtoh(&gi).map_err(cu)?, &all)?;
+    // a run-time element type: the inputs' bytes
+    let bytes: Vec<u8> = inputs[rank].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut d = s.clone_htod(&bytes).map_err(cu)?;
+    hier.all_reduce_dyn_in_place(DType::F32, &mut d, ReduceOp::Sum, &s)
+        .map_err(err)?;
+    s.synchronize().map_err(cu)?;
+    hier.check().map_err(err)?;
+    let got: Vec<f32> = s
+        .clone_dtoh(&d)
+        .map_err(cu)?
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    check("all_reduce_dyn_in_place", &got, &sum)?;
     Ok(())
 }
 

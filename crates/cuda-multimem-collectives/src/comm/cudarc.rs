@@ -1,63 +1,42 @@
-//! cudarc operands and streams (feature `cudarc`): the pointer of a cudarc slice is taken
-//! against the call's cudarc stream, so cudarc's own event tracking orders our kernels after
-//! earlier writes; its guards are held for the whole call.
+//! The cudarc-named allreduce (feature `cudarc`), kept for code written before every
+//! collective took cudarc operands: each is [`RankHandle::all_reduce`] /
+//! [`RankHandle::all_reduce_in_place`] on a [`Src::from_cudarc`] / [`Dst::from_cudarc`] of any
+//! `DevicePtr` (the operands hold cudarc's guards until the call returns).
 
-use cuda_multimem::{Result, StreamRef};
+use cuda_multimem::{IntoStream, Result};
 
 use super::RankHandle;
-use crate::call::{Call, Kind};
-use crate::operand::{check_cudarc, cudarc_operand};
+use crate::operand::{Dst, Src};
 use crate::types::{Choice, Element, ReduceOp};
 
 impl RankHandle<'_> {
-    /// Allreduce cudarc device memory (feature `cudarc`): `input` and `output` are
-    /// `CudaSlice`/`CudaView`/`CudaViewMut` of this rank's device, `stream` a cudarc stream of
-    /// it; cudarc's event tracking orders the call after earlier writes of the operands. The
-    /// caller's own memory: see [`RankHandle::all_reduce`] for what that costs.
-    pub fn all_reduce_cudarc<T>(
+    /// Allreduce cudarc device memory (feature `cudarc`): `input` and `output` are anything
+    /// cudarc reads and writes through `DevicePtr`/`DevicePtrMut` (`CudaSlice`, `CudaView`,
+    /// `CudaViewMut`) of this rank's device, `stream` a cudarc stream of it. The same as
+    /// [`RankHandle::all_reduce`], which takes cudarc slices, views and streams directly.
+    pub fn all_reduce_cudarc<T: Element>(
         &self,
         input: &impl cudarc::driver::DevicePtr<T>,
         output: &mut impl cudarc::driver::DevicePtrMut<T>,
         op: ReduceOp,
         stream: &cudarc::driver::CudaStream,
-    ) -> Result<Choice>
-    where
-        T: Element + cudarc::driver::DeviceRepr,
-    {
-        let d = &self.local.device;
-        let s = StreamRef::from_cudarc(d, stream)?;
-        check_cudarc(input, d, "input")?;
-        check_cudarc(output, d, "output")?;
-        let (ilen, olen) = (input.len(), output.len());
-        let (ip, _ri) = input.device_ptr(stream);
-        let (op_, _ro) = output.device_ptr_mut(stream);
-        let i = cudarc_operand::<T>(ip, ilen, d);
-        let o = cudarc_operand::<T>(op_, olen, d);
-        self.run(
-            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, Some(i), o),
-            s,
-        )
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let i = Src::from_cudarc(input, &on, "input")?;
+        let o = Dst::from_cudarc(output, &on, "output")?;
+        self.all_reduce(i, o, op, on.stream())
     }
 
-    /// [`RankHandle::all_reduce_cudarc`] in place.
-    pub fn all_reduce_cudarc_in_place<T>(
+    /// [`RankHandle::all_reduce_cudarc`] in place: the same as
+    /// [`RankHandle::all_reduce_in_place`].
+    pub fn all_reduce_cudarc_in_place<T: Element>(
         &self,
         buf: &mut impl cudarc::driver::DevicePtrMut<T>,
         op: ReduceOp,
         stream: &cudarc::driver::CudaStream,
-    ) -> Result<Choice>
-    where
-        T: Element + cudarc::driver::DeviceRepr,
-    {
-        let d = &self.local.device;
-        let s = StreamRef::from_cudarc(d, stream)?;
-        check_cudarc(buf, d, "buf")?;
-        let len = buf.len();
-        let (p, _r) = buf.device_ptr_mut(stream);
-        let b = cudarc_operand::<T>(p, len, d);
-        self.run(
-            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, None, b),
-            s,
-        )
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let b = Dst::from_cudarc(buf, &on, "buf")?;
+        self.all_reduce_in_place(b, op, on.stream())
     }
 }

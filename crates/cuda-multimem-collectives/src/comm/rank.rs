@@ -1,11 +1,11 @@
 //! [`RankHandle`]: every public collective of a rank, each a conversion of its borrowed views
 //! into one [`Call`] handed to the funnel (`super::funnel`).
 
-use cuda_multimem::{Device, Error, Result, StreamRef};
+use cuda_multimem::{CallStream, Device, Error, IntoStream, Result};
 
 use super::Communicator;
 use crate::call::{Arg, Call, Kind, NormArgs};
-use crate::operand::{Dst, Src};
+use crate::operand::{Dst, IntoDst, IntoSrc, Src};
 use crate::team::Local;
 use crate::types::{Choice, DType, Element, ReduceOp};
 
@@ -75,35 +75,50 @@ impl<'a> RankHandle<'a> {
     }
 
     /// Allreduce `input` into `output` with `op`, queued on `stream` (a stream of this rank's
-    /// device: our [`cuda_multimem::Stream`] as `&stream`, or any [`StreamRef`]). Operands:
-    /// symmetric buffers and views, or the caller's own memory (one-shot directly up to the
-    /// one-shot limit, above it through the scratch; see [`crate::Choice::staged_chunks`]).
-    /// Returns what ran.
+    /// device: our [`cuda_multimem::Stream`] as `&stream`, any [`cuda_multimem::StreamRef`], or
+    /// a cudarc `&CudaStream` with the feature `cudarc`). Operands: symmetric buffers and
+    /// views, or the caller's own memory (one-shot directly up to the one-shot limit, above it
+    /// through the scratch; see [`crate::Choice::staged_chunks`]) — a [`cuda_multimem::DeviceBuffer`],
+    /// a cudarc slice or view, or an engine's tensor type ([`IntoSrc`], [`IntoDst`]). What an
+    /// operand keeps alive for the call (cudarc's guards) is dropped when the call returns,
+    /// after its work is queued. Returns what ran.
     pub fn all_reduce<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let (i, o) = (input.into(), output.into());
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
         self.run(
-            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, Some(i.op), o.op),
-            stream.into(),
+            Call::collective(
+                Kind::AllReduce,
+                T::DTYPE,
+                op,
+                0,
+                Some(i.operand()),
+                o.operand(),
+            ),
+            on.stream(),
         )
     }
 
     /// Allreduce `buf` in place.
     pub fn all_reduce_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
+        buf: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let b = buf.into();
+        let on = stream.into_stream(self.device())?;
+        let b = buf.into_dst(&on, "buf")?;
         self.run(
-            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, None, b.op),
-            stream.into(),
+            Call::collective(Kind::AllReduce, T::DTYPE, op, 0, None, b.operand()),
+            on.stream(),
         )
     }
 
@@ -113,17 +128,28 @@ impl<'a> RankHandle<'a> {
     pub fn all_reduce_dyn<'s, 'd, 'x>(
         &self,
         dtype: DType,
-        input: impl Into<Src<'s, u8>>,
-        output: impl Into<Dst<'d, u8>>,
+        input: impl IntoSrc<'s, u8>,
+        output: impl IntoDst<'d, u8>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let (i, o) = (input.into(), output.into());
-        whole::<u8>(i.op.len, dtype, "input")?;
-        whole::<u8>(o.op.len, dtype, "output")?;
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
+        whole::<u8>(i.operand().len, dtype, "input")?;
+        whole::<u8>(o.operand().len, dtype, "output")?;
         self.run(
-            Call::collective(Kind::AllReduce, dtype, op, 0, Some(i.op), o.op),
-            stream.into(),
+            Call::collective(
+                Kind::AllReduce,
+                dtype,
+                op,
+                0,
+                Some(i.operand()),
+                o.operand(),
+            ),
+            on.stream(),
         )
     }
 
@@ -131,15 +157,16 @@ impl<'a> RankHandle<'a> {
     pub fn all_reduce_dyn_in_place<'d, 'x>(
         &self,
         dtype: DType,
-        buf: impl Into<Dst<'d, u8>>,
+        buf: impl IntoDst<'d, u8>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let b = buf.into();
-        whole::<u8>(b.op.len, dtype, "buf")?;
+        let on = stream.into_stream(self.device())?;
+        let b = buf.into_dst(&on, "buf")?;
+        whole::<u8>(b.operand().len, dtype, "buf")?;
         self.run(
-            Call::collective(Kind::AllReduce, dtype, op, 0, None, b.op),
-            stream.into(),
+            Call::collective(Kind::AllReduce, dtype, op, 0, None, b.operand()),
+            on.stream(),
         )
     }
 
@@ -158,15 +185,26 @@ impl<'a> RankHandle<'a> {
     /// broadcast, which move bits on either path.
     pub fn reduce_scatter<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let (i, o) = (input.into(), output.into());
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
         self.run(
-            Call::collective(Kind::ReduceScatter, T::DTYPE, op, 0, Some(i.op), o.op),
-            stream.into(),
+            Call::collective(
+                Kind::ReduceScatter,
+                T::DTYPE,
+                op,
+                0,
+                Some(i.operand()),
+                o.operand(),
+            ),
+            on.stream(),
         )
     }
 
@@ -175,14 +213,15 @@ impl<'a> RankHandle<'a> {
     /// the other chunks keep this rank's input.
     pub fn reduce_scatter_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
+        buf: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let b = buf.into();
+        let on = stream.into_stream(self.device())?;
+        let b = buf.into_dst(&on, "buf")?;
         self.run(
-            Call::collective(Kind::ReduceScatter, T::DTYPE, op, 0, None, b.op),
-            stream.into(),
+            Call::collective(Kind::ReduceScatter, T::DTYPE, op, 0, None, b.operand()),
+            on.stream(),
         )
     }
 
@@ -197,21 +236,25 @@ impl<'a> RankHandle<'a> {
     /// read of the message, no extra launches).
     pub fn all_gather<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
-        stream: impl Into<StreamRef<'x>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let (i, o) = (input.into(), output.into());
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
         self.run(
             Call::collective(
                 Kind::AllGather,
                 T::DTYPE,
                 ReduceOp::Sum,
                 0,
-                Some(i.op),
-                o.op,
+                Some(i.operand()),
+                o.operand(),
             ),
-            stream.into(),
+            on.stream(),
         )
     }
 
@@ -219,13 +262,21 @@ impl<'a> RankHandle<'a> {
     /// already in its chunk r.
     pub fn all_gather_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
-        stream: impl Into<StreamRef<'x>>,
+        buf: impl IntoDst<'d, T>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let b = buf.into();
+        let on = stream.into_stream(self.device())?;
+        let b = buf.into_dst(&on, "buf")?;
         self.run(
-            Call::collective(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, None, b.op),
-            stream.into(),
+            Call::collective(
+                Kind::AllGather,
+                T::DTYPE,
+                ReduceOp::Sum,
+                0,
+                None,
+                b.operand(),
+            ),
+            on.stream(),
         )
     }
 
@@ -234,36 +285,48 @@ impl<'a> RankHandle<'a> {
     /// [`RankHandle::all_gather`].
     pub fn broadcast<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
         root: usize,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let (i, o) = (input.into(), output.into());
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
         self.run(
             Call::collective(
                 Kind::Broadcast,
                 T::DTYPE,
                 ReduceOp::Sum,
                 root,
-                Some(i.op),
-                o.op,
+                Some(i.operand()),
+                o.operand(),
             ),
-            stream.into(),
+            on.stream(),
         )
     }
 
     /// Broadcast in place: every rank's `buf` becomes rank `root`'s.
     pub fn broadcast_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
+        buf: impl IntoDst<'d, T>,
         root: usize,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let b = buf.into();
+        let on = stream.into_stream(self.device())?;
+        let b = buf.into_dst(&on, "buf")?;
         self.run(
-            Call::collective(Kind::Broadcast, T::DTYPE, ReduceOp::Sum, root, None, b.op),
-            stream.into(),
+            Call::collective(
+                Kind::Broadcast,
+                T::DTYPE,
+                ReduceOp::Sum,
+                root,
+                None,
+                b.operand(),
+            ),
+            on.stream(),
         )
     }
 
@@ -285,24 +348,17 @@ impl<'a> RankHandle<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_add_rms_norm<'s, 'r, 'w, 'o, 'x, T: Element>(
         &self,
-        x: impl Into<Src<'s, T>>,
-        residual: impl Into<Dst<'r, T>>,
-        weight: impl Into<Src<'w, T>>,
-        out: impl Into<Dst<'o, T>>,
+        x: impl IntoSrc<'s, T>,
+        residual: impl IntoDst<'r, T>,
+        weight: impl IntoSrc<'w, T>,
+        out: impl IntoDst<'o, T>,
         hidden: usize,
         eps: f32,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<Choice> {
-        let call = norm_call::<T>(
-            Kind::Norm,
-            x.into(),
-            residual.into(),
-            weight.into(),
-            out.into(),
-            hidden,
-            eps,
-        );
-        self.run(call, stream.into())
+        let on = stream.into_stream(self.device())?;
+        let ops = NormOperands::new(x, residual, weight, out, &on)?;
+        self.run(ops.call(Kind::Norm, hidden, eps), on.stream())
     }
 
     /// The unfused baseline: residual add + RMSNorm of an already reduced `x` (what an engine
@@ -311,46 +367,63 @@ impl<'a> RankHandle<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm<'s, 'r, 'w, 'o, 'x, T: Element>(
         &self,
-        x: impl Into<Src<'s, T>>,
-        residual: impl Into<Dst<'r, T>>,
-        weight: impl Into<Src<'w, T>>,
-        out: impl Into<Dst<'o, T>>,
+        x: impl IntoSrc<'s, T>,
+        residual: impl IntoDst<'r, T>,
+        weight: impl IntoSrc<'w, T>,
+        out: impl IntoDst<'o, T>,
         hidden: usize,
         eps: f32,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
-        let call = norm_call::<T>(
-            Kind::LocalNorm,
-            x.into(),
-            residual.into(),
-            weight.into(),
-            out.into(),
-            hidden,
-            eps,
-        );
-        self.run(call, stream.into()).map(drop)
+        let on = stream.into_stream(self.device())?;
+        let ops = NormOperands::new(x, residual, weight, out, &on)?;
+        self.run(ops.call(Kind::LocalNorm, hidden, eps), on.stream())
+            .map(drop)
     }
 }
 
-/// A norm call's description.
-fn norm_call<'o, T: Element>(
-    kind: Kind,
-    x: Src<'o, T>,
-    residual: Dst<'o, T>,
-    weight: Src<'o, T>,
-    out: Dst<'o, T>,
-    hidden: usize,
-    eps: f32,
-) -> Call<'o> {
-    Call {
-        kind,
-        dtype: T::DTYPE,
-        op: ReduceOp::Sum,
-        root: 0,
-        input: Some(Arg::new(x.op, "x")),
-        output: Arg::new(out.op, "out"),
-        residual: Some(Arg::new(residual.op, "residual")),
-        weight: Some(Arg::new(weight.op, "weight")),
-        norm: Some(NormArgs { hidden, eps }),
+/// A norm call's four operands, converted for the call's stream (held until it returns).
+struct NormOperands<'g, T> {
+    x: Src<'g, T>,
+    residual: Dst<'g, T>,
+    weight: Src<'g, T>,
+    out: Dst<'g, T>,
+}
+
+impl<'g, T: Element> NormOperands<'g, T> {
+    fn new<'s, 'r, 'w, 'o>(
+        x: impl IntoSrc<'s, T>,
+        residual: impl IntoDst<'r, T>,
+        weight: impl IntoSrc<'w, T>,
+        out: impl IntoDst<'o, T>,
+        on: &CallStream<'g>,
+    ) -> Result<Self>
+    where
+        's: 'g,
+        'r: 'g,
+        'w: 'g,
+        'o: 'g,
+    {
+        Ok(NormOperands {
+            x: x.into_src(on, "x")?,
+            residual: residual.into_dst(on, "residual")?,
+            weight: weight.into_src(on, "weight")?,
+            out: out.into_dst(on, "out")?,
+        })
+    }
+
+    /// The call's description, borrowing the operands (and what they keep alive).
+    fn call(&self, kind: Kind, hidden: usize, eps: f32) -> Call<'_> {
+        Call {
+            kind,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: Some(Arg::new(self.x.operand(), "x")),
+            output: Arg::new(self.out.operand(), "out"),
+            residual: Some(Arg::new(self.residual.operand(), "residual")),
+            weight: Some(Arg::new(self.weight.operand(), "weight")),
+            norm: Some(NormArgs { hidden, eps }),
+        }
     }
 }

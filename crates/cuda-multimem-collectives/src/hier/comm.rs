@@ -1,14 +1,16 @@
 //! [`HierCommunicator`]: the hierarchical collectives, every step on the caller's stream.
 
 use cuda_multimem::sys::CUdeviceptr;
-use cuda_multimem::{Device, DeviceBuffer, DeviceRepr, Error, Result, Stream, StreamRef};
+use cuda_multimem::{
+    Device, DeviceBuffer, DeviceRepr, Error, IntoStream, Result, Stream, StreamRef,
+};
 use parking_lot::Mutex;
 
 use super::cross::CrossDomain;
 use super::layout::{HierLayout, RankOrder};
 use crate::buffer::SymmetricBuffer;
 use crate::comm::{Communicator, RankHandle};
-use crate::operand::{resolve, Dst, Operand, Owner, Place, Src};
+use crate::operand::{resolve, Dst, IntoDst, IntoSrc, Operand, Owner, Place, Src};
 use crate::types::{DType, Element, ReduceOp};
 
 // ---- the intra-domain steps ----
@@ -190,29 +192,35 @@ impl HierCommunicator {
     /// Allreduce `buf` in place across the whole team, on `stream`.
     pub fn all_reduce_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
+        buf: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let b = buf.into();
-        self.all_reduce_op(T::DTYPE, b.op, op, stream.into())
+        let on = stream.into_stream(&self.device)?;
+        let b = buf.into_dst(&on, "buf")?;
+        self.all_reduce_op(T::DTYPE, b.operand(), op, on.stream())
     }
 
     /// Allreduce `input` into `output` (same length): the input is copied into the output on
     /// `stream`, then reduced there in place.
     pub fn all_reduce<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let (i, o, s) = (input.into(), output.into(), stream.into());
+        let on = stream.into_stream(&self.device)?;
+        let (i, o, s) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+            on.stream(),
+        );
         let es = T::DTYPE.size();
-        let (i, _) = self.view(&i.op, "input", es)?;
-        let (o, _) = self.view(&o.op, "output", es)?;
+        let (i, _) = self.view(&i.operand(), "input", es)?;
+        let (o, _) = self.view(&o.operand(), "output", es)?;
         // byte views: `len` is bytes
         if i.len != o.len {
             return Err(Error::invalid(
@@ -231,20 +239,21 @@ impl HierCommunicator {
     pub fn all_reduce_dyn_in_place<'d, 'x>(
         &self,
         dtype: DType,
-        buf: impl Into<Dst<'d, u8>>,
+        buf: impl IntoDst<'d, u8>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let b = buf.into();
+        let on = stream.into_stream(&self.device)?;
+        let b = buf.into_dst(&on, "buf")?;
         // a u8 view: `len` is bytes
-        if b.op.len % dtype.size() != 0 {
+        if b.operand().len % dtype.size() != 0 {
             return Err(Error::invalid(
                 "buf",
-                format!("{} bytes; not a whole number of {dtype}", b.op.len),
+                format!("{} bytes; not a whole number of {dtype}", b.operand().len),
             ));
         }
-        self.all_reduce_op(dtype, b.op, op, stream.into())
+        self.all_reduce_op(dtype, b.operand(), op, on.stream())
     }
 
     /// Copy `i` into `o` at byte `at` (checked: lengths, devices, no partial overlap).
@@ -468,14 +477,15 @@ impl HierCommunicator {
     /// - [`RankOrder::Other`]: the hierarchical allreduce of the whole buffer.
     pub fn reduce_scatter_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
+        buf: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let (b, s) = (buf.into(), stream.into());
+        let on = stream.into_stream(&self.device)?;
+        let (b, s) = (buf.into_dst(&on, "buf")?, on.stream());
         let es = T::DTYPE.size();
-        let (bv, p) = self.view(&b.op, "buf", es)?;
+        let (bv, p) = self.view(&b.operand(), "buf", es)?;
         let c = self.chunk(&bv, es, "buf")?;
         self.check_stream(&s)?;
         let (r, l, m) = (
@@ -516,16 +526,21 @@ impl HierCommunicator {
     /// scratch (M chunks; [`RankOrder::Other`]: a copy of the whole input, allreduced).
     pub fn reduce_scatter<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
         op: ReduceOp,
-        stream: impl Into<StreamRef<'x>>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let (i, o, s) = (input.into(), output.into(), stream.into());
+        let on = stream.into_stream(&self.device)?;
+        let (i, o, s) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+            on.stream(),
+        );
         let es = T::DTYPE.size();
-        let (iv, ip) = self.view(&i.op, "input", es)?;
-        let (ov, op_) = self.view(&o.op, "output", es)?;
+        let (iv, ip) = self.view(&i.operand(), "input", es)?;
+        let (ov, op_) = self.view(&o.operand(), "output", es)?;
         let c = self.chunk(&iv, es, "input")?;
         // byte views: `len` is bytes
         if ov.len != c {
@@ -584,13 +599,14 @@ impl HierCommunicator {
     ///   allreduce (sum) of the whole buffer (a -0.0 comes back as +0.0).
     pub fn all_gather_in_place<'d, 'x, T: Element>(
         &self,
-        buf: impl Into<Dst<'d, T>>,
-        stream: impl Into<StreamRef<'x>>,
+        buf: impl IntoDst<'d, T>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let (b, s) = (buf.into(), stream.into());
+        let on = stream.into_stream(&self.device)?;
+        let (b, s) = (buf.into_dst(&on, "buf")?, on.stream());
         let es = T::DTYPE.size();
-        let (bv, p) = self.view(&b.op, "buf", es)?;
+        let (bv, p) = self.view(&b.operand(), "buf", es)?;
         let c = self.chunk(&bv, es, "buf")?;
         self.check_stream(&s)?;
         let (r, l) = (self.layout.rank(), self.layout.local_index());
@@ -647,15 +663,20 @@ impl HierCommunicator {
     /// the output, then [`HierCommunicator::all_gather_in_place`].
     pub fn all_gather<'s, 'd, 'x, T: Element>(
         &self,
-        input: impl Into<Src<'s, T>>,
-        output: impl Into<Dst<'d, T>>,
-        stream: impl Into<StreamRef<'x>>,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
+        stream: impl IntoStream<'x>,
     ) -> Result<()> {
         let _serial = self.calls.lock();
-        let (i, o, s) = (input.into(), output.into(), stream.into());
+        let on = stream.into_stream(&self.device)?;
+        let (i, o, s) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+            on.stream(),
+        );
         let es = T::DTYPE.size();
-        let (iv, _) = self.view(&i.op, "input", es)?;
-        let (ov, _) = self.view(&o.op, "output", es)?;
+        let (iv, _) = self.view(&i.operand(), "input", es)?;
+        let (ov, _) = self.view(&o.operand(), "output", es)?;
         let c = self.chunk(&ov, es, "output")?;
         // byte views: `len` is bytes
         if iv.len != c {

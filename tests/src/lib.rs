@@ -262,9 +262,14 @@ pub fn team_on(
     config: cuda_multimem_collectives::CommConfig,
     policy: cuda_multimem_collectives::MulticastPolicy,
 ) -> (Communicator, Vec<cuda_multimem::Stream>) {
+    let repeats = devices
+        .iter()
+        .enumerate()
+        .any(|(i, d)| devices[..i].contains(d));
     let comm = Communicator::builder(devices)
         .config(generous(config))
         .multicast(policy)
+        .allow_shared_devices(repeats)
         .build()
         .unwrap_or_else(|e| panic!("a team of {} devices builds: {e}", devices.len()));
     let s = devices
@@ -272,6 +277,22 @@ pub fn team_on(
         .map(|d| cuda_multimem::Stream::new(d).expect("a stream"))
         .collect();
     (comm, s)
+}
+
+/// `n` ranks placed round-robin on the devices of `e` (rank r on device r mod G), so a team of
+/// any size runs on any machine — several ranks sharing a GPU where it has fewer (the real
+/// kernels of a team of 8 on one GPU). Where the devices cannot all reach each other, every rank
+/// goes to device 0.
+pub fn placed(e: &Env, n: usize) -> Vec<cuda_multimem::Device> {
+    let mut d = e.driver.devices();
+    let peers = d
+        .iter()
+        .skip(1)
+        .all(|p| d[0].can_access_peer(p).unwrap_or(false));
+    if !peers {
+        d.truncate(1);
+    }
+    (0..n).map(|r| d[r % d.len()].clone()).collect()
 }
 
 /// The barrier timeout of the suite's teams where a test leaves `CommConfig::timeout` at its

@@ -148,5 +148,6 @@ mod hostile_buffers;
 mod hostile_collectives;
 mod multimem;
 mod norm;
+mod shared;
 mod smoke;
 mod table;

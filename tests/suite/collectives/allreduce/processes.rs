@@ -63,7 +63,12 @@ fn mp_input(call: usize, rank: usize, dtype: DType, count: usize) -> Vec<u8> {
 fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String> {
     use cuda_multimem_collectives::UnixBootstrap;
     let e = mp_driver();
-    let device = e.driver.device(rank).map_err(|x| x.to_string())?;
+    // "shared-*": both processes on device 0 (with and without the builder's opt-in)
+    let shared = mode.starts_with("shared");
+    let device = e
+        .driver
+        .device(if shared { 0 } else { rank })
+        .map_err(|x| x.to_string())?;
     let boot =
         UnixBootstrap::new(path, rank, 2, Duration::from_secs(30)).map_err(|x| x.to_string())?;
     if mode == "die-in-rendezvous" && rank == 1 {
@@ -71,6 +76,7 @@ fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String
     }
     let comm = Communicator::builder_with_bootstrap(&device, Box::new(boot))
         .config(mp_config(mode))
+        .allow_shared_devices(mode == "shared-device")
         .build()
         .map_err(|x| format!("rank {rank}: communicator: {x}"))?;
     let mut buf = comm.alloc::<u8>(2 << 20).map_err(|x| x.to_string())?;
@@ -281,6 +287,67 @@ fn a_team_of_two_processes_allreduces_over_a_unix_socket_rendezvous() {
         String::from_utf8_lossy(&out.stdout)
     );
     mine.unwrap();
+}
+
+/// Two processes on one GPU (POSIX-fd handles of one device imported by the other process),
+/// with the builder's opt-in: every collective of the two-process test against its host
+/// reference.
+#[test]
+fn a_team_of_two_processes_on_one_gpu_runs_every_collective() {
+    let e = mp_driver();
+    if !e
+        .driver
+        .device(0)
+        .unwrap()
+        .supports_posix_fd_handle()
+        .unwrap_or(false)
+    {
+        return skip("two_processes_one_gpu", "needs POSIX-fd VMM handles");
+    }
+    drop(e);
+    let path = rendezvous_path("shared");
+    let child = spawn_child(&path, "shared-device");
+    let mine = mp_rank(0, &path, "shared-device");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "child rank failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    mine.unwrap();
+}
+
+/// Without the opt-in, two processes on one GPU are refused on both ranks, naming the device
+/// and the builder's setting (every rank sees every rank's device key).
+#[test]
+fn two_processes_on_one_gpu_are_refused_without_the_opt_in() {
+    let e = mp_driver();
+    if !e
+        .driver
+        .device(0)
+        .unwrap()
+        .supports_posix_fd_handle()
+        .unwrap_or(false)
+    {
+        return skip(
+            "two_processes_one_gpu_refused",
+            "needs POSIX-fd VMM handles",
+        );
+    }
+    drop(e);
+    let path = rendezvous_path("shared-refused");
+    let child = spawn_child(&path, "shared-refused");
+    let mine = mp_rank(0, &path, "shared-refused").unwrap_err();
+    let out = child.wait_with_output().unwrap();
+    assert!(mine.contains("allow_shared_devices"), "{mine}");
+    assert!(!out.status.success(), "the child's build was not refused");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("allow_shared_devices")
+            || String::from_utf8_lossy(&out.stdout).contains("allow_shared_devices"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

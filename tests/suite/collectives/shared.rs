@@ -157,6 +157,43 @@ fn ranks_share_a_device_only_when_the_builder_allows_it() {
     assert!(always.is_err());
 }
 
+/// Ranks sharing a device keep to one stream each (each needs a hardware queue of its own, see
+/// `allow_shared_devices`): the copy-engine forms, which fork each rank onto a second stream,
+/// are not chosen for such teams however large the gather.
+#[test]
+fn ranks_sharing_a_device_keep_to_one_stream_each() {
+    let config = CommConfig {
+        gather_ce_min_bytes: 1 << 10,
+        broadcast_ce_min_bytes: 1 << 10,
+        gather_ll_max_bytes: 0,
+        broadcast_ll_max_bytes: 0,
+        ..CommConfig::default()
+    };
+    let algorithms = |devices: &[Device]| {
+        let (comm, s) = team_on(devices, config.clone(), MulticastPolicy::Never);
+        let (n, count) = (devices.len(), 64usize << 10);
+        let input = comm.alloc::<f32>(count).unwrap();
+        let mut gathered = comm.alloc::<f32>(n * count).unwrap();
+        let mut out = comm.alloc::<f32>(count).unwrap();
+        let mut algs = Vec::new();
+        for (r, st) in s.iter().enumerate() {
+            let h = comm.rank(r).unwrap();
+            algs.push(h.all_gather(&input, &mut gathered, st).unwrap().algorithm);
+            algs.push(h.broadcast(&input, &mut out, 0, st).unwrap().algorithm);
+        }
+        cuda_multimem_tests::sync_all(&s);
+        comm.check().unwrap();
+        algs
+    };
+    let copy_engine = cuda_multimem_collectives::Algorithm::CopyEngine;
+    let shared = algorithms(&placed(&sim(SimConfig::new(1, 13050)), 4));
+    assert!(!shared.contains(&copy_engine), "{shared:?}");
+    // the same calls on a device per rank do take the copy engines
+    let two = sim(SimConfig::new(2, 13050));
+    let own = algorithms(&placed(&two, 2));
+    assert!(own.iter().all(|a| *a == copy_engine), "{own:?}");
+}
+
 fn replays<T: Elem>(devices: &[Device], seed: u64) {
     let (comm, s) = team_on(devices, forms_config(true), MulticastPolicy::Never);
     let mut rng = Rng::new(seed);

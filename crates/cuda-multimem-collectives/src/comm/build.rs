@@ -64,9 +64,14 @@ impl CommunicatorBuilder {
     /// of 8 ranks tested on one GPU — with each rank's grid capped to its share of the device
     /// (the kernels' occupancy, `cuOccupancyMaxActiveBlocksPerMultiprocessor`, over the ranks
     /// on the busiest device), so that every rank's spin-waiting blocks are resident at once.
-    /// The multimem path is off (multicast needs a device per rank). Timings of such teams
-    /// say nothing about a team of distinct GPUs. Every rank of a team across processes passes
-    /// the same setting.
+    /// The multimem path is off (multicast needs a device per rank), and so are the copy-engine
+    /// all-gather and broadcast (they fork each rank onto a second stream). Within one process
+    /// every rank's stream needs a hardware queue of its own: the driver gives a context
+    /// `CUDA_DEVICE_MAX_CONNECTIONS` queues (8 unless set before the process's first CUDA call,
+    /// at most 32) and deals them to streams in the order they are created, so create the
+    /// ranks' streams one after the other; a team with more ranks of this process on one device
+    /// than queues is refused, naming the variable. Timings of such teams say nothing about a
+    /// team of distinct GPUs. Every rank of a team across processes passes the same setting.
     pub fn allow_shared_devices(mut self, allow: bool) -> Self {
         self.shared = allow;
         self
@@ -187,6 +192,7 @@ fn build_local(
     check_devices(&devices, shared)?;
     let keys: Vec<u64> = devices.iter().map(|d| d.ordinal() as u64).collect();
     let (per_device, _) = busiest(&keys);
+    check_queues(per_device, hardware_queues())?;
     let mut fewest = u32::MAX;
     let mut locals = Vec::new();
     for (rank, d) in devices.iter().enumerate() {
@@ -302,6 +308,32 @@ fn build_process(
     )))
 }
 
+/// The hardware work queues the driver gives each context, which its streams share in the
+/// order they are created: `CUDA_DEVICE_MAX_CONNECTIONS` (read by the driver when it creates the
+/// context; 8 unless set, clamped to the driver's 1 to 32). Two ranks whose streams share a queue
+/// run one after the other even when one's kernel waits for the other's, so ranks sharing a device
+/// within one process need a queue each (and use one stream each: no copy-engine lane, see the
+/// planner).
+pub(crate) fn hardware_queues() -> usize {
+    std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map_or(8, |v| v.clamp(1, 32))
+}
+
+/// Ranks of this process on one device, `per_device`, need a hardware queue each.
+fn check_queues(per_device: usize, queues: usize) -> Result<()> {
+    if per_device <= queues {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "devices",
+        format!(
+            "{per_device} ranks of this process on one device, more than its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set, at most 32): ranks whose streams share a queue would wait for each other's kernels forever; set CUDA_DEVICE_MAX_CONNECTIONS before the process's first CUDA call, or place fewer ranks on the device"
+        ),
+    ))
+}
+
 fn communicator(inner: Inner) -> Communicator {
     Communicator {
         inner: Arc::new(inner),
@@ -332,6 +364,7 @@ impl Inner {
             policy,
             block_cap: caps.blocks,
             cluster_cap: caps.clusters,
+            shared: caps.blocks != u32::MAX,
         };
         Inner {
             id,
@@ -399,4 +432,23 @@ fn co_residency(
         blocks: block_cap,
         clusters: (clusters as u64 / per) as u32,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_on_one_device_need_a_hardware_queue_each() {
+        assert!(check_queues(1, 1).is_ok());
+        assert!(check_queues(8, 8).is_ok());
+        match check_queues(9, 8) {
+            Err(Error::InvalidArgument { arg, reason }) => {
+                assert_eq!(arg, "devices");
+                assert!(reason.contains("CUDA_DEVICE_MAX_CONNECTIONS"), "{reason}");
+                assert!(reason.contains("9 ranks"), "{reason}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
 }

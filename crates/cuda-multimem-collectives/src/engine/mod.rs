@@ -38,4 +38,7 @@ pub(crate) struct TeamFacts {
     pub(crate) block_cap: u32,
     /// Most thread-block clusters of one launch (the fused norm's split forms), likewise.
     pub(crate) cluster_cap: u32,
+    /// Ranks share devices: every rank keeps to one stream (the copy-engine forms, which fork
+    /// each rank onto a second stream, are not chosen).
+    pub(crate) shared: bool,
 }

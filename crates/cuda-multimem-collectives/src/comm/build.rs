@@ -64,9 +64,9 @@ impl CommunicatorBuilder {
     /// of 8 ranks tested on one GPU — with each rank's grid capped to its share of the device
     /// (the kernels' occupancy, `cuOccupancyMaxActiveBlocksPerMultiprocessor`, over the ranks
     /// on the busiest device), so that every rank's spin-waiting blocks are resident at once.
-    /// The multimem path is off (multicast needs a device per rank), and so are the copy-engine
-    /// all-gather and broadcast (they fork each rank onto a second stream). Within one process
-    /// every rank's stream needs a hardware queue of its own: the driver gives a context
+    /// The multimem path is off (multicast needs a device per rank), and within one process so
+    /// are the copy-engine all-gather and broadcast (they fork each rank onto a second stream):
+    /// there every rank's stream needs a hardware queue of its own: the driver gives a context
     /// `CUDA_DEVICE_MAX_CONNECTIONS` queues (8 unless set before the process's first CUDA call,
     /// at most 32) and deals them to streams in the order they are created, so create the
     /// ranks' streams one after the other; a team with more ranks of this process on one device
@@ -201,7 +201,8 @@ fn build_local(
     }
     let ranks = Ranks::new(n, locals, None);
     let p2p = P2p::new(id, &ranks, &config)?;
-    let caps = co_residency(&p2p, &config, per_device, fewest, None)?;
+    let mut caps = co_residency(&p2p, &config, per_device, fewest, None)?;
+    caps.one_stream = per_device > 1;
     let (mm, mm_status) = match policy {
         _ if per_device > 1 && policy == MulticastPolicy::Always => {
             return Err(Error::invalid(
@@ -364,7 +365,7 @@ impl Inner {
             policy,
             block_cap: caps.blocks,
             cluster_cap: caps.clusters,
-            shared: caps.blocks != u32::MAX,
+            shared: caps.one_stream,
         };
         Inner {
             id,
@@ -388,6 +389,9 @@ struct Caps {
     blocks: u32,
     /// Thread-block clusters per launch (the fused norm's split forms).
     clusters: u32,
+    /// Ranks of this process share a device, so each keeps to one stream (one hardware queue
+    /// each; processes sharing a GPU have queues of their own).
+    one_stream: bool,
 }
 
 /// Each rank's share of the busiest device, `per_device` ranks on it: the fewest blocks of any
@@ -406,6 +410,7 @@ fn co_residency(
         return Ok(Caps {
             blocks: u32::MAX,
             clusters: u32::MAX,
+            one_stream: false,
         });
     }
     let (mut blocks, mut clusters) = p2p.occupancy(config)?;
@@ -431,6 +436,7 @@ fn co_residency(
     Ok(Caps {
         blocks: block_cap,
         clusters: (clusters as u64 / per) as u32,
+        one_stream: false,
     })
 }
 

@@ -38,7 +38,8 @@ pub(crate) struct TeamFacts {
     pub(crate) block_cap: u32,
     /// Most thread-block clusters of one launch (the fused norm's split forms), likewise.
     pub(crate) cluster_cap: u32,
-    /// Ranks share devices: every rank keeps to one stream (the copy-engine forms, which fork
-    /// each rank onto a second stream, are not chosen).
+    /// Ranks of one process share a device: every rank keeps to one stream (the copy-engine
+    /// forms, which fork each rank onto a second stream, are not chosen), since they share the
+    /// context's hardware queues. Processes sharing a GPU have contexts and queues of their own.
     pub(crate) shared: bool,
 }

@@ -504,9 +504,9 @@ fn gather(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
     };
     let ll = total <= ll_max && ll_words(chunk as u64).saturating_mul(8) <= t.ll_slot as u64;
     // copy engines: all-gathers and broadcasts of large buffers into a symmetric output (an
-    // empty call queues nothing, whatever the form); not where ranks share devices, since the
-    // form forks each rank onto a second stream, and ranks sharing a device need a hardware
-    // queue per stream (on one device the kernel forms move the same bytes anyway)
+    // empty call queues nothing, whatever the form); not where ranks of this process share devices,
+    // since the form forks each rank onto a second stream, and ranks sharing a context need a
+    // hardware queue per stream (on one device the kernel forms move the same bytes anyway)
     let ce_min = match coll {
         Collective::AllGather => Some(c.gather_ce_min_bytes),
         Collective::Broadcast => Some(c.broadcast_ce_min_bytes),

@@ -15,8 +15,8 @@ use cuda_multimem_collectives::kernels::{
 use cuda_multimem_collectives::DType;
 
 use super::{
-    barrier, epilogue, epilogue_to, parity_slots, sig_spin, strided, strided_by, Addr, Flavor,
-    BLOCK_RANGE, IDS, REGS,
+    barrier, epilogue, epilogue_to, ll_barrier_peek, ll_flag, ll_mismatch, ll_report, parity_slots,
+    sig_spin, strided, strided_by, Addr, Flavor, BLOCK_RANGE, IDS, REGS,
 };
 
 const HEADER: &str = "//
@@ -697,7 +697,8 @@ fn ll_store(f: &Flavor, label: &str, base: &str, reg: &str) -> String {
 }
 
 /// Poll the 8-byte cell at %rd26 until its flag (high half) is this call's (%rd17), bounded by
-/// the timeout (then `ERR_TIMEOUT`), or until the error word is set; its word into %r30.
+/// the timeout (then `ERR_TIMEOUT`), or until the error word is set or the cell shows that its
+/// sender called with another shape (then `ERR_MISMATCH`, [`ll_mismatch`]); its word into %r30.
 fn ll_poll(label: &str) -> String {
     format!(
         r#"	mov.u64 %rd45, %globaltimer;
@@ -706,17 +707,20 @@ $L_{label}_spin:
 	and.b64 %rd47, %rd46, -4294967296;
 	setp.eq.u64 %p11, %rd47, %rd17;
 	@%p11 bra $L_{label}_got;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+{mismatch}	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
 	setp.ne.u32 %p12, %r44, 0;
 	@%p12 bra $L_{label}_got;
 	mov.u64 %rd48, %globaltimer;
 	sub.u64 %rd48, %rd48, %rd45;
-	setp.lt.u64 %p13, %rd48, %rd8;
+{peek}	setp.lt.u64 %p13, %rd48, %rd8;
 	@%p13 bra $L_{label}_spin;
 	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
-$L_{label}_got:
+{report}$L_{label}_got:
 	cvt.u32.u64 %r30, %rd46;
-"#
+"#,
+        mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p20", "%p23"),
+        peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p20", "%p23"),
+        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p20")
     )
 }
 
@@ -757,7 +761,7 @@ fn chunk_k(base: &str) -> String {
 /// B bytes is W = ceil(B / 4) words, split over the blocks as the low-latency allreduce does
 /// (block b: words [b·per, (b+1)·per), per = ceil(W / G)); word w of a sender's data travels as
 /// `(flag << 32) | word` to offset 8w of slot `[parity][sender]` of the receiver's low-latency
-/// staging, flag = (c + 1) ^ (the call header folded to 32 bits), parity = (c >> 1) & 1; each
+/// staging, the flag this call's counter and shape ([`ll_flag`]), parity = (c >> 1) & 1; each
 /// receiver polls its slots until every word carries this call's flag. No barrier; counters
 /// c + 2.
 /// * reduce-scatter: chunk k of my input to rank k; I reduce my own chunk (from my input) and
@@ -839,22 +843,15 @@ fn ll_kernel(c: Collective, f: &Flavor) -> String {
 	min.u64 %rd11, %rd11, %rd10;
 	add.u64 %rd12, %rd11, %rd14;
 	min.u64 %rd12, %rd12, %rd10;
-	// flag = (c + 1) ^ fold(sig): this call's counter and shape (collective, root, count,
-	// type, operator), in the high half of every 8-byte cell (rd17)
-	add.u32 %r12, %r7, 1;
-	cvt.u32.u64 %r17, %rd7;
-	shr.b64 %rd18, %rd7, 32;
-	cvt.u32.u64 %r18, %rd18;
-	xor.b32 %r17, %r17, %r18;
-	xor.b32 %r12, %r12, %r17;
-	cvt.u64.u32 %rd17, %r12;
-	shl.b64 %rd17, %rd17, 32;
-{slots}	// root (r23); this rank is the root (p8)
+	// the flag of this call's counter and shape (collective, root, count, type, operator), in
+	// the high half of every 8-byte cell (rd17)
+{flag}{slots}	// root (r23); this rank is the root (p8)
 	cvt.u32.u64 %r23, %rd6;
 	setp.eq.u32 %p8, %r5, %r23;
 	// my own chunk (rd62)
 	cvt.u64.u32 %rd36, %r5;
 {own}{in_place}"#,
+        flag = ll_flag("%rd17"),
         slots = parity_slots(OFF_LL_SLOT, OFF_LL_STAGES),
     );
     let send = Addr::Table("%rd34", "%rd31").of_rank();

@@ -212,7 +212,7 @@ fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
 pub(crate) const REGS: &str = "\t.reg .pred %p<24>;
 \t.reg .b16 %h<4>;
 \t.reg .b32 %r<64>;
-\t.reg .b64 %rd<80>;
+\t.reg .b64 %rd<84>;
 \t.reg .f32 %f<24>;
 ";
 
@@ -697,12 +697,100 @@ fn two_shot(f: &Flavor) -> String {
     s
 }
 
+/// The low-latency flag of this call into the high word of `dst` (64-bit): bits 31..16 of the
+/// flag this call's counter, `0x8000 | ((c + 1) & 0x7fff)` (never 0: a cell nobody wrote is 0),
+/// bits 15..0 the call header (%rd7) folded to 16 bits — as `kernels::ll_flag` on the host.
+/// Uses %r12, %r17, %r18, %rd18.
+pub(crate) fn ll_flag(dst: &str) -> String {
+    format!(
+        "\t// flag: this call's counter (bits 31..16) and its header folded to 16 bits (15..0)
+\tadd.u32 %r12, %r7, 1;
+\tand.b32 %r12, %r12, 32767;
+\tor.b32 %r12, %r12, 32768;
+\tshl.b32 %r12, %r12, 16;
+\tcvt.u32.u64 %r17, %rd7;
+\tshr.b64 %rd18, %rd7, 32;
+\tcvt.u32.u64 %r18, %rd18;
+\txor.b32 %r17, %r17, %r18;
+\tshr.b32 %r18, %r17, 16;
+\txor.b32 %r17, %r17, %r18;
+\tand.b32 %r17, %r17, 65535;
+\tor.b32 %r12, %r12, %r17;
+\tcvt.u64.u32 {dst}, %r12;
+\tshl.b64 {dst}, {dst}, 32;
+"
+    )
+}
+
+/// A polled low-latency cell (`cell`, 64-bit, its flag in the high word) that is not this
+/// call's (`flag`, high word) but carries this call's counter: its sender called with another
+/// shape (size, type, operator, collective, root, norm shape, operands) — to `{l}_mm`
+/// ([`ll_report`]). As `kernels::ll_disagrees` on the host. Uses %rd80; `pa`, `pb` scratch.
+pub(crate) fn ll_mismatch(l: &str, cell: &str, flag: &str, pa: &str, pb: &str) -> String {
+    format!(
+        "\tand.b64 %rd80, {cell}, -4294967296;
+\txor.b64 %rd80, %rd80, {flag};
+\tsetp.ne.u64 {pa}, %rd80, 0;
+\tshr.u64 %rd80, %rd80, 48;
+\tsetp.eq.and.u64 {pb}, %rd80, 0, {pa};
+\t@{pb} bra {l}_mm;
+"
+    )
+}
+
+/// A low-latency poll that has waited `elapsed` (u64 ns) past `LL_PEEK_NS`: a peer whose
+/// block 0 signalled this rank's first barrier slot at this call's first barrier value (c + 1)
+/// is in a barrier kernel at this call — it called another collective or size — to `{l}_mm`
+/// ([`ll_report`]). As the simulator's `ll_poll`. Uses %r44, %r45, %r46, %rd80; `pa`, `pb`
+/// scratch.
+pub(crate) fn ll_barrier_peek(l: &str, elapsed: &str, pa: &str, pb: &str) -> String {
+    format!(
+        "\tsetp.lt.u64 {pa}, {elapsed}, {LL_PEEK_NS};
+\t@{pa} bra {l}_nopeek;
+\tadd.u32 %r46, %r7, 1;
+\tmov.u32 %r44, 0;
+{l}_peek:
+\tmul.wide.u32 %rd80, %r44, 4;
+\tadd.u64 %rd80, %rd1, %rd80;
+\tld.relaxed.sys.global.u32 %r45, [%rd80+{OFF_SIG}];
+\tsetp.eq.u32 {pb}, %r45, %r46;
+\t@{pb} bra {l}_mm;
+\tadd.u32 %r44, %r44, 1;
+\tsetp.lt.u32 {pa}, %r44, %r6;
+\t@{pa} bra {l}_peek;
+{l}_nopeek:
+"
+    )
+}
+
+/// The end of a low-latency poll's wait (placed after its timeout, before `got`): a poll that
+/// found a disagreement (`{l}_mm`) sets `ERR_MISMATCH` in the error word of every rank (its
+/// own and its peers', which end their waits at it, so every rank reports the disagreement
+/// and none waits for the timeout) and ends at `got`. Uses %r44, %r46, %rd80; `pa` scratch.
+pub(crate) fn ll_report(l: &str, got: &str, pa: &str) -> String {
+    format!(
+        "\tbra.uni {got};
+{l}_mm:
+\tmov.u32 %r44, 0;
+{l}_mmk:
+\tmul.wide.u32 %rd80, %r44, 8;
+\tadd.u64 %rd80, %rd1, %rd80;
+\tld.global.u64 %rd80, [%rd80+{OFF_PADS}];
+\tatom.relaxed.sys.global.cas.b32 %r46, [%rd80+{OFF_ERR}], 0, {ERR_MISMATCH};
+\tadd.u32 %r44, %r44, 1;
+\tsetp.lt.u32 {pa}, %r44, %r6;
+\t@{pa} bra {l}_mmk;
+"
+    )
+}
+
 /// Low-latency one-shot. Needs 4-byte aligned input and output and a message of whole 4-byte
 /// words (the host checks). Word w of rank s's input travels as `(flag << 32) | word` to slot
-/// `[parity][s]` of every rank's low-latency staging, flag = (c + 1) ^ (the call header folded
-/// to 32 bits); each rank polls its own slots until every word carries this call's flag,
-/// reduces and stores. A rank that called with another shape writes other flags: the others
-/// time out (reported), they never take its data.
+/// `[parity][s]` of every rank's low-latency staging, the flag this call's counter and shape
+/// ([`ll_flag`]); each rank polls its own slots until every word carries this call's flag,
+/// reduces and stores. A rank that called with another shape writes flags of the same counter
+/// and another shape: the others take none of its data and report the disagreement
+/// ([`ll_mismatch`]) at once.
 fn one_shot_ll(f: &Flavor) -> String {
     let name = Kernel::P2pOneShotLl.entry(f.dtype, f.op);
     let mut s = prologue(&name, f);
@@ -717,17 +805,9 @@ fn one_shot_ll(f: &Flavor) -> String {
 	min.u64 %rd11, %rd11, %rd10;
 	add.u64 %rd12, %rd11, %rd14;
 	min.u64 %rd12, %rd12, %rd10;
-	// flag = (c + 1) ^ fold(sig): this call's counter and shape; parity = (c >> 1) & 1
-	add.u32 %r12, %r7, 1;
-	cvt.u32.u64 %r17, %rd7;
-	shr.b64 %rd18, %rd7, 32;
-	cvt.u32.u64 %r18, %rd18;
-	xor.b32 %r17, %r17, %r18;
-	xor.b32 %r12, %r12, %r17;
-	cvt.u64.u32 %rd17, %r12;
-	shl.b64 %rd17, %rd17, 32;
-{slots}"#,
+{flag}{slots}"#,
         es = f.es_log2(),
+        flag = ll_flag("%rd17"),
         slots = parity_slots(OFF_LL_SLOT, OFF_LL_STAGES),
     );
     // send: word w -> 8-byte (flag, word) at offset 8w of my slot on every rank
@@ -786,17 +866,20 @@ $L_{label}_spin:
 	and.b64 %rd47, %rd46, -4294967296;
 	setp.eq.u64 %p11, %rd47, %rd17;
 	@%p11 bra $L_{label}_got;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+{mismatch}	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
 	setp.ne.u32 %p12, %r44, 0;
 	@%p12 bra $L_{label}_got;
 	mov.u64 %rd48, %globaltimer;
 	sub.u64 %rd48, %rd48, %rd45;
-	setp.lt.u64 %p13, %rd48, %rd8;
+{peek}	setp.lt.u64 %p13, %rd48, %rd8;
 	@%p13 bra $L_{label}_spin;
 	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
-$L_{label}_got:
+{report}$L_{label}_got:
 	cvt.u32.u64 %r31, %rd46;
-"#
+"#,
+            mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p22", "%p23"),
+            peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p22", "%p23"),
+            report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p22")
         )
     };
     let mine = Addr::Stride("%rd33", "%rd30");

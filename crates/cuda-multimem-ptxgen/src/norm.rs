@@ -11,7 +11,8 @@ use cuda_multimem_collectives::kernels::{
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
 use super::{
-    barrier, epilogue_to, parity_slots, reduce_over_ranks, store_loop, strided, Addr, Flavor,
+    barrier, epilogue_to, ll_barrier_peek, ll_flag, ll_mismatch, ll_report, parity_slots,
+    reduce_over_ranks, store_loop, strided, Addr, Flavor,
 };
 
 const HEADER: &str = "//
@@ -35,7 +36,7 @@ const HEADER: &str = "//
 const REGS: &str = "\t.reg .pred %p<32>;
 \t.reg .b16 %h<4>;
 \t.reg .b32 %r<64>;
-\t.reg .b64 %rd<80>;
+\t.reg .b64 %rd<84>;
 \t.reg .f32 %f<48>;
 ";
 
@@ -539,8 +540,9 @@ fn pass2(label: &str, f: &Flavor, push: Option<(&str, &str)>) -> String {
 
 /// Poll the (flag, word) pairs at %rd26 (`pairs`: 1, or 4 for a 16-byte unit as two 16-byte
 /// loads) until every flag is this call's (%rd70: the flag in the high word), into %rd71..;
-/// gives up when the error word is set, and sets `ERR_TIMEOUT` past the deadline (the clock is
-/// read only once a first poll failed).
+/// gives up when the error word is set, sets `ERR_MISMATCH` when the first pair shows that its
+/// sender called with another shape ([`ll_mismatch`]), and `ERR_TIMEOUT` past the deadline (the
+/// clock is read only once a first poll failed).
 fn poll(label: &str, pairs: usize) -> String {
     let mut s = format!("\tmov.u64 %rd45, 0;\n$L_{label}_spin:\n");
     if pairs == 1 {
@@ -559,18 +561,21 @@ fn poll(label: &str, pairs: usize) -> String {
     }
     s += &format!(
         r#"	@%p11 bra $L_{label}_got;
-	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
+{mismatch}	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
 	setp.ne.u32 %p12, %r44, 0;
 	@%p12 bra $L_{label}_got;
 	mov.u64 %rd46, %globaltimer;
 	setp.eq.u64 %p13, %rd45, 0;
 	@%p13 mov.u64 %rd45, %rd46;
 	sub.u64 %rd46, %rd46, %rd45;
-	setp.lt.u64 %p13, %rd46, %rd8;
+{peek}	setp.lt.u64 %p13, %rd46, %rd8;
 	@%p13 bra $L_{label}_spin;
 	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
-$L_{label}_got:
-"#
+{report}$L_{label}_got:
+"#,
+        mismatch = ll_mismatch(&format!("$L_{label}"), "%rd71", "%rd70", "%p30", "%p31"),
+        peek = ll_barrier_peek(&format!("$L_{label}"), "%rd46", "%p30", "%p31"),
+        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p30")
     );
     s
 }
@@ -651,17 +656,10 @@ $L_{label}_kend:
 fn one_shot_ll(f: &Flavor, split: bool) -> String {
     let mut s = one_shot_prologue(NormKernel::OneShotLl, NormKernel::OneShotLlSplit, f, split);
     s += &parity_slots(OFF_LL_SLOT, OFF_LL_STAGES);
-    s += r#"	// flag = (c + 1) ^ fold(header) in the high word of rd70; a slot row is 2 * row bytes (rd65)
-	add.u32 %r12, %r7, 1;
-	cvt.u32.u64 %r17, %rd7;
-	shr.b64 %rd18, %rd7, 32;
-	cvt.u32.u64 %r18, %rd18;
-	xor.b32 %r17, %r17, %r18;
-	xor.b32 %r12, %r12, %r17;
-	cvt.u64.u32 %rd70, %r12;
-	shl.b64 %rd70, %rd70, 32;
-	shl.b64 %rd65, %rd16, 1;
+    s += r#"	// the flag in the high word of rd70; a slot row is 2 * row bytes (rd65)
 "#;
+    s += &ll_flag("%rd70");
+    s += "\tshl.b64 %rd65, %rd16, 1;\n";
     // phase A: every word of my rows of x, with the flag, into my slot of every rank
     s += "\t// ---- send: rows j = b, b + G, ... of x as (flag, word) into my slot [parity][rank] of every rank\n";
     let mut v =

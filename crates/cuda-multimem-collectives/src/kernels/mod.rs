@@ -75,6 +75,30 @@ pub const ERR_TIMEOUT: u32 = 1;
 /// A peer called with another size, type, operation or algorithm.
 pub const ERR_MISMATCH: u32 = 2;
 
+/// The low-latency flag of call counter `c` with call header `header` (the high word of every
+/// (flag, word) cell of the low-latency forms): bits 31..16 the counter, `0x8000 | ((c + 1) &
+/// 0x7fff)` (never 0, the value of a cell nobody wrote; distinct from the slot's earlier uses),
+/// bits 15..0 the header folded to 16 bits. The PTX computes the same (`ptxgen::ll_flag`).
+#[cfg_attr(not(feature = "sim"), allow(dead_code))]
+pub(crate) fn ll_flag(c: u32, header: u64) -> u32 {
+    let counter = (c.wrapping_add(1) & 0x7fff) | 0x8000;
+    let f = (header as u32) ^ ((header >> 32) as u32);
+    counter << 16 | ((f ^ (f >> 16)) & 0xffff)
+}
+
+/// Nanoseconds a low-latency poll waits before it also looks for a peer that waits in a barrier
+/// kernel of this call (a peer that called another collective or size): the check costs a load
+/// per rank, so the fast path never pays it.
+pub const LL_PEEK_NS: u64 = 50_000;
+
+/// A polled cell's flag `cell` that is not this call's `flag` but carries its counter: the
+/// sender called the same call with another shape (a disagreement, `ERR_MISMATCH`), not an
+/// earlier call whose flag is still there.
+#[cfg_attr(not(feature = "sim"), allow(dead_code))]
+pub(crate) fn ll_disagrees(cell: u32, flag: u32) -> bool {
+    cell != flag && cell >> 16 == flag >> 16
+}
+
 /// The call header the ranks compare at their first barrier: an FNV-1a-style fold of what
 /// describes the call (count, type, op, kernel, offsets, grid), top bit set so it is never 0
 /// (the value of a header slot nobody wrote).

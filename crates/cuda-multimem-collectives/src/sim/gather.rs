@@ -265,24 +265,10 @@ fn store_word(d: DType, base: usize, w: u64, whole: u64, x: u32) {
     }
 }
 
-/// Poll the 8-byte cell at `at` until its flag (high half) is `flag`'s, bounded by the timeout
-/// (then `ERR_TIMEOUT`), or until the error word is set; its word.
-fn poll(cx: &Ctx, at: usize, flag: u64) -> u32 {
-    let cell = u64_at(at);
-    let start = Instant::now();
-    loop {
-        let v = cell.load(Ordering::Relaxed);
-        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
-            return v as u32;
-        }
-        if start.elapsed() >= cx.timeout {
-            let _ = cx
-                .err()
-                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
-            return v as u32;
-        }
-        std::thread::yield_now();
-    }
+/// [`super::ll_poll`]: the word of the cell at `at` once its flag is `flag`'s (or the wait
+/// ended).
+fn poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u32 {
+    super::ll_poll(cx, at, flag, c) as u32
 }
 
 /// The low-latency forms (see the PTX `ll_kernel`): per block, its words of the chunk; the
@@ -301,11 +287,18 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
             "bad pad or root: rank {rank} of {n}, root {root}"
         )));
     }
+    // every rank's pad, whose error word a disagreement sets (see `ll_poll`)
+    let pads: Vec<usize> = (0..n)
+        .map(|t| u64_at(pad + OFF_PADS + 8 * t).load(Ordering::Relaxed) as usize)
+        .collect();
+    for &p in &pads {
+        a.check(p, PAD_BYTES, true)?;
+    }
     let cx = Ctx {
         pad,
         rank,
         n,
-        pads: Vec::new(),
+        pads,
         timeout: Duration::from_nanos(a.u64(7)?),
         sig: a.u64(6)?,
     };
@@ -337,11 +330,10 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
         Collective::Broadcast => inp == out,
     };
     let is_root = rank == root;
-    let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
     let halves = if d.size() == 4 { 1 } else { 2 };
     for b in 0..g {
         let cnt = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
-        let flag = ((cnt.wrapping_add(1) ^ fold) as u64) << 32;
+        let flag = (ll_flag(cnt, cx.sig) as u64) << 32;
         let parity = ((cnt >> 1) & 1) as usize;
         let push = |t: usize| stage(t) + (parity * n + rank) * slot;
         let mine = |k: usize| stage(rank) + (parity * n + k) * slot;
@@ -409,7 +401,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                         let x = if k == rank {
                             load_word(d, own, w, whole)
                         } else {
-                            poll(&cx, mine(k) + 8 * w as usize, flag)
+                            poll(&cx, mine(k) + 8 * w as usize, flag, cnt)
                         };
                         for (h, acc) in acc.iter_mut().enumerate().take(halves) {
                             let bits = if halves == 1 {
@@ -436,7 +428,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                 }
                 for w in lo..hi {
                     for k in (0..n).filter(|&k| k != rank) {
-                        let x = poll(&cx, mine(k) + 8 * w as usize, flag);
+                        let x = poll(&cx, mine(k) + 8 * w as usize, flag, cnt);
                         store_word(d, out + k * b_, w, whole, x);
                     }
                 }
@@ -446,7 +438,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                     cells(mine(root))?;
                     check_words(a, out, r, chunk, true)?;
                     for w in lo..hi {
-                        let x = poll(&cx, mine(root) + 8 * w as usize, flag);
+                        let x = poll(&cx, mine(root) + 8 * w as usize, flag, cnt);
                         store_word(d, out, w, whole, x);
                     }
                 }
@@ -455,7 +447,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                     // peer in every call, as in the other two (the slot-reuse argument)
                     for t in (0..n).filter(|&t| t != rank && t != root) {
                         a.check(mine(t), 8, false)?;
-                        poll(&cx, mine(t), flag);
+                        poll(&cx, mine(t), flag, cnt);
                     }
                 }
             }

@@ -475,6 +475,48 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// The PTX's poll of one low-latency (flag, word) cell at `at` of call counter `c`: until its
+/// flag (high word) is `flag`'s, the error word is set, or the deadline passes (then
+/// `ERR_TIMEOUT`); a disagreement — the cell carries this call's counter with another shape
+/// ([`ll_disagrees`]), or, past [`LL_PEEK_NS`], a peer's block 0 waits at this call's first
+/// barrier value in this rank's signal slots — sets `ERR_MISMATCH` in every rank's error word.
+/// The cell as found.
+fn ll_poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u64 {
+    let cell = u64_at(at);
+    let start = Instant::now();
+    let peek = Duration::from_nanos(LL_PEEK_NS);
+    loop {
+        let v = cell.load(Ordering::Relaxed);
+        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
+            return v;
+        }
+        let waited = start.elapsed();
+        let in_barrier = || {
+            (0..cx.n).any(|k| {
+                u32_at(cx.pad + OFF_SIG + 4 * k).load(Ordering::Relaxed) == c.wrapping_add(1)
+            })
+        };
+        if ll_disagrees((v >> 32) as u32, (flag >> 32) as u32) || (waited >= peek && in_barrier()) {
+            for &p in &cx.pads {
+                let _ = u32_at(p + OFF_ERR).compare_exchange(
+                    0,
+                    ERR_MISMATCH,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
+            return v;
+        }
+        if waited >= cx.timeout {
+            let _ = cx
+                .err()
+                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+            return v;
+        }
+        std::thread::yield_now();
+    }
+}
+
 /// The low-latency one-shot (see the PTX): 8-byte (flag, word) stores into every rank's slot,
 /// polling of the own slots until every word carries this call's flag. No barrier.
 #[allow(clippy::too_many_arguments)]
@@ -496,8 +538,7 @@ fn run_ll(
     let per_word = if d.size() == 4 { 1 } else { 2 };
     for b in 0..g {
         let c = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
-        let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
-        let flag = ((c.wrapping_add(1) ^ fold) as u64) << 32;
+        let flag = (ll_flag(c, cx.sig) as u64) << 32;
         let parity = ((c >> 1) & 1) as usize;
         let (lo, hi) = ((b * per).min(words), ((b + 1) * per).min(words));
         if hi > lo {
@@ -527,24 +568,7 @@ fn run_ll(
             for w in lo..hi {
                 let mut acc = [0f32; 2];
                 for (k, m) in mine.iter().enumerate() {
-                    let cell = u64_at(m + 8 * w as usize);
-                    let start = Instant::now();
-                    let v = loop {
-                        let v = cell.load(Ordering::Relaxed);
-                        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
-                            break v;
-                        }
-                        if start.elapsed() >= cx.timeout {
-                            let _ = cx.err().compare_exchange(
-                                0,
-                                ERR_TIMEOUT,
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                            );
-                            break v;
-                        }
-                        std::thread::yield_now();
-                    };
+                    let v = ll_poll(cx, m + 8 * w as usize, flag, c);
                     let word = v as u32;
                     for (h, acc) in acc.iter_mut().enumerate().take(per_word) {
                         let bits = if per_word == 1 {

@@ -275,8 +275,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                 let (b, g) = (b / row_blocks, g_rows);
                 // send every word of my rows as (flag, word) into my slot of every rank, then
                 // poll my slots row by row: no barrier
-                let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
-                let flag = ((c.wrapping_add(1) ^ fold) as u64) << 32;
+                let flag = (ll_flag(c, cx.sig) as u64) << 32;
                 let lrb = ll_row_bytes(rb as u64) as usize;
                 let words = rb / 4;
                 for j in (b..rows).step_by(g) {
@@ -301,7 +300,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                         a.check(src, lrb, false)?;
                         got.push(
                             (0..words)
-                                .map(|i| poll(&cx, src + 8 * i, flag))
+                                .map(|i| poll(&cx, src + 8 * i, flag, c))
                                 .collect::<Vec<u32>>(),
                         );
                     }
@@ -315,24 +314,10 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The PTX's poll of one (flag, word) pair: until its flag is `flag` (the high word), the
-/// error word is set, or the deadline passes (then `ERR_TIMEOUT`). The word as found.
-fn poll(cx: &Ctx, at: usize, flag: u64) -> u32 {
-    let cell = u64_at(at);
-    let start = std::time::Instant::now();
-    loop {
-        let v = cell.load(Ordering::Relaxed);
-        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
-            return v as u32;
-        }
-        if start.elapsed() >= cx.timeout {
-            let _ = cx
-                .err()
-                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
-            return v as u32;
-        }
-        std::thread::yield_now();
-    }
+/// [`super::ll_poll`]: the word of the cell at `at` once its flag is `flag`'s (or the wait
+/// ended).
+fn poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u32 {
+    super::ll_poll(cx, at, flag, c) as u32
 }
 
 fn run_unfused(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {

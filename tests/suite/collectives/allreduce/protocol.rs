@@ -212,17 +212,47 @@ fn after_a_disagreement_the_team_refuses_further_calls() {
 }
 
 #[test]
-fn small_calls_that_disagree_are_reported_as_a_peer_that_did_not_arrive() {
-    // the low-latency protocol folds the call header into its flags: no data is taken from a
-    // rank that called something else, and the wait ends at the timeout
-    let (_e, comm) = short_timeout_team(2);
+fn small_low_latency_calls_that_disagree_are_reported_not_waited_for() {
+    // the low-latency protocol puts the call counter and header into its flags: no data is
+    // taken from a rank that called something else, and a flag of this call's counter with
+    // another header is reported as the disagreement at once (the generous timeout never fires)
+    let (_e, comm) = generous_team(2);
     let s = streams(&comm);
     let mut buf = comm.alloc::<u8>(1 << 16).unwrap();
-    let (a, err) = disagree(&comm, &s, &mut buf, (DType::F16, 200), (DType::Bf16, 200));
-    assert_eq!(a, Algorithm::OneShotLl);
-    match err {
-        Error::Timeout { what, .. } => assert!(what.contains("called something else"), "{what}"),
-        e => panic!("expected a timeout, got {e}"),
+    for (mine, theirs) in [
+        ((DType::F16, 200), (DType::Bf16, 200)),
+        ((DType::F32, 200), (DType::F32, 400)),
+        ((DType::F32, 4000), (DType::F32, 200)),
+    ] {
+        let (a, err) = disagree(&comm, &s, &mut buf, mine, theirs);
+        assert_eq!(a, Algorithm::OneShotLl);
+        assert!(
+            matches!(err, Error::RanksDisagree { .. }),
+            "{mine:?} / {theirs:?}: {err}"
+        );
+        comm.recover().unwrap();
+    }
+}
+
+/// Ranks whose sizes put them in different forms — one in the low-latency kernel (no barrier),
+/// the other in a barrier kernel — are a disagreement too: the low-latency polls look, past a
+/// short wait, for a peer waiting at this call's first barrier, and tell every rank.
+#[test]
+fn ranks_whose_sizes_choose_different_forms_are_reported_not_waited_for() {
+    let (_e, comm) = generous_team(2);
+    let s = streams(&comm);
+    let mut buf = comm.alloc::<u8>(1 << 20).unwrap();
+    for (mine, theirs) in [
+        ((DType::F32, 256), (DType::F32, 1 << 20)),
+        ((DType::F32, 1 << 20), (DType::F32, 256)),
+        ((DType::Bf16, 512), (DType::Bf16, 48 << 10)),
+    ] {
+        let (_, err) = disagree(&comm, &s, &mut buf, mine, theirs);
+        assert!(
+            matches!(err, Error::RanksDisagree { .. }),
+            "{mine:?} / {theirs:?}: {err}"
+        );
+        comm.recover().unwrap();
     }
 }
 

@@ -268,3 +268,87 @@ fn a_peer_that_never_arrives_is_a_timeout_on_every_calling_rank_of_a_shared_devi
         let _: &Stream = &s[n - 1];
     }
 }
+
+/// Ranks that disagree, on the real kernels where the driver is real (test-hw on one GPU):
+/// low-latency calls of other sizes or collectives (the flags of this call's counter with
+/// another header), and sizes that put one rank in the low-latency kernel and the other in a
+/// barrier kernel (the polls' look at the first barrier's signals) are reported as
+/// `RanksDisagree` on every rank, with the suite's generous timeout (a report that came first),
+/// and the team recovers.
+#[test]
+fn ranks_sharing_a_device_that_disagree_are_reported_not_waited_for() {
+    use cuda_multimem_collectives::ReduceOp::Sum;
+    let e = env();
+    let Some(devices) = team_devices(&e, 3, "collectives::shared::disagree") else {
+        return;
+    };
+    let (comm, s) = team_on(&devices, forms_config(true), MulticastPolicy::Never);
+    let mut buf = comm.alloc::<f32>(1 << 18).unwrap();
+    type Step = fn(
+        &cuda_multimem_collectives::RankHandle<'_>,
+        &mut cuda_multimem_collectives::SymmetricBuffer<f32>,
+        &Stream,
+    );
+    let cases: [(&str, Step, Step); 4] = [
+        (
+            "low-latency allreduce of 64 / 128 elements",
+            |h, b, s| {
+                h.all_reduce_in_place(b.slice_mut(..64).unwrap(), Sum, s)
+                    .unwrap();
+            },
+            |h, b, s| {
+                h.all_reduce_in_place(b.slice_mut(..128).unwrap(), Sum, s)
+                    .unwrap();
+            },
+        ),
+        (
+            "low-latency all-gather of 96 / 192 elements",
+            |h, b, s| {
+                h.all_gather_in_place(b.slice_mut(..96 * 3).unwrap(), s)
+                    .unwrap();
+            },
+            |h, b, s| {
+                h.all_gather_in_place(b.slice_mut(..192 * 3).unwrap(), s)
+                    .unwrap();
+            },
+        ),
+        (
+            "low-latency allreduce / two-shot allreduce",
+            |h, b, s| {
+                h.all_reduce_in_place(b.slice_mut(..64).unwrap(), Sum, s)
+                    .unwrap();
+            },
+            |h, b, s| {
+                h.all_reduce_in_place(b.slice_mut(..1 << 18).unwrap(), Sum, s)
+                    .unwrap();
+            },
+        ),
+        (
+            "two-shot allreduce / low-latency broadcast",
+            |h, b, s| {
+                h.all_reduce_in_place(b.slice_mut(..1 << 18).unwrap(), Sum, s)
+                    .unwrap();
+            },
+            |h, b, s| {
+                h.broadcast_in_place(b.slice_mut(..300).unwrap(), 0, s)
+                    .unwrap();
+            },
+        ),
+    ];
+    for (what, first, others) in cases {
+        for (r, st) in s.iter().enumerate() {
+            let h = comm.rank(r).unwrap();
+            if r == 0 {
+                first(&h, &mut buf, st)
+            } else {
+                others(&h, &mut buf, st)
+            }
+        }
+        cuda_multimem_tests::sync_all(&s);
+        match comm.check() {
+            Err(Error::RanksDisagree { .. }) => {}
+            other => panic!("{what}: expected a disagreement, got {other:?}"),
+        }
+        comm.recover().unwrap();
+    }
+}

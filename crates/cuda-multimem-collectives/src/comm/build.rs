@@ -15,7 +15,7 @@ use crate::engine::TeamFacts;
 use crate::exec::multimem::Mm;
 use crate::exec::p2p::P2p;
 use crate::kernels::MAX_RANKS;
-use crate::team::placement::{busiest, device_key};
+use crate::team::placement::{busiest, context_key, device_key};
 use crate::team::{Local, Ranks};
 use crate::types::{multimem_pays_off, MulticastPolicy};
 
@@ -273,13 +273,17 @@ fn build_process(
             ),
         });
     }
-    // which ranks share a GPU: every rank sees every key, so all refuse or accept alike
-    let all = ranks.exchange("device keys", &device_key(&device).to_le_bytes(), Some(8))?;
-    let keys: Vec<u64> = all
-        .iter()
-        .map(|b| u64::from_le_bytes(b[..8].try_into().unwrap_or_default()))
-        .collect();
+    // which ranks share a GPU, and which of them also share a process (its context's hardware
+    // queues): every rank sees every key, so all refuse or accept alike
+    let mut mine = device_key(&device).to_le_bytes().to_vec();
+    mine.extend_from_slice(&context_key(&device).to_le_bytes());
+    let all = ranks.exchange("device keys", &mine, Some(16))?;
+    let key =
+        |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or_default());
+    let keys: Vec<u64> = all.iter().map(|b| key(b, 0)).collect();
+    let contexts: Vec<u64> = all.iter().map(|b| key(b, 8)).collect();
     let (per_device, pair) = busiest(&keys);
+    let (per_context, _) = busiest(&contexts);
     if let (Some((a, b)), false) = (pair, shared) {
         return Err(Error::invalid(
             "device",
@@ -294,8 +298,11 @@ fn build_process(
             "Always: multicast teams across processes are not supported yet (use Never or WhenItPaysOff)",
         ));
     }
+    check_queues(per_context, hardware_queues())?;
     let p2p = P2p::new(id, &ranks, &config)?;
-    let caps = co_residency(&p2p, &config, per_device, fewest, Some(&ranks))?;
+    let mut caps = co_residency(&p2p, &config, per_device, fewest, Some(&ranks))?;
+    // ranks of one process on one device (threads, each with its own bootstrap rank)
+    caps.one_stream = per_context > 1;
     Ok(communicator(Inner::new(
         id,
         ranks,
@@ -389,7 +396,7 @@ struct Caps {
     blocks: u32,
     /// Thread-block clusters per launch (the fused norm's split forms).
     clusters: u32,
-    /// Ranks of this process share a device, so each keeps to one stream (one hardware queue
+    /// Ranks of one process share a device, so each keeps to one stream (one hardware queue
     /// each; processes sharing a GPU have queues of their own).
     one_stream: bool,
 }

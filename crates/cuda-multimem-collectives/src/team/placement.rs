@@ -45,6 +45,15 @@ pub(crate) fn device_key(d: &Device) -> u64 {
     fnv(&b)
 }
 
+/// A key of `d` in this process: equal exactly for ranks of one process on the same GPU (they
+/// share the device's context and its hardware queues; ranks of several processes on one GPU
+/// have contexts of their own).
+pub(crate) fn context_key(d: &Device) -> u64 {
+    let mut b = device_key(d).to_le_bytes().to_vec();
+    b.extend_from_slice(&std::process::id().to_le_bytes());
+    fnv(&b)
+}
+
 /// How many of `keys` the most frequent one has (1 when every rank has its own device), and two
 /// positions with equal keys where there are any.
 pub(crate) fn busiest(keys: &[u64]) -> (usize, Option<(usize, usize)>) {

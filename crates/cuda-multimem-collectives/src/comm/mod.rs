@@ -23,7 +23,7 @@ use crate::config::CommConfig;
 use crate::engine::{plan, TeamFacts, MAX_HIDDEN};
 use crate::exec::multimem::Mm;
 use crate::exec::p2p::P2p;
-use crate::kernels::ERR_MISMATCH;
+use crate::kernels::{ERR_BOUNDS, ERR_MISMATCH};
 use crate::team::{Local, Ranks, Sym};
 use crate::types::{Choice, DType, MulticastPolicy, Operands, Path, ReduceOp};
 
@@ -196,6 +196,7 @@ impl Communicator {
             sym_out: sym,
             sym_addrs: 0,
             norm: None,
+            a2a: None,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -235,6 +236,7 @@ impl Communicator {
                 row_bytes,
                 eps: 0.0,
             }),
+            a2a: None,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -320,6 +322,17 @@ impl Inner {
                         l.device.ordinal()
                     ),
                 }));
+            }
+            if w == ERR_BOUNDS && found.is_none() {
+                found = Some(Error::invalid(
+                    "counts",
+                    format!(
+                        "rank {} (device {}): a count, offset or expert id read on the device was out of range, or a peer's count did not match what this rank expects; what it concerned was not moved ({path} path; {calls} call(s) queued on this rank)",
+                        l.rank,
+                        l.device.ordinal()
+                    ),
+                ));
+                continue;
             }
             if w != 0 && found.is_none() {
                 found = Some(Error::Timeout {

@@ -12,7 +12,7 @@
 //! | --- | --- |
 //! | 0 | `u32` rank |
 //! | 4 | `u32` team size |
-//! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
+//! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`], [`ERR_BOUNDS`]) |
 //! | 16 | `u64` bytes of one staging half |
 //! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
 //! | 24 | `u64` bytes of one low-latency slot |
@@ -25,6 +25,7 @@
 //! | 16384 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender |
 
 mod allreduce;
+pub mod alltoall;
 pub mod gather;
 mod loader;
 pub mod multimem;
@@ -74,6 +75,9 @@ pub const OFF_HDR: usize = 16384;
 pub const ERR_TIMEOUT: u32 = 1;
 /// A peer called with another size, type, operation or algorithm.
 pub const ERR_MISMATCH: u32 = 2;
+/// A count, offset or expert id read on the device was out of range (all-to-all and MoE
+/// kernels: nothing of what it concerns was written).
+pub const ERR_BOUNDS: u32 = 4;
 
 /// The call header the ranks compare at their first barrier: an FNV-1a-style fold of what
 /// describes the call (count, type, op, kernel, offsets, grid), top bit set so it is never 0

@@ -1,9 +1,10 @@
 //! The peer-to-peer executor: signal pads, staging, low-latency slots, landing areas and
 //! scratch in symmetric memory, and per local rank the kernels it loaded; the allreduce
 //! ([`allreduce`]), reduce-scatter / all-gather / broadcast ([`gather`], [`copy_engine`]) and
-//! fused norm ([`norm`]) executions.
+//! fused norm ([`norm`]) and all-to-all ([`alltoall`]) executions.
 
 pub(crate) mod allreduce;
+pub(crate) mod alltoall;
 pub(crate) mod copy_engine;
 pub(crate) mod gather;
 pub(crate) mod norm;
@@ -27,6 +28,7 @@ pub(crate) struct RankKernels {
     allreduce: HashMap<(Kernel, DType, ReduceOp), Function>,
     gather: gather::Kernels,
     norm: norm::Kernels,
+    alltoall: alltoall::Kernels,
     ce: Mutex<copy_engine::CeLane>,
 }
 
@@ -44,6 +46,7 @@ impl RankKernels {
         }
         v.extend(self.gather.all().map(|f| (f, most)));
         v.extend(self.norm.all().map(|(f, _)| (f, 1024)));
+        v.extend(self.alltoall.all().map(|f| (f, most)));
         v
     }
 
@@ -58,6 +61,10 @@ impl RankKernels {
                     .map(|c| (c.file(), c.ptx())),
             )
             .chain([(crate::kernels::norm::FILE, crate::kernels::norm::PTX)])
+            .chain([(
+                crate::kernels::alltoall::FILE,
+                crate::kernels::alltoall::PTX,
+            )])
             .collect()
     }
 
@@ -77,6 +84,7 @@ impl RankKernels {
             allreduce,
             gather: gather::Kernels::load(device)?,
             norm: norm::Kernels::load(device)?,
+            alltoall: alltoall::Kernels::load(device)?,
             ce: Mutex::new(copy_engine::CeLane::new(device)?),
         })
     }

@@ -44,7 +44,12 @@ fn fill() -> String {
         .map(|i| format!("\t.param .u64 p_v{i}"))
         .collect();
     let stores: String = (0..TABLE_WORDS)
-        .map(|i| format!("\tld.param.u64 %rd2, [p_v{i}];\n\tst.global.u64 [%rd1+{}], %rd2;\n", 8 * i))
+        .map(|i| {
+            format!(
+                "\tld.param.u64 %rd2, [p_v{i}];\n\tst.global.u64 [%rd1+{}], %rd2;\n",
+                8 * i
+            )
+        })
         .collect();
     format!(
         r#"

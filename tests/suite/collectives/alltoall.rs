@@ -226,13 +226,15 @@ fn host_counts_case<T: DeviceRepr + Default + PartialEq + std::fmt::Debug>(
     let n = comm.size();
     let draw = |rng: &mut Rng| {
         let x = rng.next_u64() as usize % (max + 1);
-        if rng.next_u64() % 3 == 0 {
+        if rng.next_u64().is_multiple_of(3) {
             0
         } else {
             x
         }
     };
-    let sc: Vec<Vec<usize>> = (0..n).map(|_| (0..n).map(|_| draw(rng)).collect()).collect();
+    let sc: Vec<Vec<usize>> = (0..n)
+        .map(|_| (0..n).map(|_| draw(rng)).collect())
+        .collect();
     // send offsets: parts in reverse rank order with a gap of 1; receive offsets: in rank order
     // with a gap of 2
     let mut so = vec![vec![0; n]; n];
@@ -278,7 +280,11 @@ fn host_counts_case<T: DeviceRepr + Default + PartialEq + std::fmt::Debug>(
     comm.check().unwrap();
     let want = reference(&input, &before, &sc, &so, &ro);
     for k in 0..n {
-        assert_eq!(b.read(k, ol), want[k], "{n} ranks, max {max}, sym {sym}: rank {k}");
+        assert_eq!(
+            b.read(k, ol),
+            want[k],
+            "{n} ranks, max {max}, sym {sym}: rank {k}"
+        );
     }
     choice.unwrap()
 }
@@ -329,9 +335,15 @@ impl<T: DeviceRepr + Default + PartialEq + std::fmt::Debug> DevCase<T> {
         DevCase {
             input: Bufs::new(comm, sym, il.max(1)),
             output: Bufs::new(comm, sym, ol + GUARD),
-            send: (0..n).map(|r| DeviceBuffer::zeroed(dev(r), n).unwrap()).collect(),
-            rcnt: (0..n).map(|r| DeviceBuffer::zeroed(dev(r), n).unwrap()).collect(),
-            roff: (0..n).map(|r| DeviceBuffer::zeroed(dev(r), n).unwrap()).collect(),
+            send: (0..n)
+                .map(|r| DeviceBuffer::zeroed(dev(r), n).unwrap())
+                .collect(),
+            rcnt: (0..n)
+                .map(|r| DeviceBuffer::zeroed(dev(r), n).unwrap())
+                .collect(),
+            roff: (0..n)
+                .map(|r| DeviceBuffer::zeroed(dev(r), n).unwrap())
+                .collect(),
             il,
             ol,
             sc: Vec::new(),
@@ -350,7 +362,7 @@ impl<T: DeviceRepr + Default + PartialEq + std::fmt::Debug> DevCase<T> {
                     .map(|k| match (skew, k) {
                         (true, 0) => max,
                         (true, _) => 0,
-                        _ if rng.next_u64() % 4 == 0 => 0,
+                        _ if rng.next_u64().is_multiple_of(4) => 0,
                         _ => rng.next_u64() as usize % (max + 1),
                     })
                     .collect()
@@ -434,7 +446,11 @@ impl<T: DeviceRepr + Default + PartialEq + std::fmt::Debug> DevCase<T> {
             let wo: Vec<u64> = ro[k].iter().map(|&x| x as u64).collect();
             assert_eq!(c, wc, "{what}: rank {k}'s receive counts");
             assert_eq!(o, wo, "{what}: rank {k}'s receive offsets");
-            assert_eq!(self.output.read(k, self.ol + GUARD), want[k], "{what}: rank {k}'s output");
+            assert_eq!(
+                self.output.read(k, self.ol + GUARD),
+                want[k],
+                "{what}: rank {k}'s output"
+            );
         }
     }
 }
@@ -458,7 +474,9 @@ fn all_to_all_v_with_device_counts_equals_the_host_reference() {
                         comm.check().unwrap();
                         let c = c.unwrap();
                         assert_eq!(c.algorithm == Algorithm::AllToAllLl, is_ll(ci), "{c}");
-                        case.verify(&format!("{n} ranks, max {max}, sym {sym}, skew {skew}: {c}"));
+                        case.verify(&format!(
+                            "{n} ranks, max {max}, sym {sym}, skew {skew}: {c}"
+                        ));
                     }
                 }
             }
@@ -504,7 +522,11 @@ fn hostile_counts_on_the_host_are_errors_naming_the_argument() {
     if let Some(why) = collectives_unsupported(&e.driver) {
         return skip("collectives::alltoall::hostile_host", why);
     }
-    let (comm, s) = team_on(&placed(&e, 2), CommConfig::default(), MulticastPolicy::Never);
+    let (comm, s) = team_on(
+        &placed(&e, 2),
+        CommConfig::default(),
+        MulticastPolicy::Never,
+    );
     let h = comm.rank(0).unwrap();
     let x: SymmetricBuffer<u16> = comm.alloc(10).unwrap();
     let mut y: SymmetricBuffer<u16> = comm.alloc(10).unwrap();
@@ -512,11 +534,23 @@ fn hostile_counts_on_the_host_are_errors_naming_the_argument() {
     let at = [0usize, 5];
     for (sc, so, rc, ro, arg) in [
         (&[5usize][..], &at[..], &ok[..], &at[..], "send_counts"),
-        (&ok[..], &at[..], &ok[..], &[0usize, 5, 0][..], "recv_offsets"),
+        (
+            &ok[..],
+            &at[..],
+            &ok[..],
+            &[0usize, 5, 0][..],
+            "recv_offsets",
+        ),
         (&[11, 0][..], &at[..], &ok[..], &at[..], "send_counts"),
         (&ok[..], &[0, 6][..], &ok[..], &at[..], "send_offsets"),
         (&ok[..], &at[..], &[6, 5][..], &[0, 4][..], "recv_offsets"),
-        (&ok[..], &at[..], &[5, 5][..], &[0, usize::MAX][..], "recv_offsets"),
+        (
+            &ok[..],
+            &at[..],
+            &[5, 5][..],
+            &[0, usize::MAX][..],
+            "recv_offsets",
+        ),
         (&ok[..], &at[..], &[5, 5][..], &[0, 3][..], "recv_offsets"),
     ] {
         assert_eq!(
@@ -607,19 +641,29 @@ fn counts_out_of_range_on_the_device_are_reported_and_nothing_is_written_outside
             sync_all(&s);
             let err = comm.check().expect_err("counts out of range are reported");
             assert!(
-                matches!(err, cuda_multimem::Error::InvalidArgument { arg: "counts", .. }),
+                matches!(
+                    err,
+                    cuda_multimem::Error::InvalidArgument { arg: "counts", .. }
+                ),
                 "case {case_no}: {err}"
             );
             // the guard after every output is what it was
             for k in 0..n {
                 let got = case.output.read(k, ol + GUARD);
-                assert_eq!(got[ol..], case.before[k][ol..], "case {case_no}: rank {k}'s guard");
+                assert_eq!(
+                    got[ol..],
+                    case.before[k][ol..],
+                    "case {case_no}: rank {k}'s guard"
+                );
             }
             let mut c = vec![0u64; n];
             let receiver = if bad == 0 { 1 } else { 0 };
             case.rcnt[receiver].copy_to_host(0, &mut c).unwrap();
             let sender = if bad == 0 { 0 } else { 1 };
-            assert_eq!(c[sender], 0, "case {case_no}: the part out of range was not received");
+            assert_eq!(
+                c[sender], 0,
+                "case {case_no}: the part out of range was not received"
+            );
             comm.recover().unwrap();
             // and the team runs again
             case.fill(&mut rng, max, false);

@@ -297,13 +297,13 @@ pub(crate) fn check<'o>(
         Some(a) if a.elem == 0 || a.elem > 255 => {
             return Err(Error::invalid(
                 "T",
-                format!("elements of {} bytes; an all-to-all moves elements of 1 to 255 bytes", a.elem),
+                format!(
+                    "elements of {} bytes; an all-to-all moves elements of 1 to 255 bytes",
+                    a.elem
+                ),
             ))
         }
-        Some(a) => Some((
-            a.elem,
-            a2a_counts(&a.counts, n, es, &input, &output, &res)?,
-        )),
+        Some(a) => Some((a.elem, a2a_counts(&a.counts, n, es, &input, &output, &res)?)),
     };
     Ok(Checked {
         kind: call.kind,
@@ -362,8 +362,22 @@ fn a2a_counts<'o>(
             let mut parts = Vec::with_capacity(n);
             for j in 0..n {
                 for (cnt, off, len, cn, on, buf) in [
-                    (send_counts[j], send_offsets[j], ie, "send_counts", "send_offsets", "input"),
-                    (recv_counts[j], recv_offsets[j], oe, "recv_counts", "recv_offsets", "output"),
+                    (
+                        send_counts[j],
+                        send_offsets[j],
+                        ie,
+                        "send_counts",
+                        "send_offsets",
+                        "input",
+                    ),
+                    (
+                        recv_counts[j],
+                        recv_offsets[j],
+                        oe,
+                        "recv_counts",
+                        "recv_offsets",
+                        "output",
+                    ),
                 ] {
                     if cnt > len {
                         return Err(Error::invalid(
@@ -407,7 +421,11 @@ fn a2a_counts<'o>(
                 if r.bytes != 8 * n {
                     return Err(Error::invalid(
                         a.name,
-                        format!("{} bytes; expected one u64 per rank ({} bytes)", r.bytes, 8 * n),
+                        format!(
+                            "{} bytes; expected one u64 per rank ({} bytes)",
+                            r.bytes,
+                            8 * n
+                        ),
                     ));
                 }
                 if r.ptr % 8 != 0 {
@@ -420,7 +438,9 @@ fn a2a_counts<'o>(
             for (i, (na, ra)) in got.iter().enumerate() {
                 let others = got[..i].iter().map(|(nb, rb)| (*nb, *rb));
                 let ops = [("output", *output), ("input", *input)];
-                for (nb, rb) in others.chain(ops.into_iter().filter(|(nb, _)| i > 0 || *nb == "output")) {
+                for (nb, rb) in
+                    others.chain(ops.into_iter().filter(|(nb, _)| i > 0 || *nb == "output"))
+                {
                     if ra.overlaps(&rb) {
                         return Err(Error::invalid(na, format!("overlaps {nb}")));
                     }

@@ -272,8 +272,7 @@ fn all_to_all(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         f.bytes
     };
     let ll = t.n == 1
-        || (f.bytes <= c.gather_ll_max_bytes
-            && part as u64 <= a2k::ll_capacity(t.ll_slot as u64));
+        || (f.bytes <= c.gather_ll_max_bytes && part as u64 <= a2k::ll_capacity(t.ll_slot as u64));
     let (algorithm, scratch) = if ll {
         (Algorithm::AllToAllLl, false)
     } else if f.sym_out && !a.in_place {
@@ -292,7 +291,11 @@ fn all_to_all(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         ));
     };
     let shape = shape::all_to_all(t, c, part, algorithm);
-    let path = if t.n == 1 { Path::Local } else { Path::PeerToPeer };
+    let path = if t.n == 1 {
+        Path::Local
+    } else {
+        Path::PeerToPeer
+    };
     Ok(Plan {
         choice: shape.choice(path, algorithm, scratch as u32),
         exec: if a.mode == a2k::MODE_EQUAL && f.bytes == 0 {

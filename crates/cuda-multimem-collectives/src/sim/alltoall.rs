@@ -33,7 +33,14 @@ struct Part {
 }
 
 /// Part `s → k` of the matrix `rows` (every rank's row), as both ends compute it.
-fn part(rows: &[[u32; ROW_CELLS as usize]], s: usize, k: usize, device: bool, out_bytes: u64, cap: u64) -> Part {
+fn part(
+    rows: &[[u32; ROW_CELLS as usize]],
+    s: usize,
+    k: usize,
+    device: bool,
+    out_bytes: u64,
+    cap: u64,
+) -> Part {
     let m = MAX_RANKS;
     let c = rows[s][k];
     let (d, e) = if device {
@@ -208,8 +215,8 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
         rows[rank] = row;
         for s in (0..n).filter(|&s| s != rank) {
             a.check(mine(s), 8 * ROW_CELLS as usize, false)?;
-            for i in 0..ROW_CELLS as usize {
-                rows[s][i] = poll(&cx, mine(s) + 8 * i, flag).unwrap_or(INVALID);
+            for (i, cell) in rows[s].iter_mut().enumerate() {
+                *cell = poll(&cx, mine(s) + 8 * i, flag).unwrap_or(INVALID);
             }
         }
         let snd: Vec<Part> = (0..n)
@@ -226,7 +233,8 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
             }
             if device {
                 for (s, p) in rcv.iter().enumerate() {
-                    u64_at(tab_b + 8 * s).store(if p.ok { p.len / es } else { 0 }, Ordering::Relaxed);
+                    u64_at(tab_b + 8 * s)
+                        .store(if p.ok { p.len / es } else { 0 }, Ordering::Relaxed);
                     u64_at(tab_c + 8 * s).store(p.dst / es, Ordering::Relaxed);
                 }
             }
@@ -236,14 +244,24 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
             for (k, p) in snd.iter().enumerate().filter(|(_, p)| p.ok) {
                 let (lo, hi) = block_range(p.len, 16, g, b);
                 let dst = table(k).wrapping_add(delta) + p.dst + lo;
-                gather::copy(a, (inp + so[k] + lo) as usize, dst as usize, (hi - lo) as usize)?;
+                gather::copy(
+                    a,
+                    (inp + so[k] + lo) as usize,
+                    dst as usize,
+                    (hi - lo) as usize,
+                )?;
             }
             cx.barrier(a, b as usize, cnt.wrapping_add(1), None);
             if fin != 0 {
                 for p in rcv.iter().filter(|p| p.ok) {
                     let (lo, hi) = block_range(p.len, 16, g, b);
                     let at = p.dst + lo;
-                    gather::copy(a, (out + at) as usize, (fin + at) as usize, (hi - lo) as usize)?;
+                    gather::copy(
+                        a,
+                        (out + at) as usize,
+                        (fin + at) as usize,
+                        (hi - lo) as usize,
+                    )?;
                 }
             }
         } else {
@@ -256,12 +274,21 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
                     let dst = out + p.dst;
                     a.check((dst + lo) as usize, (hi - lo) as usize, true)?;
                     if src != dst {
-                        gather::copy(a, (src + lo) as usize, (dst + lo) as usize, (hi - lo) as usize)?;
+                        gather::copy(
+                            a,
+                            (src + lo) as usize,
+                            (dst + lo) as usize,
+                            (hi - lo) as usize,
+                        )?;
                     }
                     continue;
                 }
                 let cells = push(k) + 8 * ROW_CELLS as usize;
-                a.check(cells + 2 * lo as usize, 2 * (hi - lo).div_ceil(4) as usize * 4, true)?;
+                a.check(
+                    cells + 2 * lo as usize,
+                    2 * (hi - lo).div_ceil(4) as usize * 4,
+                    true,
+                )?;
                 for w in lo / 4..hi.div_ceil(4) {
                     let x = load_word((src + 4 * w) as usize, (p.len - 4 * w).min(4));
                     u64_at(cells + 8 * w as usize).store(flag | x as u64, Ordering::Release);

@@ -74,7 +74,10 @@ pub(crate) fn run(
             // SAFETY: the fill entry takes 1 + TABLE_WORDS .u64 parameters (the destination,
             // then the values) and one thread stores TABLE_WORDS u64 at the destination: this
             // rank's table of that many, on this device; the stream is this device's (checked).
-            unsafe { k.fill.launch_u64(&LaunchConfig::linear(1, 32), stream, &args)? };
+            unsafe {
+                k.fill
+                    .launch_u64(&LaunchConfig::linear(1, 32), stream, &args)?
+            };
             (MODE_HOST, k.table.device_ptr(), 0, 0, 0)
         }
         A2aChecked::Device {
@@ -95,13 +98,23 @@ pub(crate) fn run(
     let (land, land_bytes, tab, fin, sym) = if !direct {
         (out.ptr, out.bytes, 0, 0, (0, 0))
     } else if scratch {
-        let (base, s) = p.scratch(l, "output", "an all-to-all into the caller's own memory or in place above the low-latency limit")?;
+        let (base, s) = p.scratch(
+            l,
+            "output",
+            "an all-to-all into the caller's own memory or in place above the low-latency limit",
+        )?;
         (base, out.bytes, s.table(l.rank)?, out.ptr, (s.id, 0))
     } else {
-        let (buf, off) = out
-            .sym
-            .ok_or_else(|| Error::invalid("output", "the direct all-to-all needs a symmetric output"))?;
-        (out.ptr, out.bytes, buf.table(l.rank)?, 0, (buf.id, off as u64))
+        let (buf, off) = out.sym.ok_or_else(|| {
+            Error::invalid("output", "the direct all-to-all needs a symmetric output")
+        })?;
+        (
+            out.ptr,
+            out.bytes,
+            buf.table(l.rank)?,
+            0,
+            (buf.id, off as u64),
+        )
     };
     let sig = call_header(&[
         CODE,

@@ -703,3 +703,39 @@ fn all_to_all_on_one_simulated_device_shared_by_2_to_8_ranks() {
         assert_eq!(e.sim.as_ref().unwrap().residency_waits(), 0, "{n} ranks");
     }
 }
+
+/// A rank that never calls: every rank that did ends its waits at the timeout (both forms),
+/// and `check` reports it.
+#[test]
+fn a_peer_that_never_arrives_is_a_timeout_on_every_calling_rank() {
+    let short = std::time::Duration::from_millis(300);
+    for direct in [false, true] {
+        let e = sim(SimConfig::new(3, 13050));
+        let (comm, s) = team_on(
+            &e.driver.devices(),
+            CommConfig {
+                timeout: short,
+                first_call_timeout: Some(short),
+                gather_ll_max_bytes: if direct { 0 } else { 2 << 20 },
+                ..CommConfig::default()
+            },
+            MulticastPolicy::Never,
+        );
+        let x = comm.alloc::<u8>(3 * 64).unwrap();
+        let mut y = comm.alloc::<u8>(3 * 64).unwrap();
+        for r in 0..2 {
+            let c = comm.rank(r).unwrap().all_to_all(&x, &mut y, &s[r]).unwrap();
+            assert_eq!(c.algorithm == Algorithm::AllToAllDirect, direct, "{c}");
+        }
+        for st in s.iter().take(2) {
+            st.synchronize().unwrap();
+        }
+        for r in 0..2 {
+            match comm.rank(r).unwrap().check() {
+                Err(cuda_multimem::Error::Timeout { .. })
+                | Err(cuda_multimem::Error::Unusable { .. }) => {}
+                other => panic!("direct {direct}, rank {r}: expected a timeout, got {other:?}"),
+            }
+        }
+    }
+}

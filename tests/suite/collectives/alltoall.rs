@@ -189,7 +189,12 @@ fn all_to_all_of_equal_parts_equals_the_host_reference() {
         for (ci, config) in configs().into_iter().enumerate() {
             let (comm, s) = team_on(devices, config, MulticastPolicy::Never);
             let mut rng = Rng::new(n as u64 * 10 + ci as u64);
-            for part in [1usize, 7, 300] {
+            let parts: &[usize] = if devices[0].driver().is_simulated() {
+                &[1, 7, 300]
+            } else {
+                &[1, 7, 300, 4099, 100_000]
+            };
+            for &part in parts {
                 for sym in [true, false] {
                     for in_place in [false, true] {
                         let c = equal_case::<u8>(&comm, &s, part, sym, in_place, &mut rng);
@@ -295,7 +300,12 @@ fn all_to_all_v_with_host_counts_equals_the_host_reference() {
         for (ci, config) in configs().into_iter().enumerate() {
             let (comm, s) = team_on(devices, config, MulticastPolicy::Never);
             let mut rng = Rng::new(100 + n as u64 * 10 + ci as u64);
-            for max in [0usize, 5, 200] {
+            let maxes: &[usize] = if devices[0].driver().is_simulated() {
+                &[0, 5, 200]
+            } else {
+                &[0, 5, 200, 30_000]
+            };
+            for &max in maxes {
                 for sym in [true, false] {
                     let c = host_counts_case::<u8>(&comm, &s, max, sym, &mut rng);
                     assert_eq!(c.algorithm == Algorithm::AllToAllLl, is_ll(ci), "{c}");
@@ -738,4 +748,117 @@ fn a_peer_that_never_arrives_is_a_timeout_on_every_calling_rank() {
             }
         }
     }
+}
+
+/// Counts given on the host reach the kernel through the fill kernel's parameters: a captured
+/// graph holds them by value (the replays move the same parts of new data).
+#[test]
+fn a_captured_all_to_all_v_with_host_counts_replays_them() {
+    for_teams("collectives::alltoall::graph_host", |devices, n| {
+        for (ci, config) in configs().into_iter().enumerate() {
+            let (comm, s) = team_on(devices, config, MulticastPolicy::Never);
+            let mut rng = Rng::new(600 + n as u64 + ci as u64);
+            let sc: Vec<Vec<usize>> = (0..n)
+                .map(|r| (0..n).map(|k| (r * 7 + k * 3) % 11).collect())
+                .collect();
+            let so: Vec<Vec<usize>> = (0..n)
+                .map(|r| (0..n).map(|k| k * 11 + r % 2).collect())
+                .collect();
+            let ro: Vec<Vec<usize>> = (0..n).map(|_| (0..n).map(|j| j * 12).collect()).collect();
+            let rc: Vec<Vec<usize>> = (0..n).map(|k| (0..n).map(|r| sc[r][k]).collect()).collect();
+            let len = n * 12;
+            let x: SymmetricBuffer<u16> = comm.alloc(len).unwrap();
+            let mut y: SymmetricBuffer<u16> = comm.alloc(len).unwrap();
+            let mut execs = Vec::new();
+            for r in 0..n {
+                let sr = s[r].as_stream_ref();
+                sr.begin_capture(CaptureMode::ThreadLocal).unwrap();
+                comm.rank(r)
+                    .unwrap()
+                    .all_to_all_v(&x, &mut y, &sc[r], &so[r], &rc[r], &ro[r], &s[r])
+                    .unwrap();
+                let graph = sr.end_capture().unwrap();
+                // SAFETY: the team, the buffers and the streams outlive `execs`.
+                execs.push(unsafe { graph.instantiate() }.unwrap());
+            }
+            for replay in 0..3 {
+                let input: Vec<Vec<u16>> = (0..n).map(|_| random(&mut rng, len)).collect();
+                let before: Vec<Vec<u16>> = (0..n).map(|_| random(&mut rng, len)).collect();
+                for r in 0..n {
+                    x.write(r, 0, &input[r]).unwrap();
+                    y.write(r, 0, &before[r]).unwrap();
+                }
+                for r in 0..n {
+                    execs[r].launch(&s[r]).unwrap();
+                }
+                sync_all(&s);
+                comm.check().unwrap();
+                let want = reference(&input, &before, &sc, &so, &ro);
+                for k in 0..n {
+                    assert_eq!(
+                        y.to_vec(k).unwrap(),
+                        want[k],
+                        "{n} ranks, replay {replay}: rank {k}"
+                    );
+                }
+            }
+            drop(execs);
+        }
+    });
+}
+
+/// A team of one: its own part only (any size, low-latency kernel); device counts written.
+#[test]
+fn a_team_of_one_moves_its_own_part() {
+    let e = sim(SimConfig::new(1, 13050));
+    let (comm, s) = team_on(
+        &e.driver.devices(),
+        CommConfig::default(),
+        MulticastPolicy::Never,
+    );
+    let mut rng = Rng::new(7);
+    for part in [1usize, 5000] {
+        for sym in [true, false] {
+            for in_place in [false, true] {
+                let c = equal_case::<u8>(&comm, &s, part, sym, in_place, &mut rng);
+                assert_eq!(c.algorithm, Algorithm::AllToAllLl, "{c}");
+            }
+        }
+    }
+    let mut case = DevCase::<u32>::new(&comm, false, 9);
+    case.fill(&mut rng, 9, false);
+    case.call(&comm, 0, &s[0]);
+    sync_all(&s);
+    comm.check().unwrap();
+    case.verify("a team of one");
+}
+
+/// The caller's own output above the low-latency limit goes through a scratch region: one that
+/// does not fit is refused before launch, naming the output.
+#[test]
+fn an_own_output_larger_than_a_scratch_region_is_refused_naming_the_output() {
+    let e = env();
+    if let Some(why) = collectives_unsupported(&e.driver) {
+        return skip("collectives::alltoall::scratch_limit", why);
+    }
+    let config = CommConfig {
+        gather_ll_max_bytes: 0,
+        scratch_bytes: 3 << 20,
+        ..CommConfig::default()
+    };
+    let (comm, s) = team_on(&placed(&e, 2), config, MulticastPolicy::Never);
+    let d = comm.device(0).unwrap();
+    let x = DeviceBuffer::<u8>::zeroed(d, 2 << 20).unwrap();
+    let mut y = DeviceBuffer::<u8>::zeroed(d, 2 << 20).unwrap();
+    assert_eq!(
+        invalid_arg_of(comm.rank(0).unwrap().all_to_all(&x, &mut y, &s[0])),
+        "output"
+    );
+    let mut z = comm.alloc::<u8>(2 << 20).unwrap();
+    assert_eq!(
+        invalid_arg_of(comm.rank(0).unwrap().all_to_all_in_place(&mut z, &s[0])),
+        "output"
+    );
+    sync_all(&s);
+    comm.check().unwrap();
 }

@@ -57,7 +57,7 @@ fn part(
         && e != INVALID
         && (e == ANY || e == c)
         && d + c as u64 <= out_bytes
-        && c as u64 <= cap;
+        && (s == k || c as u64 <= cap);
     Part {
         ok,
         len: c as u64,

@@ -7,7 +7,7 @@
 
 pub use cuda_multimem_collectives::kernels::alltoall::*;
 use cuda_multimem_collectives::kernels::{
-    ERR_TIMEOUT, MAX_RANKS, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES,
+    ERR_TIMEOUT, MAX_RANKS, OFF_BOUNDS, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES,
 };
 
 use super::{barrier, epilogue, parity_slots, strided, IDS, REGS};
@@ -398,9 +398,9 @@ $L_row:
 	add.u32 %r20, %r20, 1;
 	bra.uni $L_row;
 $L_row_end:
-	// a count of mine out of range: my error word (the part is not sent)
+	// a count of mine out of range: my bounds word (the part is not sent; no wait ends early)
 	setp.ne.u32 %p2, %r21, 0;
-	@%p2 atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_BOUNDS};
+	@%p2 atom.global.cas.b32 %r46, [%rd1+{OFF_BOUNDS}], 0, {ERR_BOUNDS};
 $L_rowd:
 	bar.sync 0;
 	// ---- block 0, thread t < n, t != rank: my row into peer t's slot [parity][rank]
@@ -471,7 +471,7 @@ $L_pj:
 {pair_send}{pair_recv}	setp.eq.u32 %p6, %r2, 0;
 	not.pred %p7, %p3;
 	and.pred %p7, %p7, %p6;
-	@%p7 atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_BOUNDS};
+	@%p7 atom.global.cas.b32 %r46, [%rd1+{OFF_BOUNDS}], 0, {ERR_BOUNDS};
 	and.pred %p7, %p6, %p5;
 	@!%p7 bra $L_pj_next;
 	selp.u32 %r26, %r27, 0, %p3;

@@ -12,7 +12,8 @@
 //! | --- | --- |
 //! | 0 | `u32` rank |
 //! | 4 | `u32` team size |
-//! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`], [`ERR_BOUNDS`]) |
+//! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
+//! | 12 | `u32` bounds word (0 ok, [`ERR_BOUNDS`]) |
 //! | 16 | `u64` bytes of one staging half |
 //! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
 //! | 24 | `u64` bytes of one low-latency slot |
@@ -51,6 +52,10 @@ pub const OFF_RANK: usize = 0;
 pub const OFF_NRANKS: usize = 4;
 /// Error word.
 pub const OFF_ERR: usize = 8;
+/// Bounds word (`u32`): 0, or [`ERR_BOUNDS`] once a count read on the device was out of range.
+/// Apart from the error word, which ends every wait: a bounds error never shortens a call's
+/// waits, so its peers are never left waiting for it.
+pub const OFF_BOUNDS: usize = 12;
 /// Staging half size.
 pub const OFF_STAGE_HALF: usize = 16;
 /// Peer pads.

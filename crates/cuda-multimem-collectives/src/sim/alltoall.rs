@@ -227,9 +227,12 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
             .collect();
         if b == 0 {
             if bad || rcv.iter().any(|p| !p.ok) {
-                let _ =
-                    cx.err()
-                        .compare_exchange(0, ERR_BOUNDS, Ordering::Relaxed, Ordering::Relaxed);
+                let _ = u32_at(pad + OFF_BOUNDS).compare_exchange(
+                    0,
+                    ERR_BOUNDS,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
             }
             if device {
                 for (s, p) in rcv.iter().enumerate() {

@@ -235,7 +235,7 @@ impl P2p {
     /// follow the counters) zeroed, as a new team has them.
     pub(crate) fn reset(&self, ranks: &Ranks) -> Result<()> {
         for l in &ranks.locals {
-            self.pads.zero(l.rank, kernels::OFF_ERR, 4)?;
+            self.pads.zero(l.rank, kernels::OFF_ERR, 8)?;
             self.pads
                 .zero(l.rank, kernels::OFF_CTR, PAD_BYTES - kernels::OFF_CTR)?;
             self.ll.zero(l.rank, 0, self.ll.bytes)?;
@@ -243,10 +243,11 @@ impl P2p {
         Ok(())
     }
 
-    /// The error word of local rank `rank`.
+    /// The error word of local rank `rank`; where it is 0, its bounds word (a count the
+    /// all-to-all kernels found out of range on the device).
     pub(crate) fn error_word(&self, rank: usize) -> Result<u32> {
-        let mut w = [0u32];
+        let mut w = [0u32; 2];
         self.pads.read(rank, kernels::OFF_ERR, &mut w)?;
-        Ok(w[0])
+        Ok(if w[0] != 0 { w[0] } else { w[1] })
     }
 }

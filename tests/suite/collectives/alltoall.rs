@@ -10,7 +10,7 @@
 
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, DeviceRepr, Stream};
 use cuda_multimem_collectives::{
-    Algorithm, Choice, CommConfig, Communicator, MulticastPolicy, SymmetricBuffer,
+    Algorithm, Choice, CommConfig, Communicator, MulticastPolicy, Operands, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{
@@ -168,6 +168,18 @@ fn equal_case<T: DeviceRepr + Default + PartialEq + std::fmt::Debug>(
     }
     sync_all(s);
     comm.check().unwrap();
+    // what the communicator says such a call runs is what it ran
+    let bytes = len * std::mem::size_of::<T>();
+    let ops = if sym {
+        Operands::Symmetric
+    } else {
+        Operands::Local
+    };
+    assert_eq!(
+        comm.all_to_all_choice(bytes, bytes, false, ops, in_place)
+            .unwrap(),
+        choice.unwrap()
+    );
     let out = if in_place { &a } else { &b };
     for k in 0..n {
         let got = out.read(k, len);
@@ -283,6 +295,17 @@ fn host_counts_case<T: DeviceRepr + Default + PartialEq + std::fmt::Debug>(
     }
     sync_all(s);
     comm.check().unwrap();
+    let es = std::mem::size_of::<T>();
+    let ops = if sym {
+        Operands::Symmetric
+    } else {
+        Operands::Local
+    };
+    assert_eq!(
+        comm.all_to_all_choice(il * es, ol * es, true, ops, false)
+            .unwrap(),
+        choice.unwrap()
+    );
     let want = reference(&input, &before, &sc, &so, &ro);
     for k in 0..n {
         assert_eq!(

@@ -22,6 +22,9 @@ pub(crate) enum Kind {
     Norm,
     /// Residual add + RMSNorm of an already reduced input, on this rank only.
     LocalNorm,
+    /// All-to-all: part k of every rank's input becomes part r of rank k's output (equal
+    /// parts, or counts and offsets per peer: [`A2aCounts`]).
+    AllToAll,
 }
 
 impl Kind {
@@ -56,6 +59,48 @@ pub(crate) struct NormArgs {
     pub(crate) eps: f32,
 }
 
+/// Counts and offsets of an all-to-all, in elements.
+#[derive(Clone, Copy)]
+pub(crate) enum A2aCounts<'o> {
+    /// Equal parts: the input and the output hold N parts each.
+    Equal,
+    /// Per peer, given on the host (every slice N long).
+    Host {
+        send_counts: &'o [usize],
+        send_offsets: &'o [usize],
+        recv_counts: &'o [usize],
+        recv_offsets: &'o [usize],
+    },
+    /// Send counts read from device memory (`u64[N]`, the input packed in rank order); the
+    /// receive counts and offsets (`u64[N]`, packed in sender order) written there.
+    Device {
+        send_counts: Arg<'o>,
+        recv_counts: Arg<'o>,
+        recv_offsets: Arg<'o>,
+    },
+}
+
+/// An all-to-all's arguments beside its operands.
+#[derive(Clone, Copy)]
+pub(crate) struct A2aArgs<'o> {
+    /// Bytes of one element (any type: the kernels move bytes).
+    pub(crate) elem: usize,
+    pub(crate) counts: A2aCounts<'o>,
+}
+
+/// A checked all-to-all's counts: the host table the fill kernel stores (`u64[4][MAX_RANKS]`:
+/// send counts, send offsets, receive counts, receive offsets), or the resolved device tables.
+#[derive(Clone, Copy)]
+pub(crate) enum A2aChecked<'o> {
+    Equal,
+    Host([u64; crate::kernels::alltoall::TABLE_WORDS]),
+    Device {
+        send_counts: Resolved<'o>,
+        recv_counts: Resolved<'o>,
+        recv_offsets: Resolved<'o>,
+    },
+}
+
 /// What a call asks for, before the checks.
 pub(crate) struct Call<'o> {
     pub(crate) kind: Kind,
@@ -72,9 +117,28 @@ pub(crate) struct Call<'o> {
     pub(crate) residual: Option<Arg<'o>>,
     pub(crate) weight: Option<Arg<'o>>,
     pub(crate) norm: Option<NormArgs>,
+    /// An all-to-all's element size and counts.
+    pub(crate) a2a: Option<A2aArgs<'o>>,
 }
 
 impl<'o> Call<'o> {
+    /// An all-to-all of `elem`-byte elements, out of place (`input` given) or in place.
+    pub(crate) fn all_to_all(
+        elem: usize,
+        counts: A2aCounts<'o>,
+        input: Option<Operand<'o>>,
+        output: Operand<'o>,
+    ) -> Self {
+        let mut c = Call::collective(Kind::AllToAll, DType::F32, ReduceOp::Sum, 0, input, output);
+        c.a2a = Some(A2aArgs { elem, counts });
+        c
+    }
+
+    /// Bytes of one element: the all-to-all's own, else the type's.
+    pub(crate) fn elem_size(&self) -> usize {
+        self.a2a.map_or(self.dtype.size(), |a| a.elem)
+    }
+
     /// A reduce-scatter, all-gather, broadcast or allreduce, out of place (`input` given) or in
     /// place.
     pub(crate) fn collective(
@@ -100,6 +164,7 @@ impl<'o> Call<'o> {
             residual: None,
             weight: None,
             norm: None,
+            a2a: None,
         }
     }
 }
@@ -129,6 +194,8 @@ pub(crate) struct Checked<'o> {
     pub(crate) norm: Option<NormShape>,
     /// The argument names of the input and the output (for errors found while executing).
     pub(crate) names: [&'static str; 2],
+    /// An all-to-all's element size and checked counts.
+    pub(crate) a2a: Option<(usize, A2aChecked<'o>)>,
 }
 
 /// What every rank making the same call shares: the facts the planner decides from, so that
@@ -155,6 +222,18 @@ pub(crate) struct Facts {
     /// locally, without changing what the team runs).
     pub(crate) sym_addrs: u64,
     pub(crate) norm: Option<NormShape>,
+    /// An all-to-all: the mode (`kernels::alltoall::MODE_*`), the output's bytes and whether
+    /// the call is in place (in place is a shared fact of the call: every rank makes it).
+    pub(crate) a2a: Option<A2aFacts>,
+}
+
+/// What every rank of an all-to-all shares beside the lengths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct A2aFacts {
+    pub(crate) mode: u64,
+    pub(crate) elem: usize,
+    pub(crate) out_bytes: usize,
+    pub(crate) in_place: bool,
 }
 
 impl Checked<'_> {
@@ -177,6 +256,16 @@ impl Checked<'_> {
             sym_out: self.output.is_sym(),
             sym_addrs: addr(&self.input) | addr(&self.output),
             norm: self.norm,
+            a2a: self.a2a.map(|(elem, c)| A2aFacts {
+                mode: match c {
+                    A2aChecked::Equal => crate::kernels::alltoall::MODE_EQUAL,
+                    A2aChecked::Host(_) => crate::kernels::alltoall::MODE_HOST,
+                    A2aChecked::Device { .. } => crate::kernels::alltoall::MODE_DEVICE,
+                },
+                elem,
+                out_bytes: self.output.bytes,
+                in_place: self.in_place,
+            }),
         }
     }
 }

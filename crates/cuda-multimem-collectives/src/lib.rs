@@ -1,5 +1,5 @@
 //! Collectives for teams of NVLink-connected GPUs — allreduce, reduce-scatter, all-gather,
-//! broadcast and allreduce fused with residual add + RMSNorm — through one typed
+//! broadcast, all-to-all and allreduce fused with residual add + RMSNorm — through one typed
 //! [`Communicator`] that chooses per call between peer-to-peer kernels (every rank's memory
 //! mapped on every peer) and `multimem` kernels (NVLink multicast, where it is allowed and pays
 //! off), on symmetric buffers or on the caller's own device memory; graph-safe (counters that
@@ -53,7 +53,10 @@
 //! Reduce-scatter, all-gather and broadcast ([`RankHandle::reduce_scatter`],
 //! [`RankHandle::all_gather`], [`RankHandle::broadcast`] and their in-place forms) take the same
 //! operands: `docs/design/collectives.md`; the fused norm
-//! ([`RankHandle::all_reduce_add_rms_norm`]): `docs/design/rmsnorm.md`.
+//! ([`RankHandle::all_reduce_add_rms_norm`]): `docs/design/rmsnorm.md`; all-to-all of any
+//! element type ([`RankHandle::all_to_all`], [`RankHandle::all_to_all_in_place`],
+//! [`RankHandle::all_to_all_v`] with counts on the host, [`RankHandle::all_to_all_v_dev`] with
+//! counts on the device): `docs/design/alltoall.md`.
 //!
 //! Teams have 1 to 8 ranks (a team of one runs every collective as a local copy); several ranks
 //! may share a device ([`CommunicatorBuilder::allow_shared_devices`]); a rank's calls take any

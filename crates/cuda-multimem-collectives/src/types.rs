@@ -290,6 +290,17 @@ pub enum Algorithm {
     /// The fused norm, two-shot: each rank sums its rows' share, normalises it and pushes the
     /// residual and the output to every rank (large calls, teams above 3 ranks).
     NormTwoShot,
+    /// All-to-all with the low-latency protocol (small parts, up to
+    /// [`crate::CommConfig::gather_ll_max_bytes`] of input and what a low-latency slot holds per
+    /// part): every rank's counts and offsets, then its parts, travel with the call's flag in
+    /// 8-byte cells into the receivers' low-latency slots; receivers poll, no barrier. Any
+    /// operand kind and alignment. See `docs/design/alltoall.md`.
+    AllToAllLl,
+    /// All-to-all, bulk: after the exchange of counts (as in [`Algorithm::AllToAllLl`]), every
+    /// sender stores its parts straight into the receivers' symmetric output, then one barrier.
+    /// An output of the caller's own memory (or an in-place call) lands in the communicator's
+    /// scratch and is copied out by the same kernel ([`crate::Choice::staged_chunks`] 1).
+    AllToAllDirect,
 }
 
 impl Algorithm {
@@ -318,6 +329,7 @@ impl Algorithm {
             | Algorithm::NormOneShotLl
             | Algorithm::NormOneShotLlSplit
             | Algorithm::NormTwoShot => &["all_reduce_add_rms_norm"],
+            Algorithm::AllToAllLl | Algorithm::AllToAllDirect => &["all_to_all", "all_to_all_v"],
         }
     }
 }
@@ -341,6 +353,8 @@ impl std::fmt::Display for Algorithm {
             Algorithm::NormOneShotLlSplit => "norm-one-shot-ll-split",
             Algorithm::Local => "local",
             Algorithm::NormTwoShot => "norm-two-shot",
+            Algorithm::AllToAllLl => "all-to-all-ll",
+            Algorithm::AllToAllDirect => "all-to-all-direct",
         })
     }
 }

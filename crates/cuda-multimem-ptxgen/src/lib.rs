@@ -13,6 +13,7 @@
 use cuda_multimem_collectives::kernels::*;
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
+pub mod alltoall;
 pub mod gather;
 pub mod multimem;
 pub mod norm;
@@ -26,6 +27,7 @@ pub fn files() -> Vec<(&'static str, String)> {
         .chain([(multimem::FILE, multimem::generate())])
         .chain(gather::files())
         .chain([(norm::FILE, norm::generate())])
+        .chain([(alltoall::FILE, alltoall::generate())])
         .collect()
 }
 
@@ -41,6 +43,7 @@ pub fn committed(file: &str) -> Option<&'static str> {
             .find(|c| c.file() == file)
             .map(|c| c.ptx()))
         .or((file == norm::FILE).then_some(norm::PTX))
+        .or((file == alltoall::FILE).then_some(alltoall::PTX))
 }
 
 /// Per-dtype/op PTX snippets.

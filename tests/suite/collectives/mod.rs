@@ -140,6 +140,7 @@ fn team(e: &Env, test: &str) -> Option<Communicator> {
 }
 
 mod allreduce;
+mod alltoall;
 mod cudarc_ops;
 mod failures;
 mod gather;

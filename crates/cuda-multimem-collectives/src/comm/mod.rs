@@ -18,12 +18,12 @@ pub use build::CommunicatorBuilder;
 pub use rank::RankHandle;
 
 use crate::buffer::{SymBuf, SymmetricBuffer};
-use crate::call::{Facts, Kind, NormShape};
+use crate::call::{A2aFacts, Facts, Kind, NormShape};
 use crate::config::CommConfig;
 use crate::engine::{plan, TeamFacts, MAX_HIDDEN};
 use crate::exec::multimem::Mm;
 use crate::exec::p2p::P2p;
-use crate::kernels::ERR_MISMATCH;
+use crate::kernels::{ERR_BOUNDS, ERR_MISMATCH};
 use crate::team::{Local, Ranks, Sym};
 use crate::types::{Choice, DType, MulticastPolicy, Operands, Path, ReduceOp};
 
@@ -196,6 +196,47 @@ impl Communicator {
             sym_out: sym,
             sym_addrs: 0,
             norm: None,
+            a2a: None,
+        };
+        Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
+    }
+
+    /// What an all-to-all runs for an input of `input_bytes` and an output of `output_bytes`
+    /// whose kind is `output` (where its parts land), with counts (`all_to_all_v`,
+    /// `all_to_all_v_dev`: `counts` true) or equal parts, in place or not: the form (the
+    /// low-latency form for small parts; else direct into a symmetric output, or through the
+    /// scratch, `staged_chunks` 1) and the launch shape. It asks the planner the call itself
+    /// asks; an output the scratch cannot hold is the call's error.
+    pub fn all_to_all_choice(
+        &self,
+        input_bytes: usize,
+        output_bytes: usize,
+        counts: bool,
+        output: Operands,
+        in_place: bool,
+    ) -> Result<Choice> {
+        let sym = output == Operands::Symmetric;
+        let facts = Facts {
+            kind: Kind::AllToAll,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            root: 0,
+            bytes: input_bytes,
+            chunk: input_bytes,
+            sym_in: sym,
+            sym_out: sym,
+            sym_addrs: 0,
+            norm: None,
+            a2a: Some(A2aFacts {
+                mode: if counts {
+                    crate::kernels::alltoall::MODE_HOST
+                } else {
+                    crate::kernels::alltoall::MODE_EQUAL
+                },
+                elem: 1,
+                out_bytes: output_bytes,
+                in_place: in_place && !counts,
+            }),
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -235,6 +276,7 @@ impl Communicator {
                 row_bytes,
                 eps: 0.0,
             }),
+            a2a: None,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -320,6 +362,17 @@ impl Inner {
                         l.device.ordinal()
                     ),
                 }));
+            }
+            if w == ERR_BOUNDS && found.is_none() {
+                found = Some(Error::invalid(
+                    "counts",
+                    format!(
+                        "rank {} (device {}): a count, offset or expert id read on the device was out of range, or a peer's count did not match what this rank expects; what it concerned was not moved ({path} path; {calls} call(s) queued on this rank)",
+                        l.rank,
+                        l.device.ordinal()
+                    ),
+                ));
+                continue;
             }
             if w != 0 && found.is_none() {
                 found = Some(Error::Timeout {

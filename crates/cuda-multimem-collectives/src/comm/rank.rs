@@ -1,10 +1,10 @@
 //! [`RankHandle`]: every public collective of a rank, each a conversion of its borrowed views
 //! into one [`Call`] handed to the funnel (`super::funnel`).
 
-use cuda_multimem::{CallStream, Device, Error, IntoStream, Result};
+use cuda_multimem::{CallStream, Device, DeviceRepr, Error, IntoStream, Result};
 
 use super::Communicator;
-use crate::call::{Arg, Call, Kind, NormArgs};
+use crate::call::{A2aCounts, Arg, Call, Kind, NormArgs};
 use crate::operand::{Dst, IntoDst, IntoSrc, Src};
 use crate::team::Local;
 use crate::types::{Choice, DType, Element, ReduceOp};
@@ -330,6 +330,138 @@ impl<'a> RankHandle<'a> {
         )
     }
 
+    /// All-to-all of equal parts, queued on `stream`: `input` holds N parts of `len / N`
+    /// elements, and part k of rank r's input becomes part r of rank k's output (`output` as
+    /// long as `input`). Any element type (the kernels move bytes: `u8`, `i32`, `f32`, bf16,
+    /// FP8 as `u8`, …). Operands: symmetric buffers or the caller's own memory; small calls run
+    /// the low-latency form ([`crate::Algorithm::AllToAllLl`]), larger ones store straight into
+    /// a symmetric output, or land in the communicator's scratch and are copied out
+    /// ([`crate::Algorithm::AllToAllDirect`]). Every rank passes the same lengths. Returns what
+    /// ran. Protocol: `docs/design/alltoall.md`.
+    pub fn all_to_all<'s, 'd, 'x, T: DeviceRepr>(
+        &self,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
+        stream: impl IntoStream<'x>,
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
+        self.run(
+            Call::all_to_all(
+                std::mem::size_of::<T>(),
+                A2aCounts::Equal,
+                Some(i.operand()),
+                o.operand(),
+            ),
+            on.stream(),
+        )
+    }
+
+    /// All-to-all of equal parts in place: part k of rank r's `buf` becomes part r of rank k's
+    /// `buf` (above the low-latency limit through the communicator's scratch).
+    pub fn all_to_all_in_place<'d, 'x, T: DeviceRepr>(
+        &self,
+        buf: impl IntoDst<'d, T>,
+        stream: impl IntoStream<'x>,
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let b = buf.into_dst(&on, "buf")?;
+        self.run(
+            Call::all_to_all(
+                std::mem::size_of::<T>(),
+                A2aCounts::Equal,
+                None,
+                b.operand(),
+            ),
+            on.stream(),
+        )
+    }
+
+    /// All-to-all with counts and offsets per peer given on the host (in elements; MPI's
+    /// `Alltoallv`): `send_counts[k]` elements from `input[send_offsets[k]..]` go to rank k,
+    /// where they land at `output[recv_offsets[r]..]` of rank k, which expects
+    /// `recv_counts[r]` of them. Each slice has one entry per rank. Checked before launch: the
+    /// slices' lengths, every part inside its buffer, the received parts apart, input and
+    /// output apart. Each rank's counts must match what its peers expect: a mismatch is found
+    /// on the device (the receiver's error word: [`RankHandle::check`] reports it, and the
+    /// part is not written). Every rank passes the same buffer lengths. Out of place only.
+    /// The counts travel with the kernels' parameters (graph capture takes them by value).
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all_v<'s, 'd, 'x, T: DeviceRepr>(
+        &self,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
+        send_counts: &[usize],
+        send_offsets: &[usize],
+        recv_counts: &[usize],
+        recv_offsets: &[usize],
+        stream: impl IntoStream<'x>,
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
+        self.run(
+            Call::all_to_all(
+                std::mem::size_of::<T>(),
+                A2aCounts::Host {
+                    send_counts,
+                    send_offsets,
+                    recv_counts,
+                    recv_offsets,
+                },
+                Some(i.operand()),
+                o.operand(),
+            ),
+            on.stream(),
+        )
+    }
+
+    /// All-to-all with the send counts in device memory (so that a captured graph needs no
+    /// host synchronisation): `send_counts` (`u64[N]`, elements) says how many elements go to
+    /// each rank, taken from `input` packed in rank order; the kernel writes how many arrived
+    /// from each rank into `recv_counts` (`u64[N]`) and where they start in `output` into
+    /// `recv_offsets` (`u64[N]`: packed in sender order). Counts the device finds out of range
+    /// (a part past the end of the input, the received parts past the end of the output) are
+    /// not moved: their receive count reads 0 and the error word says so
+    /// ([`RankHandle::check`], [`crate::Communicator::check`]); nothing is written outside the
+    /// buffers. Every rank passes the same buffer lengths. Out of place only.
+    pub fn all_to_all_v_dev<'s, 'd, 'c, 'r, 'f, 'x, T: DeviceRepr>(
+        &self,
+        input: impl IntoSrc<'s, T>,
+        output: impl IntoDst<'d, T>,
+        send_counts: impl IntoSrc<'c, u64>,
+        recv_counts: impl IntoDst<'r, u64>,
+        recv_offsets: impl IntoDst<'f, u64>,
+        stream: impl IntoStream<'x>,
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let (i, o) = (
+            input.into_src(&on, "input")?,
+            output.into_dst(&on, "output")?,
+        );
+        let sc = send_counts.into_src(&on, "send_counts")?;
+        let rc = recv_counts.into_dst(&on, "recv_counts")?;
+        let ro = recv_offsets.into_dst(&on, "recv_offsets")?;
+        self.run(
+            Call::all_to_all(
+                std::mem::size_of::<T>(),
+                A2aCounts::Device {
+                    send_counts: Arg::new(sc.operand(), "send_counts"),
+                    recv_counts: Arg::new(rc.operand(), "recv_counts"),
+                    recv_offsets: Arg::new(ro.operand(), "recv_offsets"),
+                },
+                Some(i.operand()),
+                o.operand(),
+            ),
+            on.stream(),
+        )
+    }
+
     /// Fused allreduce + residual add + RMSNorm, queued on `stream`: with `x` this rank's
     /// partial sums (`tokens × hidden`), `residual` holding r on entry, per row
     ///
@@ -424,6 +556,7 @@ impl<'g, T: Element> NormOperands<'g, T> {
             residual: Some(Arg::new(self.residual.operand(), "residual")),
             weight: Some(Arg::new(self.weight.operand(), "weight")),
             norm: Some(NormArgs { hidden, eps }),
+            a2a: None,
         }
     }
 }

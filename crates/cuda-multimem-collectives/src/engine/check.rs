@@ -5,7 +5,9 @@
 
 use cuda_multimem::{Error, Result, StreamRef};
 
-use crate::call::{Arg, Call, Checked, Kind, NormShape};
+use crate::call::{A2aChecked, A2aCounts, Arg, Call, Checked, Kind, NormShape};
+use crate::kernels::alltoall::{MAX_BYTES, TABLE_WORDS};
+use crate::kernels::MAX_RANKS;
 use crate::operand::{resolve, Owner, Resolved};
 use crate::team::{Local, Ranks};
 
@@ -43,7 +45,7 @@ pub(crate) fn check<'o>(
         ctx.ranks.usable()?;
     }
     // 3. every operand, in argument order
-    let es = call.dtype.size();
+    let es = call.elem_size();
     let owner = ctx.owner();
     let res = |a: &Arg<'o>| resolve(&a.op, &owner, a.name, es);
     let input = call.input.as_ref().map(res).transpose()?;
@@ -161,6 +163,39 @@ pub(crate) fn check<'o>(
             };
             (x, output, Some(shape))
         }
+        Kind::AllToAll => {
+            let i = input.unwrap_or(output);
+            for (arg, r) in [(names[0], &i), (call.output.name, &output)] {
+                if r.bytes as u64 > MAX_BYTES {
+                    return Err(Error::invalid(
+                        arg,
+                        format!("{} bytes; an all-to-all addresses at most {MAX_BYTES} bytes per buffer", r.bytes),
+                    ));
+                }
+            }
+            if matches!(call.a2a.map(|a| a.counts), Some(A2aCounts::Equal)) {
+                if i.bytes % (n * es) != 0 {
+                    return Err(Error::invalid(
+                        names[0],
+                        format!(
+                            "{} elements; not a whole number of parts for {n} ranks (an all-to-all's input holds N equal parts)",
+                            elems(i.bytes)
+                        ),
+                    ));
+                }
+                if i.bytes != output.bytes {
+                    return Err(Error::invalid(
+                        "output",
+                        format!(
+                            "{} elements; the input has {} (an all-to-all's output holds N parts of the input's)",
+                            elems(output.bytes),
+                            elems(i.bytes)
+                        ),
+                    ));
+                }
+            }
+            (i, output, None)
+        }
     };
     // 5. overlap: the one overlap each collective allows is its in-place form
     let in_place = match call.kind {
@@ -222,6 +257,23 @@ pub(crate) fn check<'o>(
             }
             output.ptr == input.ptr
         }
+        Kind::AllToAll => {
+            let same = call.input.is_none() || input.ptr == output.ptr;
+            if input.overlaps(&output) && !(same && input.bytes == output.bytes) {
+                return Err(Error::invalid(
+                    "output",
+                    "overlaps the input without being the same range (in place: all_to_all_in_place)",
+                ));
+            }
+            let equal = matches!(call.a2a.map(|a| a.counts), Some(A2aCounts::Equal));
+            if same && input.bytes > 0 && !equal {
+                return Err(Error::invalid(
+                    "output",
+                    "is the input: a variable all-to-all runs out of place only",
+                ));
+            }
+            same && input.bytes > 0
+        }
     };
     // 6. the root
     if call.root >= n {
@@ -239,6 +291,20 @@ pub(crate) fn check<'o>(
             ));
         }
     }
+    // 8. an all-to-all's counts and offsets
+    let a2a = match call.a2a {
+        None => None,
+        Some(a) if a.elem == 0 || a.elem > 255 => {
+            return Err(Error::invalid(
+                "T",
+                format!(
+                    "elements of {} bytes; an all-to-all moves elements of 1 to 255 bytes",
+                    a.elem
+                ),
+            ))
+        }
+        Some(a) => Some((a.elem, a2a_counts(&a.counts, n, es, &input, &output, &res)?)),
+    };
     Ok(Checked {
         kind: call.kind,
         dtype: call.dtype,
@@ -251,7 +317,142 @@ pub(crate) fn check<'o>(
         in_place,
         norm,
         names,
+        a2a,
     })
+}
+
+/// An all-to-all's counts: the host's (every slice N long, every part inside its buffer, the
+/// received parts apart) as the fill kernel's table, or the device tables resolved (`u64[N]`
+/// each, apart from each other and from the operands).
+fn a2a_counts<'o>(
+    counts: &A2aCounts<'o>,
+    n: usize,
+    es: usize,
+    input: &Resolved<'o>,
+    output: &Resolved<'o>,
+    res: &dyn Fn(&Arg<'o>) -> Result<Resolved<'o>>,
+) -> Result<A2aChecked<'o>> {
+    match *counts {
+        A2aCounts::Equal => Ok(A2aChecked::Equal),
+        A2aCounts::Host {
+            send_counts,
+            send_offsets,
+            recv_counts,
+            recv_offsets,
+        } => {
+            let (ie, oe) = (input.bytes / es, output.bytes / es);
+            let mut table = [0u64; TABLE_WORDS];
+            let lists = [
+                ("send_counts", send_counts),
+                ("send_offsets", send_offsets),
+                ("recv_counts", recv_counts),
+                ("recv_offsets", recv_offsets),
+            ];
+            for (row, (arg, v)) in lists.iter().enumerate() {
+                if v.len() != n {
+                    return Err(Error::invalid(
+                        arg,
+                        format!("{} entries; expected one per rank ({n})", v.len()),
+                    ));
+                }
+                for (j, x) in v.iter().enumerate() {
+                    table[row * MAX_RANKS + j] = *x as u64;
+                }
+            }
+            let mut parts = Vec::with_capacity(n);
+            for j in 0..n {
+                for (cnt, off, len, cn, on, buf) in [
+                    (
+                        send_counts[j],
+                        send_offsets[j],
+                        ie,
+                        "send_counts",
+                        "send_offsets",
+                        "input",
+                    ),
+                    (
+                        recv_counts[j],
+                        recv_offsets[j],
+                        oe,
+                        "recv_counts",
+                        "recv_offsets",
+                        "output",
+                    ),
+                ] {
+                    if cnt > len {
+                        return Err(Error::invalid(
+                            cn,
+                            format!("{cnt} elements for rank {j}; the {buf} has {len}"),
+                        ));
+                    }
+                    if off.checked_add(cnt).is_none_or(|e| e > len) {
+                        return Err(Error::invalid(
+                            on,
+                            format!("{off} for rank {j}: {cnt} elements from there pass the end of the {len}-element {buf}"),
+                        ));
+                    }
+                }
+                if recv_counts[j] > 0 {
+                    parts.push((recv_offsets[j], recv_counts[j], j));
+                }
+            }
+            parts.sort();
+            for w in parts.windows(2) {
+                if w[0].0 + w[0].1 > w[1].0 {
+                    return Err(Error::invalid(
+                        "recv_offsets",
+                        format!(
+                            "the parts of ranks {} and {} overlap in the output",
+                            w[0].2, w[1].2
+                        ),
+                    ));
+                }
+            }
+            Ok(A2aChecked::Host(table))
+        }
+        A2aCounts::Device {
+            send_counts,
+            recv_counts,
+            recv_offsets,
+        } => {
+            let mut got: Vec<(&'static str, Resolved<'o>)> = Vec::new();
+            for a in [send_counts, recv_counts, recv_offsets] {
+                let r = res(&a)?;
+                if r.bytes != 8 * n {
+                    return Err(Error::invalid(
+                        a.name,
+                        format!(
+                            "{} bytes; expected one u64 per rank ({} bytes)",
+                            r.bytes,
+                            8 * n
+                        ),
+                    ));
+                }
+                if r.ptr % 8 != 0 {
+                    return Err(Error::invalid(a.name, "not 8-byte aligned"));
+                }
+                got.push((a.name, r));
+            }
+            // written: the output, recv_counts, recv_offsets; read: the input, send_counts
+            // (which may share memory with the input)
+            for (i, (na, ra)) in got.iter().enumerate() {
+                let others = got[..i].iter().map(|(nb, rb)| (*nb, *rb));
+                let ops = [("output", *output), ("input", *input)];
+                for (nb, rb) in
+                    others.chain(ops.into_iter().filter(|(nb, _)| i > 0 || *nb == "output"))
+                {
+                    if ra.overlaps(&rb) {
+                        return Err(Error::invalid(na, format!("overlaps {nb}")));
+                    }
+                }
+            }
+            Ok(A2aChecked::Device {
+                send_counts: got[0].1,
+                recv_counts: got[1].1,
+                recv_offsets: got[2].1,
+            })
+        }
+    }
 }
 
 /// Bytes of one chunk of an in-place buffer: a whole number of elements per rank.

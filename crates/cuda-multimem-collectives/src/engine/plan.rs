@@ -8,6 +8,7 @@ use cuda_multimem::{Error, Result};
 
 use crate::call::{Facts, Kind};
 use crate::config::CommConfig;
+use crate::kernels::alltoall as a2k;
 use crate::kernels::gather::{ll_words, Collective};
 use crate::kernels::multimem::{self as mmk, MmKernel};
 use crate::kernels::norm::{self as nk, NormKernel};
@@ -50,6 +51,12 @@ pub(crate) enum Exec {
     LocalNorm { shape: Shape },
     /// A team of one: the output becomes a copy of the input (nothing in place).
     LocalCopy,
+    /// An all-to-all kernel (`scratch`: the direct form lands in the scratch and copies out).
+    AllToAll {
+        algorithm: Algorithm,
+        shape: Shape,
+        scratch: bool,
+    },
 }
 
 /// `total` bytes in pieces of `piece` bytes (the last one shorter): `count` of them, at least
@@ -238,7 +245,7 @@ impl NormPlan {
 
 /// Plan a call.
 pub(crate) fn plan(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
-    if t.n == 1 {
+    if t.n == 1 && f.kind != Kind::AllToAll {
         return alone(f);
     }
     match f.kind {
@@ -246,7 +253,61 @@ pub(crate) fn plan(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         Kind::ReduceScatter | Kind::AllGather | Kind::Broadcast => gather(t, c, f),
         Kind::Norm => norm(t, c, f),
         Kind::LocalNorm => local_norm(f),
+        Kind::AllToAll => all_to_all(t, c, f),
     }
+}
+
+/// An all-to-all: the low-latency form where the input is at most `gather_ll_max_bytes` and
+/// the largest part a rank may send (equal parts: one part; counts: the whole input) fits a
+/// low-latency slot; else the direct form into a symmetric output, or through the scratch
+/// (the caller's own output, or in place) where the output fits a scratch region. A team of
+/// one runs the low-latency kernel (its own part never travels through a slot).
+fn all_to_all(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
+    let a = f
+        .a2a
+        .ok_or_else(|| Error::invalid("kind", "an all-to-all call without its counts"))?;
+    let part = if a.mode == a2k::MODE_EQUAL {
+        f.bytes / t.n
+    } else {
+        f.bytes
+    };
+    let ll = t.n == 1
+        || (f.bytes <= c.gather_ll_max_bytes && part as u64 <= a2k::ll_capacity(t.ll_slot as u64));
+    let (algorithm, scratch) = if ll {
+        (Algorithm::AllToAllLl, false)
+    } else if f.sym_out && !a.in_place {
+        (Algorithm::AllToAllDirect, false)
+    } else if a.out_bytes <= t.scratch_region {
+        (Algorithm::AllToAllDirect, true)
+    } else {
+        return Err(Error::invalid(
+            "output",
+            format!(
+                "{} bytes{}: above the low-latency limit such outputs land in the communicator's scratch, whose regions hold {} bytes (use a SymmetricBuffer output out of place, or raise config.scratch_bytes)",
+                a.out_bytes,
+                if a.in_place { " in place" } else { " of the caller's own memory" },
+                t.scratch_region
+            ),
+        ));
+    };
+    let shape = shape::all_to_all(t, c, part, algorithm);
+    let path = if t.n == 1 {
+        Path::Local
+    } else {
+        Path::PeerToPeer
+    };
+    Ok(Plan {
+        choice: shape.choice(path, algorithm, scratch as u32),
+        exec: if a.mode == a2k::MODE_EQUAL && f.bytes == 0 {
+            Exec::Nothing
+        } else {
+            Exec::AllToAll {
+                algorithm,
+                shape,
+                scratch,
+            }
+        },
+    })
 }
 
 /// Whether multimem `ld_reduce` has this type and operator.

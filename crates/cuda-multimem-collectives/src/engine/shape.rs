@@ -122,6 +122,22 @@ pub(crate) fn gather(
     fit(units, max_threads, pow2_blocks(t, c), cap)
 }
 
+/// An all-to-all kernel of `algorithm` whose largest part is `part_bytes`: the low-latency form
+/// one 4-byte word per thread, up to `threads`; the direct form 16-byte units, up to
+/// `push_threads`; blocks a power of two of the multiprocessors at most (and the team's cap).
+pub(crate) fn all_to_all(
+    t: &TeamFacts,
+    c: &CommConfig,
+    part_bytes: usize,
+    algorithm: Algorithm,
+) -> Shape {
+    let (units, max_threads) = match algorithm {
+        Algorithm::AllToAllLl => ((part_bytes as u64).div_ceil(4), c.threads as u64),
+        _ => ((part_bytes as u64).div_ceil(16), c.push_threads as u64),
+    };
+    fit(units, max_threads, pow2_blocks(t, c), None)
+}
+
 /// The copy-engine form's one barrier block.
 pub(crate) const COPY_ENGINE: Shape = Shape {
     blocks: 1,

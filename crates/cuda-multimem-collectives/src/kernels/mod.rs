@@ -13,6 +13,7 @@
 //! | 0 | `u32` rank |
 //! | 4 | `u32` team size |
 //! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
+//! | 12 | `u32` bounds word (0 ok, [`ERR_BOUNDS`]) |
 //! | 16 | `u64` bytes of one staging half |
 //! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
 //! | 24 | `u64` bytes of one low-latency slot |
@@ -25,6 +26,7 @@
 //! | 16384 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender |
 
 mod allreduce;
+pub mod alltoall;
 pub mod gather;
 mod loader;
 pub mod multimem;
@@ -50,6 +52,10 @@ pub const OFF_RANK: usize = 0;
 pub const OFF_NRANKS: usize = 4;
 /// Error word.
 pub const OFF_ERR: usize = 8;
+/// Bounds word (`u32`): 0, or [`ERR_BOUNDS`] once a count read on the device was out of range.
+/// Apart from the error word, which ends every wait: a bounds error never shortens a call's
+/// waits, so its peers are never left waiting for it.
+pub const OFF_BOUNDS: usize = 12;
 /// Staging half size.
 pub const OFF_STAGE_HALF: usize = 16;
 /// Peer pads.
@@ -74,6 +80,9 @@ pub const OFF_HDR: usize = 16384;
 pub const ERR_TIMEOUT: u32 = 1;
 /// A peer called with another size, type, operation or algorithm.
 pub const ERR_MISMATCH: u32 = 2;
+/// A count, offset or expert id read on the device was out of range (all-to-all and MoE
+/// kernels: nothing of what it concerns was written).
+pub const ERR_BOUNDS: u32 = 4;
 
 /// The low-latency flag of call counter `c` with call header `header` (the high word of every
 /// (flag, word) cell of the low-latency forms): bits 31..16 the counter, `0x8000 | ((c + 1) &

@@ -44,10 +44,15 @@ pub fn install() {
             }
         }
         gather::register();
+        alltoall::register();
         multimem::register();
         norm::register();
     });
 }
+
+/// The all-to-all equivalents (a child module: they share this module's barrier and the
+/// gather module's byte copy).
+mod alltoall;
 
 /// The reduce-scatter, all-gather and broadcast equivalents (a child module: they share this
 /// module's barrier, loads and stores).

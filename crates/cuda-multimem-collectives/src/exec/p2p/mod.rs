@@ -1,9 +1,10 @@
 //! The peer-to-peer executor: signal pads, staging, low-latency slots, landing areas and
 //! scratch in symmetric memory, and per local rank the kernels it loaded; the allreduce
 //! ([`allreduce`]), reduce-scatter / all-gather / broadcast ([`gather`], [`copy_engine`]) and
-//! fused norm ([`norm`]) executions.
+//! fused norm ([`norm`]) and all-to-all ([`alltoall`]) executions.
 
 pub(crate) mod allreduce;
+pub(crate) mod alltoall;
 pub(crate) mod copy_engine;
 pub(crate) mod gather;
 pub(crate) mod norm;
@@ -27,6 +28,7 @@ pub(crate) struct RankKernels {
     allreduce: HashMap<(Kernel, DType, ReduceOp), Function>,
     gather: gather::Kernels,
     norm: norm::Kernels,
+    alltoall: alltoall::Kernels,
     ce: Mutex<copy_engine::CeLane>,
 }
 
@@ -44,6 +46,7 @@ impl RankKernels {
         }
         v.extend(self.gather.all().map(|f| (f, most)));
         v.extend(self.norm.all().map(|(f, _)| (f, 1024)));
+        v.extend(self.alltoall.all().map(|f| (f, most)));
         v
     }
 
@@ -58,6 +61,10 @@ impl RankKernels {
                     .map(|c| (c.file(), c.ptx())),
             )
             .chain([(crate::kernels::norm::FILE, crate::kernels::norm::PTX)])
+            .chain([(
+                crate::kernels::alltoall::FILE,
+                crate::kernels::alltoall::PTX,
+            )])
             .collect()
     }
 
@@ -77,6 +84,7 @@ impl RankKernels {
             allreduce,
             gather: gather::Kernels::load(device)?,
             norm: norm::Kernels::load(device)?,
+            alltoall: alltoall::Kernels::load(device)?,
             ce: Mutex::new(copy_engine::CeLane::new(device)?),
         })
     }
@@ -227,7 +235,7 @@ impl P2p {
     /// follow the counters) zeroed, as a new team has them.
     pub(crate) fn reset(&self, ranks: &Ranks) -> Result<()> {
         for l in &ranks.locals {
-            self.pads.zero(l.rank, kernels::OFF_ERR, 4)?;
+            self.pads.zero(l.rank, kernels::OFF_ERR, 8)?;
             self.pads
                 .zero(l.rank, kernels::OFF_CTR, PAD_BYTES - kernels::OFF_CTR)?;
             self.ll.zero(l.rank, 0, self.ll.bytes)?;
@@ -235,10 +243,11 @@ impl P2p {
         Ok(())
     }
 
-    /// The error word of local rank `rank`.
+    /// The error word of local rank `rank`; where it is 0, its bounds word (a count the
+    /// all-to-all kernels found out of range on the device).
     pub(crate) fn error_word(&self, rank: usize) -> Result<u32> {
-        let mut w = [0u32];
+        let mut w = [0u32; 2];
         self.pads.read(rank, kernels::OFF_ERR, &mut w)?;
-        Ok(w[0])
+        Ok(if w[0] != 0 { w[0] } else { w[1] })
     }
 }

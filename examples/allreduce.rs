@@ -48,6 +48,7 @@ fn matches<T: Element>(got: &[T], want: &[T], inputs: &[Vec<T>], exact: bool) ->
         cuda_multimem_collectives::DType::F32 => f32::EPSILON,
         cuda_multimem_collectives::DType::F16 => 1.0 / 1024.0,
         cuda_multimem_collectives::DType::Bf16 => 1.0 / 128.0,
+        cuda_multimem_collectives::DType::U8 => 0.0,
     };
     (0..want.len()).find(|&i| {
         let (g, w) = (got[i].to_f32(), want[i].to_f32());

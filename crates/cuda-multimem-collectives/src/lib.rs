@@ -112,5 +112,7 @@ pub use types::{
     multimem_pays_off, Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp,
 };
 
+/// The FP8 types (the `float8` crate, which candle uses): moved by all-gather and broadcast.
+pub use float8;
 /// The element types, re-exported from the `half` crate.
 pub use half::{bf16, f16};

@@ -45,7 +45,7 @@ pub fn reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<T> {
             let acc = inputs[1..]
                 .iter()
                 .fold(inputs[0][e].to_f32(), |acc, x| op.apply(acc, x[e].to_f32()));
-            T::from_f32(acc)
+            T::from_f32(op.finish(acc, inputs.len()))
         })
         .collect()
 }
@@ -95,7 +95,7 @@ pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> 
         let acc = inputs[1..].iter().fold(dtype.load(inputs[0], e), |acc, x| {
             op.apply(acc, dtype.load(x, e))
         });
-        dtype.store(&mut out, acc);
+        dtype.store(&mut out, op.finish(acc, inputs.len()));
     }
     out
 }
@@ -167,7 +167,7 @@ pub fn rms_norm_within_tolerance<T: Element>(got: T, want: T) -> bool {
         return g.is_nan() && w.is_nan();
     }
     let step = match T::DTYPE {
-        DType::F32 => 0.0,
+        DType::F32 | DType::U8 => 0.0,
         DType::F16 => w.abs().max(6.1e-5) / 1024.0,
         DType::Bf16 => w.abs().max(1e-30) / 128.0,
     };
@@ -232,5 +232,33 @@ mod tests {
         );
         // f16: 1 + 2^-11 is halfway; nearest even is 1.0
         assert_eq!(f16::from_f32(1.0 + 1.0 / 2048.0).to_f32(), 1.0);
+    }
+
+    #[test]
+    fn product_and_average_round_at_the_kernels_points() {
+        let (a, b, c) = ([3.0f32, -0.5], [0.25f32, 4.0], [2.0f32, 1.5]);
+        assert_eq!(reference(ReduceOp::Prod, &[&a, &b, &c]), [1.5, -3.0]);
+        // (1 + 2 + 4) / 3 in f32, correctly rounded once
+        let avg = reference(ReduceOp::Avg, &[&[1.0f32][..], &[2.0], &[4.0]]);
+        assert_eq!(avg[0].to_bits(), (7.0f32 / 3.0).to_bits());
+        // bf16: (1 + 2^-8) / 2 in f32, rounded once to bf16 (the sum itself is not rounded)
+        let x = [bf16::from_f32(1.0), bf16::from_f32(1.0 / 256.0)];
+        let y = [bf16::from_f32(1.0 / 256.0), bf16::from_f32(0.0)];
+        let r = reference(ReduceOp::Avg, &[&x, &y]);
+        assert_eq!(
+            r[0].to_f32(),
+            bf16::from_f32((1.0 + 1.0 / 256.0) / 2.0).to_f32()
+        );
+        assert_eq!(r[1].to_f32(), 1.0 / 512.0);
+        let bytes: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let zeros = vec![0u8; 8];
+        let rb = reference_bytes(DType::F32, ReduceOp::Avg, &[&bytes, &zeros]);
+        assert_eq!(
+            rb,
+            [0.5f32, 1.0]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+        );
     }
 }

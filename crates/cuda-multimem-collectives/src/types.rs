@@ -4,6 +4,14 @@
 use half::{bf16, f16};
 
 /// Element types, for engines that know theirs only at run time ([`crate::RankHandle::all_reduce_dyn`]).
+///
+/// What takes which type:
+///
+/// | collective | types | operators |
+/// | --- | --- | --- |
+/// | allreduce, reduce-scatter (and `_dyn`) | f32, f16, bf16 (accumulated in f32 in rank order, rounded once to nearest even) | every [`ReduceOp`] |
+/// | fused norm | f32, f16, bf16 | — |
+/// | all-gather, broadcast | any [`cuda_multimem::DeviceRepr`] type (integers, f64, FP8, records), moved as bits in words of its [`DType::carrier`] | — |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit float.
@@ -12,26 +20,65 @@ pub enum DType {
     F16,
     /// bfloat16 (accumulated in f32).
     Bf16,
+    /// 8-bit unsigned integer. Moved by all-gather and broadcast (it carries every element
+    /// type whose size or alignment is odd: see [`DType::carrier`]); not reduced.
+    U8,
 }
 
 impl DType {
-    /// Every type.
+    /// The types every collective takes, the reductions and the fused norm included: f32,
+    /// f16 and bf16. ([`DType::U8`] is moved by all-gather and broadcast only.)
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+    /// The kernel types the bit-moving collectives (all-gather, broadcast) run any element
+    /// type as ([`DType::carrier`]): 4-byte, 2-byte and 1-byte words.
+    pub const CARRIERS: [DType; 3] = [DType::F32, DType::F16, DType::U8];
+
+    /// The type an all-gather or broadcast of elements of `size` bytes aligned to `align`
+    /// moves them as: words of the largest of 4, 2 and 1 bytes that divides both (f32 for
+    /// 4-byte words, f16 for 2-byte ones: those kernels move bits, never convert them; u8
+    /// for the rest), so any [`cuda_multimem::DeviceRepr`] type travels as whole words of
+    /// itself. `None` for a zero-sized type.
+    pub fn carrier(size: usize, align: usize) -> Option<DType> {
+        if size == 0 {
+            return None;
+        }
+        let g = size | align.max(1);
+        Some(if g % 4 == 0 {
+            DType::F32
+        } else if g % 2 == 0 {
+            DType::F16
+        } else {
+            DType::U8
+        })
+    }
+
+    /// [`DType::carrier`] of `T` (`None`: zero-sized).
+    pub fn carrier_of<T>() -> Option<DType> {
+        DType::carrier(std::mem::size_of::<T>(), std::mem::align_of::<T>())
+    }
+
+    /// Whether the reductions (allreduce, reduce-scatter) and the fused norm take this type.
+    pub fn reduces(self) -> bool {
+        DType::ALL.contains(&self)
+    }
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::Bf16 => 2,
+            DType::U8 => 1,
         }
     }
 
-    /// Short name (`f32`, `f16`, `bf16`).
+    /// Short name (`f32`, `f16`, `bf16`, `u8`).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
+            DType::U8 => "u8",
         }
     }
 
@@ -41,15 +88,18 @@ impl DType {
             DType::F32 => f32::from_bits(bits),
             DType::F16 => f16::from_bits(bits as u16).to_f32(),
             DType::Bf16 => bf16::from_bits(bits as u16).to_f32(),
+            DType::U8 => (bits as u8) as f32,
         }
     }
 
-    /// `v` rounded to this type (round to nearest even, as `cvt.rn`), as bits.
+    /// `v` rounded to this type (round to nearest even, as `cvt.rn`; u8: truncated toward zero
+    /// and saturated, NaN 0), as bits.
     pub fn encode(self, v: f32) -> u32 {
         match self {
             DType::F32 => v.to_bits(),
             DType::F16 => f16::from_f32(v).to_bits() as u32,
             DType::Bf16 => bf16::from_f32(v).to_bits() as u32,
+            DType::U8 => v as u8 as u32,
         }
     }
 
@@ -140,6 +190,11 @@ impl Element for bf16 {
 /// otherwise fails there too); its one-shot form reduces on every rank separately, so ranks may
 /// differ from each other in the last bits; its two-shot form reduces each part once and stores
 /// it to every rank, so ranks agree. [`ReduceOp::Min`] and [`ReduceOp::Max`] are exact everywhere.
+/// [`ReduceOp::Prod`] and [`ReduceOp::Avg`] run peer-to-peer only (`multimem.ld_reduce` has
+/// neither), in rank order as the sum: bit-identical on every rank and equal to the reference.
+/// Their allreduce has no write-only two-shot forms: above the one-shot limit it runs
+/// [`Algorithm::TwoShot`] (the caller's own memory staged through the scratch), reported in
+/// the [`Choice`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Sum (see the type's documentation for the order).
@@ -148,26 +203,50 @@ pub enum ReduceOp {
     Min,
     /// Maximum.
     Max,
+    /// Product (`mul.rn.f32` in rank order, as [`ReduceOp::Sum`] adds).
+    Prod,
+    /// Average: the sum in rank order (as [`ReduceOp::Sum`], accumulated in f32), divided by
+    /// the team size in f32 (`div.rn.f32`, correctly rounded), then rounded once to the type.
+    Avg,
 }
 
 impl ReduceOp {
     /// Every operator.
-    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max];
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Prod,
+        ReduceOp::Avg,
+    ];
 
-    /// Short name (`sum`, `min`, `max`).
+    /// Short name (`sum`, `min`, `max`, `prod`, `avg`).
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Avg => "avg",
         }
     }
 
-    /// Apply to two f32 values, exactly as the kernels do (`add.rn.f32`, `min.f32`, `max.f32`:
-    /// a NaN operand yields the other one; -0 is below +0).
+    /// The value after combining every rank's (`acc`, in f32) on a team of `n`, before it is
+    /// rounded to the type: `acc / n` for [`ReduceOp::Avg`] (`div.rn.f32`), `acc` otherwise.
+    pub fn finish(self, acc: f32, n: usize) -> f32 {
+        match self {
+            ReduceOp::Avg => acc / n as f32,
+            _ => acc,
+        }
+    }
+
+    /// Apply to two f32 values, exactly as the kernels do (`add.rn.f32` for sum and average,
+    /// `mul.rn.f32`, `min.f32`, `max.f32`: a NaN operand yields the other one; -0 is below +0);
+    /// an average is then [`ReduceOp::finish`]ed.
     pub fn apply(self, a: f32, b: f32) -> f32 {
         match self {
-            ReduceOp::Sum => a + b,
+            ReduceOp::Sum | ReduceOp::Avg => a + b,
+            ReduceOp::Prod => a * b,
             ReduceOp::Min => {
                 if a.is_nan() {
                     b

@@ -12,7 +12,6 @@ use cuda_multimem_collectives::kernels::{
     ERR_TIMEOUT, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
     OFF_SIG, OFF_STAGES, OFF_STAGE_HALF,
 };
-use cuda_multimem_collectives::DType;
 
 use super::{
     barrier, epilogue, epilogue_to, ll_barrier_peek, ll_flag, ll_mismatch, ll_report, parity_slots,
@@ -39,7 +38,7 @@ pub fn files() -> Vec<(&'static str, String)> {
 /// The PTX text of one collective.
 pub fn generate(c: Collective) -> String {
     let mut s = HEADER.to_string();
-    for dtype in DType::ALL {
+    for &dtype in c.dtypes() {
         for &op in c.ops() {
             s += &kernel(c, &Flavor { dtype, op });
             s += &ll_kernel(c, &Flavor { dtype, op });
@@ -151,18 +150,30 @@ fn copy(f: &Flavor, vector: bool, src: &str, dst: &str, cg: bool) -> String {
             format!("\tld.global{c}.v4.b32 {{%r30, %r31, %r32, %r33}}, [%rd24];\n"),
             "\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n".to_string(),
         )
-    } else if f.half() {
-        (
-            format!("\tld.global{c}.b16 %h1, [%rd24];\n"),
-            "\tst.global.b16 [%rd25], %h1;\n".to_string(),
-        )
     } else {
-        (
-            format!("\tld.global{c}.b32 %r30, [%rd24];\n"),
-            "\tst.global.b32 [%rd25], %r30;\n".to_string(),
-        )
+        let (ld, st) = scalar_move(f);
+        (ld.replace("{c}", c), st.to_string())
     };
     format!("\tadd.u64 %rd24, {src}, %rd21;\n{ld}\tadd.u64 %rd25, {dst}, %rd21;\n{st}")
+}
+
+/// One element's load from [%rd24] (`{c}`: the cache qualifier to fill in) and store to
+/// [%rd25]: bits, whatever the type (32-bit words in %r30, 16-bit in %h1, bytes in %r30).
+fn scalar_move(f: &Flavor) -> (&'static str, &'static str) {
+    match f.es() {
+        4 => (
+            "\tld.global{c}.b32 %r30, [%rd24];\n",
+            "\tst.global.b32 [%rd25], %r30;\n",
+        ),
+        2 => (
+            "\tld.global{c}.b16 %h1, [%rd24];\n",
+            "\tst.global.b16 [%rd25], %h1;\n",
+        ),
+        _ => (
+            "\tld.global{c}.u8 %r30, [%rd24];\n",
+            "\tst.global.u8 [%rd25], %r30;\n",
+        ),
+    }
 }
 
 /// A unit loop of this round or block, vectors when %p9, else elements: vectors over [`vlo`,
@@ -634,19 +645,12 @@ fn direct(c: Collective, f: &Flavor) -> String {
         let l = if v { "dv" } else { "ds" };
         let (ld, st) = if v {
             (
-                "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n",
+                "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n".to_string(),
                 "\tst.global.v4.b32 [%rd25], {%r30, %r31, %r32, %r33};\n",
             )
-        } else if f.half() {
-            (
-                "\tld.global.b16 %h1, [%rd24];\n",
-                "\tst.global.b16 [%rd25], %h1;\n",
-            )
         } else {
-            (
-                "\tld.global.b32 %r30, [%rd24];\n",
-                "\tst.global.b32 [%rd25], %r30;\n",
-            )
+            let (ld, st) = scalar_move(f);
+            (ld.replace("{c}", ""), st)
         };
         format!(
             "\tadd.u64 %rd24, %rd2, %rd21;\n{ld}\tmov.u32 %r34, 0;\n$L_{l}_k:\n\tsetp.ge.u32 %p16, %r34, %r6;\n\t@%p16 bra $L_{l}_kend;\n\tsetp.eq.u32 %p19, %r34, %r5;\n\tand.pred %p18, %p19, %p7;\n\t@%p18 bra $L_{l}_knext;\n\tmul.wide.u32 %rd27, %r34, 8;\n\tadd.u64 %rd27, %rd5, %rd27;\n\tld.global.nc.u64 %rd25, [%rd27];\n\tadd.u64 %rd25, %rd25, %rd32;\n\tadd.u64 %rd25, %rd25, %rd21;\n{st}$L_{l}_knext:\n\tadd.u32 %r34, %r34, 1;\n\tbra.uni $L_{l}_k;\n$L_{l}_kend:\n"
@@ -662,7 +666,7 @@ fn direct(c: Collective, f: &Flavor) -> String {
 }
 
 /// Where %p3 says: the word at %rd24 is 4-byte aligned and whole; %p4: the word is whole (its
-/// index %rd20 below the whole words %rd16). 16-bit types only.
+/// index %rd20 below the whole words %rd16). 16-bit and 1-byte types only.
 const ALIGNED_WHOLE: &str =
     "\t// one b32 when aligned and whole (p3); else its elements, the second only if whole (p4)
 \tand.b64 %rd65, %rd24, 3;
@@ -676,24 +680,49 @@ const ALIGNED_WHOLE: &str =
 /// count) its one or two elements, a missing second one read as 0.
 fn ll_load(f: &Flavor, label: &str, base: &str) -> String {
     let addr = format!("\tshl.b64 %rd24, %rd20, 2;\n\tadd.u64 %rd24, {base}, %rd24;\n");
-    if !f.half() {
-        return addr + "\tld.global.b32 %r30, [%rd24];\n";
+    match f.es() {
+        4 => addr + "\tld.global.b32 %r30, [%rd24];\n",
+        2 => format!(
+            "{addr}{ALIGNED_WHOLE}\t@!%p3 bra $L_{label}_h;\n\tld.global.b32 %r30, [%rd24];\n\tbra.uni $L_{label}_d;\n$L_{label}_h:\n\tld.global.b16 %h1, [%rd24];\n\tmov.b16 %h2, 0;\n\t@%p4 ld.global.b16 %h2, [%rd24+2];\n\tmov.b32 %r30, {{%h1, %h2}};\n$L_{label}_d:\n"
+        ),
+        _ => {
+            let mut bytes = String::new();
+            for i in 1..4 {
+                bytes += &format!("\tsetp.gt.u64 %p20, %rd72, {i};\n\tmov.u32 %r60, 0;\n\t@%p20 ld.global.u8 %r60, [%rd24+{i}];\n\tshl.b32 %r60, %r60, {};\n\tor.b32 %r30, %r30, %r60;\n", 8 * i);
+            }
+            format!(
+                "{addr}{ALIGNED_WHOLE}\t@!%p3 bra $L_{label}_h;\n\tld.global.b32 %r30, [%rd24];\n\tbra.uni $L_{label}_d;\n$L_{label}_h:\n{BYTES_LEFT}\tld.global.u8 %r30, [%rd24];\n{bytes}$L_{label}_d:\n"
+            )
+        }
     }
-    format!(
-        "{addr}{ALIGNED_WHOLE}\t@!%p3 bra $L_{label}_h;\n\tld.global.b32 %r30, [%rd24];\n\tbra.uni $L_{label}_d;\n$L_{label}_h:\n\tld.global.b16 %h1, [%rd24];\n\tmov.b16 %h2, 0;\n\t@%p4 ld.global.b16 %h2, [%rd24+2];\n\tmov.b32 %r30, {{%h1, %h2}};\n$L_{label}_d:\n"
-    )
 }
+
+/// The bytes of word %rd20 in the chunk of %rd19 bytes, into %rd72 (1 to 4: the last word of
+/// a chunk may be short). 1-byte types only.
+const BYTES_LEFT: &str = "\t// the bytes of this word in the chunk: B - 4w (1 to 4)
+\tshl.b64 %rd72, %rd20, 2;
+\tsub.u64 %rd72, %rd19, %rd72;
+";
 
 /// Store `reg` as word %rd20 of the chunk at `base` (as [`ll_load`]: the second element of a
 /// word that is not whole is not stored).
 fn ll_store(f: &Flavor, label: &str, base: &str, reg: &str) -> String {
     let addr = format!("\tshl.b64 %rd24, %rd20, 2;\n\tadd.u64 %rd24, {base}, %rd24;\n");
-    if !f.half() {
-        return addr + &format!("\tst.global.b32 [%rd24], {reg};\n");
+    match f.es() {
+        4 => addr + &format!("\tst.global.b32 [%rd24], {reg};\n"),
+        2 => format!(
+            "{addr}{ALIGNED_WHOLE}\t@!%p3 bra $L_{label}_h;\n\tst.global.b32 [%rd24], {reg};\n\tbra.uni $L_{label}_d;\n$L_{label}_h:\n\tmov.b32 {{%h1, %h2}}, {reg};\n\tst.global.b16 [%rd24], %h1;\n\t@%p4 st.global.b16 [%rd24+2], %h2;\n$L_{label}_d:\n"
+        ),
+        _ => {
+            let mut bytes = String::new();
+            for i in 1..4 {
+                bytes += &format!("\tsetp.gt.u64 %p20, %rd72, {i};\n\tshr.b32 %r61, {reg}, {};\n\t@%p20 st.global.u8 [%rd24+{i}], %r61;\n", 8 * i);
+            }
+            format!(
+                "{addr}{ALIGNED_WHOLE}\t@!%p3 bra $L_{label}_h;\n\tst.global.b32 [%rd24], {reg};\n\tbra.uni $L_{label}_d;\n$L_{label}_h:\n{BYTES_LEFT}\tst.global.u8 [%rd24], {reg};\n{bytes}$L_{label}_d:\n"
+            )
+        }
     }
-    format!(
-        "{addr}{ALIGNED_WHOLE}\t@!%p3 bra $L_{label}_h;\n\tst.global.b32 [%rd24], {reg};\n\tbra.uni $L_{label}_d;\n$L_{label}_h:\n\tmov.b32 {{%h1, %h2}}, {reg};\n\tst.global.b16 [%rd24], %h1;\n\t@%p4 st.global.b16 [%rd24+2], %h2;\n$L_{label}_d:\n"
-    )
 }
 
 /// Poll the 8-byte cell at %rd26 until its flag (high half) is this call's (%rd17), bounded by
@@ -913,6 +942,7 @@ $L_pr_done:
                 ll_combine(f, true),
                 ll_combine(f, false),
             );
+            body += &f.finish_scalar(f.half());
             if f.half() {
                 body += &format!(
                     "\t{c} %h1, %f1;\n\t{c} %h2, %f2;\n\tmov.b32 %r30, {{%h1, %h2}};\n",
@@ -976,7 +1006,7 @@ mod tests {
     fn every_gather_entry_is_declared_once() {
         for c in Collective::ALL {
             let text = generate(c);
-            for d in DType::ALL {
+            for &d in c.dtypes() {
                 for o in Op::ALL {
                     for e in [c.entry(d, o), c.ll_entry(d, o)] {
                         let e = format!(".entry {e}(");

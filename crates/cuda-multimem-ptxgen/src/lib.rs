@@ -55,10 +55,35 @@ struct Flavor {
 impl Flavor {
     fn opi(&self) -> &'static str {
         match self.op {
-            Op::Sum => "add.rn.f32",
+            Op::Sum | Op::Avg => "add.rn.f32",
             Op::Min => "min.f32",
             Op::Max => "max.f32",
+            Op::Prod => "mul.rn.f32",
         }
+    }
+    /// What turns the combined accumulators %f{regs} into the result before it is rounded to
+    /// the type: an average divides them by the team size (%r6) in f32 (`div.rn.f32`, into
+    /// %f23); nothing for the other operators.
+    fn finish(&self, regs: &[usize]) -> String {
+        if self.op != Op::Avg {
+            return String::new();
+        }
+        let mut s = "	// average: the sum divided by the team size
+	cvt.rn.f32.u32 %f23, %r6;
+"
+        .to_string();
+        for r in regs {
+            s += &format!(
+                "	div.rn.f32 %f{r}, %f{r}, %f23;
+"
+            );
+        }
+        s
+    }
+    /// [`Flavor::finish`] of the scalar accumulators (%f1, and %f2 for a 16-bit pair when
+    /// `pair`).
+    fn finish_scalar(&self, pair: bool) -> String {
+        self.finish(if pair { &[1, 2] } else { &[1] })
     }
     fn half(&self) -> bool {
         self.dtype != DType::F32
@@ -67,14 +92,14 @@ impl Flavor {
         match self.dtype {
             DType::F16 => "cvt.f32.f16",
             DType::Bf16 => "cvt.f32.bf16",
-            DType::F32 => "",
+            _ => "",
         }
     }
     fn cvt_out(&self) -> &'static str {
         match self.dtype {
             DType::F16 => "cvt.rn.f16.f32",
             DType::Bf16 => "cvt.rn.bf16.f32",
-            DType::F32 => "",
+            _ => "",
         }
     }
     /// Words %r30..%r33 -> accumulators %f1.. (first = true) or combined into them.
@@ -106,7 +131,8 @@ impl Flavor {
     }
     /// Accumulators -> words %r30..%r33.
     fn vec_out(&self) -> String {
-        let mut s = String::new();
+        let regs: Vec<usize> = (1..=if self.half() { 8 } else { 4 }).collect();
+        let mut s = self.finish(&regs);
         for w in 0..4 {
             if self.half() {
                 s += &format!("\t{} %h1, %f{};\n", self.cvt_out(), 2 * w + 1);
@@ -136,6 +162,10 @@ impl Flavor {
     }
     /// Scalar store of %f1 to [addr].
     fn sc_store(&self, addr: &str) -> String {
+        self.finish_scalar(false) + &self.sc_store_raw(addr)
+    }
+    /// [`Flavor::sc_store`] of an already finished %f1.
+    fn sc_store_raw(&self, addr: &str) -> String {
         if self.half() {
             format!(
                 "\t{} %h1, %f1;\n\tst.global.b16 [{addr}], %h1;\n",
@@ -483,9 +513,9 @@ fn store_to_ranks(label: &str, f: &Flavor, at: Addr, vector: bool) -> String {
     } else {
         (
             if f.half() {
-                format!("\t{} %h1, %f1;\n", f.cvt_out())
+                format!("{}\t{} %h1, %f1;\n", f.finish_scalar(false), f.cvt_out())
             } else {
-                String::new()
+                f.finish_scalar(false)
             },
             if f.half() {
                 "\tst.global.b16 [%rd26], %h1;\n".to_string()
@@ -905,6 +935,7 @@ $L_rk:
 	bra.uni $L_rk;
 $L_rkend:
 ";
+    body += &f.finish_scalar(f.half());
     if f.half() {
         body += &format!(
             "	{c} %h1, %f1;
@@ -1187,7 +1218,7 @@ fn part_of_chunk(k: &str) -> String {
 pub fn generate(kernel: Kernel) -> String {
     let mut s = HEADER.to_string();
     for dtype in DType::ALL {
-        for op in Op::ALL {
+        for op in Op::ALL.into_iter().filter(|&op| kernel.has(op)) {
             let f = Flavor { dtype, op };
             s += &match kernel {
                 Kernel::P2pOneShot => one_shot(&f),
@@ -1262,14 +1293,14 @@ mod tests {
     fn every_entry_is_declared() {
         for k in Kernel::ALL {
             for d in DType::ALL {
-                for o in Op::ALL {
+                for o in Op::ALL.into_iter().filter(|&o| k.has(o)) {
                     let e = format!(".entry {}(", k.entry(d, o));
                     assert!(k.ptx().contains(&e), "{}: {e} missing", k.file());
                 }
             }
         }
         for c in gather::Collective::ALL {
-            for d in DType::ALL {
+            for &d in c.dtypes() {
                 for &o in c.ops() {
                     let e = format!(".entry {}(", c.entry(d, o));
                     assert!(c.ptx().contains(&e), "{}: {e} missing", c.file());

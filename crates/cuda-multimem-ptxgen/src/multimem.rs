@@ -21,11 +21,13 @@ fn ld_reduce(f: &Flavor, addr: &str) -> String {
         ),
         Op::Min => ("min", ""),
         Op::Max => ("max", ""),
+        o => panic!("multimem.ld_reduce has no {o}"),
     };
     let ty = match f.dtype {
         DType::F32 => "f32",
         DType::F16 => "f16x2",
         DType::Bf16 => "bf16x2",
+        d => panic!("no multimem kernel for {d}"),
     };
     format!("\tmultimem.ld_reduce.relaxed.sys.global.{op}{acc}.v4.{ty} {{%r30, %r31, %r32, %r33}}, [{addr}];\n")
 }
@@ -35,6 +37,7 @@ fn mm_store(f: &Flavor, addr: &str) -> String {
         DType::F32 => "f32",
         DType::F16 => "f16x2",
         DType::Bf16 => "bf16x2",
+        d => panic!("no multimem kernel for {d}"),
     };
     format!("\tmultimem.st.relaxed.sys.global.v4.{ty} [{addr}], {{%r30, %r31, %r32, %r33}};\n")
 }

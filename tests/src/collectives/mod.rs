@@ -796,6 +796,7 @@ impl<T: Elem> Queued<T> {
             DType::F32 => f32::EPSILON,
             DType::F16 => 1.0 / 1024.0,
             DType::Bf16 => 1.0 / 128.0,
+            DType::U8 => 0.0,
         };
         // the same collective over the inputs' magnitudes, in f32, rank order
         let f = collective::<f32>(self.coll.name);

@@ -190,6 +190,12 @@ fn allreduce_calls(hier: &HierCommunicator, s: &Stream) -> Result<(), String> {
     if let Some(d) = first_difference(&dst.to_vec().map_err(err)?, &want) {
         return Err(format!("own memory, {count} x f32 min: {d}"));
     }
+    // An average of domain averages is not the team's: refused naming `op`, on every rank
+    match hier.all_reduce(&src, &mut dst, ReduceOp::Avg, s) {
+        Err(Error::InvalidArgument { arg: "op", .. }) => {}
+        other => return Err(format!("avg: expected a refusal naming op, got {other:?}")),
+    }
+    hier.check().map_err(err)?;
     Ok(())
 }
 

@@ -44,6 +44,7 @@ macro_rules! for_dtype {
             DType::F32 => $f::<f32>($($arg),*),
             DType::F16 => $f::<f16>($($arg),*),
             DType::Bf16 => $f::<bf16>($($arg),*),
+            d => panic!("{d} is not reduced"),
         }
     };
 }
@@ -95,6 +96,7 @@ fn first_far<T: Element>(got: &[T], want: &[T], inputs: &[Vec<T>]) -> Option<Str
         DType::F32 => f32::EPSILON,
         DType::F16 => 1.0 / 1024.0,
         DType::Bf16 => 1.0 / 128.0,
+        DType::U8 => 0.0,
     };
     (0..want.len())
         .find(|&i| {

@@ -51,6 +51,19 @@ fn whole<T>(len: usize, dtype: DType, arg: &'static str) -> Result<()> {
     Ok(())
 }
 
+/// The kernel type an all-gather or broadcast moves `T` as ([`DType::carrier_of`]).
+fn carrier<T>() -> Result<DType> {
+    DType::carrier_of::<T>().ok_or_else(|| {
+        Error::invalid(
+            "T",
+            format!(
+                "{} is zero-sized: nothing to move",
+                std::any::type_name::<T>()
+            ),
+        )
+    })
+}
+
 impl<'a> RankHandle<'a> {
     /// This rank.
     pub fn rank(&self) -> usize {
@@ -234,7 +247,12 @@ impl<'a> RankHandle<'a> {
     /// output, or medium messages) every rank pushes its input into its peers' staging slots
     /// and each copies out locally ([`crate::Algorithm::PushStaged`]: one extra local write and
     /// read of the message, no extra launches).
-    pub fn all_gather<'s, 'd, 'x, T: Element>(
+    ///
+    /// Any [`DeviceRepr`] element type (token ids, `u8`, FP8, an engine's own records): the
+    /// call moves bits, as words of the element's carrier ([`DType::carrier`]: 4-byte words
+    /// for `i32`/`i64`/`f64`/..., 2-byte for 2-aligned types, bytes for the rest), through
+    /// the same forms and choices as any type of that word size. A zero-sized `T` is refused.
+    pub fn all_gather<'s, 'd, 'x, T: DeviceRepr>(
         &self,
         input: impl IntoSrc<'s, T>,
         output: impl IntoDst<'d, T>,
@@ -248,7 +266,7 @@ impl<'a> RankHandle<'a> {
         self.run(
             Call::collective(
                 Kind::AllGather,
-                T::DTYPE,
+                carrier::<T>()?,
                 ReduceOp::Sum,
                 0,
                 Some(i.operand()),
@@ -260,7 +278,7 @@ impl<'a> RankHandle<'a> {
 
     /// All-gather in place: `buf` holds N chunks of `count` elements, rank r's contribution
     /// already in its chunk r.
-    pub fn all_gather_in_place<'d, 'x, T: Element>(
+    pub fn all_gather_in_place<'d, 'x, T: DeviceRepr>(
         &self,
         buf: impl IntoDst<'d, T>,
         stream: impl IntoStream<'x>,
@@ -270,7 +288,7 @@ impl<'a> RankHandle<'a> {
         self.run(
             Call::collective(
                 Kind::AllGather,
-                T::DTYPE,
+                carrier::<T>()?,
                 ReduceOp::Sum,
                 0,
                 None,
@@ -282,8 +300,8 @@ impl<'a> RankHandle<'a> {
 
     /// Broadcast: every rank's `output` becomes rank `root`'s `input` (the same length on
     /// every rank; read on the root only, but checked everywhere). Staged or direct as
-    /// [`RankHandle::all_gather`].
-    pub fn broadcast<'s, 'd, 'x, T: Element>(
+    /// [`RankHandle::all_gather`], for any [`DeviceRepr`] element type as it.
+    pub fn broadcast<'s, 'd, 'x, T: DeviceRepr>(
         &self,
         input: impl IntoSrc<'s, T>,
         output: impl IntoDst<'d, T>,
@@ -298,7 +316,7 @@ impl<'a> RankHandle<'a> {
         self.run(
             Call::collective(
                 Kind::Broadcast,
-                T::DTYPE,
+                carrier::<T>()?,
                 ReduceOp::Sum,
                 root,
                 Some(i.operand()),
@@ -309,7 +327,7 @@ impl<'a> RankHandle<'a> {
     }
 
     /// Broadcast in place: every rank's `buf` becomes rank `root`'s.
-    pub fn broadcast_in_place<'d, 'x, T: Element>(
+    pub fn broadcast_in_place<'d, 'x, T: DeviceRepr>(
         &self,
         buf: impl IntoDst<'d, T>,
         root: usize,
@@ -320,7 +338,7 @@ impl<'a> RankHandle<'a> {
         self.run(
             Call::collective(
                 Kind::Broadcast,
-                T::DTYPE,
+                carrier::<T>()?,
                 ReduceOp::Sum,
                 root,
                 None,

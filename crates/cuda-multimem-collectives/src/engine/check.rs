@@ -56,7 +56,11 @@ pub(crate) fn check<'o>(
         call.input.as_ref().map_or(call.output.name, |a| a.name),
         call.output.name,
     ];
-    let elems = |b: usize| b / es;
+    // the caller's element: a bit-moving call's `T` travels as words of the kernel type
+    // (`DType::carrier`), a whole number of them per element; `_dyn` byte views count in
+    // elements of the type
+    let unit = call.output.op.elem.max(es);
+    let elems = |b: usize| b / unit;
     // 4. the length ratios (an in-place call's input or output is its buffer's chunk)
     let (input, output, norm) = match call.kind {
         Kind::AllReduce | Kind::Broadcast => {
@@ -89,7 +93,7 @@ pub(crate) fn check<'o>(
                 (i, output, None)
             }
             None => {
-                let c = in_place_chunk(&output, n, es, call.output.name)?;
+                let c = in_place_chunk(&output, n, unit, call.output.name)?;
                 (output, output.sub(rank * c, c), None)
             }
         },
@@ -109,7 +113,7 @@ pub(crate) fn check<'o>(
                 (i, output, None)
             }
             None => {
-                let c = in_place_chunk(&output, n, es, call.output.name)?;
+                let c = in_place_chunk(&output, n, unit, call.output.name)?;
                 (output.sub(rank * c, c), output, None)
             }
         },

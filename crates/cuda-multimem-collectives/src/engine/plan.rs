@@ -117,6 +117,8 @@ pub(crate) struct ArPlan {
     sym_in: bool,
     sym_out: bool,
     sym_addrs: u64,
+    /// The operator (the forms that have it).
+    op: ReduceOp,
 }
 
 impl ArPlan {
@@ -132,11 +134,11 @@ impl ArPlan {
             stage_in,
             out,
         };
-        let (sym_in, sym_out, addrs) = (self.sym_in, self.sym_out, self.sym_addrs);
+        let (sym_in, sym_out, addrs, op) = (self.sym_in, self.sym_out, self.sym_addrs, self.op);
         let cannot = || Error::invalid("count", format!("{len} bytes cannot be staged"));
         // A piece a form serves directly (unstaged: the whole call; staged: e.g. a last chunk
         // one-shot serves) needs no scratch.
-        if let Some(a) = direct(t, c, addrs, sym_in, sym_out, len)? {
+        if let Some(a) = direct(t, c, op, addrs, sym_in, sym_out, len)? {
             return Ok(step(a, false, Out::Output));
         }
         if !self.staged {
@@ -150,10 +152,10 @@ impl ArPlan {
         };
         let out_addrs = if sym_out { addrs } else { 0 };
         // The kernel reads the input where it is, or from the input region.
-        Ok(match direct(t, c, addrs, sym_in, true, len)? {
+        Ok(match direct(t, c, op, addrs, sym_in, true, len)? {
             Some(a) => step(a, false, out),
             None => step(
-                direct(t, c, out_addrs, true, true, len)?.ok_or_else(cannot)?,
+                direct(t, c, op, out_addrs, true, true, len)?.ok_or_else(cannot)?,
                 true,
                 out,
             ),
@@ -394,8 +396,9 @@ fn all_reduce(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         sym_in: f.sym_in,
         sym_out: f.sym_out,
         sym_addrs: f.sym_addrs,
+        op: f.op,
     };
-    if let Some(alg) = direct(t, c, f.sym_addrs, f.sym_in, f.sym_out, bytes)? {
+    if let Some(alg) = direct(t, c, f.op, f.sym_addrs, f.sym_in, f.sym_out, bytes)? {
         if !own || region == 0 || bytes <= region {
             return Ok(Plan {
                 choice: p2p(alg).choice(Path::PeerToPeer, alg, 0),
@@ -448,6 +451,7 @@ fn preferred(t: &TeamFacts, c: &CommConfig, bytes: usize) -> Algorithm {
 fn direct(
     t: &TeamFacts,
     c: &CommConfig,
+    op: ReduceOp,
     addrs: u64,
     sym_in: bool,
     sym_out: bool,
@@ -463,8 +467,11 @@ fn direct(
             Algorithm::TwoShot
         };
     }
-    if matches!(alg, Algorithm::TwoShotPush | Algorithm::TwoShotCe) && !aligned(16) {
-        // The write-only two-shots move 16-byte vectors only.
+    if matches!(alg, Algorithm::TwoShotPush | Algorithm::TwoShotCe)
+        && (!aligned(16) || !kernels::Kernel::P2pTwoShotPush.has(op))
+    {
+        // The write-only two-shots move 16-byte vectors only, and have sum, min and max only
+        // (product and average: the reading two-shot).
         alg = Algorithm::TwoShot;
     }
     if alg == Algorithm::OneShot && bytes > t.stage_half {
@@ -514,10 +521,14 @@ fn gather(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
     // (the allreduce's rule; `config.algorithm` is an allreduce setting and plays no part), and
     // the kernel exists (reduce-scatter: where ld_reduce has the type and operator); through
     // the team's regions in windows of each rank's chunk, any operand kind
-    if let Some(region) = t
-        .mm_region
-        .filter(|_| mm_wanted(t, c, total) && (!coll.reduces() || mm_supports(f.dtype, f.op)))
-    {
+    if let Some(region) = t.mm_region.filter(|_| {
+        mm_wanted(t, c, total)
+            && if coll.reduces() {
+                mm_supports(f.dtype, f.op)
+            } else {
+                mmk::moves(f.dtype)
+            }
+    }) {
         if chunk == 0 {
             let (alg, shape) = shape::mm_gather(t, c, coll, 0);
             return Ok(Plan {

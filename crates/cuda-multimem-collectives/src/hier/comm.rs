@@ -301,6 +301,7 @@ impl HierCommunicator {
         s: StreamRef<'_>,
     ) -> Result<()> {
         self.check_stream(&s)?;
+        no_avg(op)?;
         let es = dtype.size();
         let (o, p) = self.view(&o, "buf", es)?;
         // a byte view: `len` is bytes
@@ -484,6 +485,7 @@ impl HierCommunicator {
         let _serial = self.calls.lock();
         let on = stream.into_stream(&self.device)?;
         let (b, s) = (buf.into_dst(&on, "buf")?, on.stream());
+        no_avg(op)?;
         let es = T::DTYPE.size();
         let (bv, p) = self.view(&b.operand(), "buf", es)?;
         let c = self.chunk(&bv, es, "buf")?;
@@ -538,6 +540,7 @@ impl HierCommunicator {
             output.into_dst(&on, "output")?,
             on.stream(),
         );
+        no_avg(op)?;
         let es = T::DTYPE.size();
         let (iv, ip) = self.view(&i.operand(), "input", es)?;
         let (ov, op_) = self.view(&o.operand(), "output", es)?;
@@ -690,6 +693,18 @@ impl HierCommunicator {
     }
 }
 
+/// The hierarchical reductions compose a domain's reduction with the cross-domain one: an
+/// average of averages is not the team's average in rank order, so it is refused.
+fn no_avg(op: ReduceOp) -> Result<()> {
+    if op == ReduceOp::Avg {
+        return Err(Error::invalid(
+            "op",
+            "avg is not taken by the hierarchical communicator (sum, then divide by the team size)",
+        ));
+    }
+    Ok(())
+}
+
 /// The domain's reduce-scatter in place, for a run-time element type.
 fn rs_in_place_dyn(
     h: &RankHandle<'_>,
@@ -702,6 +717,10 @@ fn rs_in_place_dyn(
         DType::F32 => h.reduce_scatter_in_place(Dst::<f32>::new(o), op, s),
         DType::F16 => h.reduce_scatter_in_place(Dst::<half::f16>::new(o), op, s),
         DType::Bf16 => h.reduce_scatter_in_place(Dst::<half::bf16>::new(o), op, s),
+        d => Err(cuda_multimem::Error::invalid(
+            "dtype",
+            format!("{d} is not reduced (reductions take f32, f16 and bf16)"),
+        )),
     }
     .map(drop)
 }
@@ -717,6 +736,7 @@ fn ag_in_place_dyn(
         DType::F32 => h.all_gather_in_place(Dst::<f32>::new(o), s),
         DType::F16 => h.all_gather_in_place(Dst::<half::f16>::new(o), s),
         DType::Bf16 => h.all_gather_in_place(Dst::<half::bf16>::new(o), s),
+        DType::U8 => h.all_gather_in_place(Dst::<u8>::new(o), s),
     }
     .map(drop)
 }

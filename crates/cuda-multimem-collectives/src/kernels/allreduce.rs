@@ -80,6 +80,18 @@ impl Kernel {
         super::ptx_text(self.file(), self.ptx())
     }
 
+    /// Whether the family has entries for `op`: every form has sum, min and max; product and
+    /// average only the one-shot, low-latency one-shot and reading two-shot forms (the planner
+    /// falls back from the write-only two-shots to [`Kernel::P2pTwoShot`] for them), which
+    /// keeps the committed PTX smaller.
+    pub fn has(self, op: Op) -> bool {
+        matches!(op, Op::Sum | Op::Min | Op::Max)
+            || matches!(
+                self,
+                Kernel::P2pOneShot | Kernel::P2pOneShotLl | Kernel::P2pTwoShot
+            )
+    }
+
     /// The entry name of one variant.
     pub fn entry(self, dtype: DType, op: Op) -> String {
         format!("cmm_{}_{}_{}", self.tag(), dtype.name(), op.name())

@@ -119,6 +119,17 @@ impl Collective {
         }
     }
 
+    /// The kernel types it has entries for: [`DType::ALL`] for reduce-scatter, the carriers
+    /// ([`DType::CARRIERS`]: every element type moves as one of them) for the collectives
+    /// that move bits.
+    pub fn dtypes(self) -> &'static [DType] {
+        if self.reduces() {
+            &DType::ALL
+        } else {
+            &DType::CARRIERS
+        }
+    }
+
     /// The entry name of one variant (`op` is ignored where nothing is reduced).
     pub fn entry(self, dtype: DType, op: Op) -> String {
         match self {

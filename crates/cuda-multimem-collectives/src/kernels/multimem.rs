@@ -98,7 +98,7 @@ impl MmKernel {
         if self.reduces() {
             supported(dtype, op)
         } else {
-            op == Op::Sum
+            op == Op::Sum && DType::ALL.contains(&dtype)
         }
     }
 
@@ -115,9 +115,19 @@ pub fn slot_bytes(chunk_bytes: u64) -> u64 {
     chunk_bytes.next_multiple_of(16)
 }
 
-/// Whether `multimem.ld_reduce` has this type and operator (f32 has only `add`).
+/// Whether `multimem.ld_reduce` has this type and operator (add, min and max; f32 has only
+/// `add`; the kernels
+/// exist for f32, f16 and bf16 only).
 pub fn supported(dtype: DType, op: Op) -> bool {
-    dtype != DType::F32 || op == Op::Sum
+    DType::ALL.contains(&dtype)
+        && matches!(op, Op::Sum | Op::Min | Op::Max)
+        && (dtype != DType::F32 || op == Op::Sum)
+}
+
+/// Whether the multimem all-gather and broadcast have this type (f32, f16 and bf16: the
+/// 1-byte carrier moves peer-to-peer).
+pub fn moves(dtype: DType) -> bool {
+    DType::ALL.contains(&dtype)
 }
 
 /// The committed PTX of the multimem kernels.

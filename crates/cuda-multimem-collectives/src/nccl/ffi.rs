@@ -144,6 +144,7 @@ pub(super) fn nccl_type(d: DType) -> c_int {
         DType::F16 => 6,
         DType::F32 => 7,
         DType::Bf16 => 9,
+        DType::U8 => 1,
     }
 }
 
@@ -153,5 +154,7 @@ pub(super) fn nccl_op(o: ReduceOp) -> c_int {
         ReduceOp::Sum => 0,
         ReduceOp::Max => 2,
         ReduceOp::Min => 3,
+        ReduceOp::Prod => 1,
+        ReduceOp::Avg => 4,
     }
 }

@@ -13,7 +13,7 @@ use crate::kernels::gather::{
 /// Register every entry of the three collectives.
 pub(super) fn register() {
     for c in Collective::ALL {
-        for d in DType::ALL {
+        for &d in c.dtypes() {
             for &o in c.ops() {
                 register_kernel(&c.entry(d, o), move |a| run(c, d, o, a));
                 register_kernel(&c.ll_entry(d, o), move |a| run_ll(c, d, o, a));
@@ -226,16 +226,22 @@ fn check_words(
     Ok(())
 }
 
-/// Word `w` of the chunk at `base` (see the PTX `ll_load`): one 4-byte load when the address is
-/// 4-byte aligned and the word whole (`w < whole`), else its 16-bit elements, a missing second
-/// one read as 0.
-fn load_word(d: DType, base: usize, w: u64, whole: u64) -> u32 {
+/// Word `w` of the chunk of `chunk` bytes at `base` (see the PTX `ll_load`): one 4-byte load
+/// when the address is 4-byte aligned and the word whole (`w < whole`), else its 16-bit
+/// elements, a missing second one read as 0 (1-byte types: its bytes in the chunk, the
+/// missing ones 0).
+fn load_word(d: DType, base: usize, w: u64, whole: u64, chunk: u64) -> u32 {
     let at = base + 4 * w as usize;
     // SAFETY: inside a range checked with `check_words`; volatile, as `ld` (other devices
     // write device memory concurrently).
     unsafe {
         if d.size() == 4 || (at % 4 == 0 && w < whole) {
             std::ptr::read_volatile(at as *const u32)
+        } else if d.size() == 1 {
+            let left = (chunk - 4 * w).min(4) as usize;
+            (0..left).fold(0u32, |x, i| {
+                x | (std::ptr::read_volatile((at + i) as *const u8) as u32) << (8 * i)
+            })
         } else {
             let lo = std::ptr::read_volatile(at as *const u16) as u32;
             let hi = if w < whole {
@@ -248,14 +254,19 @@ fn load_word(d: DType, base: usize, w: u64, whole: u64) -> u32 {
     }
 }
 
-/// Store `x` as word `w` of the chunk at `base` (as [`load_word`]: the second element of a word
-/// that is not whole is not stored).
-fn store_word(d: DType, base: usize, w: u64, whole: u64, x: u32) {
+/// Store `x` as word `w` of the chunk of `chunk` bytes at `base` (as [`load_word`]: the
+/// second element of a word that is not whole is not stored, nor the bytes past the chunk).
+fn store_word(d: DType, base: usize, w: u64, whole: u64, chunk: u64, x: u32) {
     let at = base + 4 * w as usize;
     // SAFETY: inside a range checked writable with `check_words`.
     unsafe {
         if d.size() == 4 || (at % 4 == 0 && w < whole) {
             std::ptr::write_volatile(at as *mut u32, x);
+        } else if d.size() == 1 {
+            let left = (chunk - 4 * w).min(4) as usize;
+            for i in 0..left {
+                std::ptr::write_volatile((at + i) as *mut u8, (x >> (8 * i)) as u8);
+            }
         } else {
             std::ptr::write_volatile(at as *mut u16, x as u16);
             if w < whole {
@@ -354,7 +365,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                 }
                 for w in lo..hi {
                     for k in (0..n).filter(|&k| k != rank) {
-                        let x = load_word(d, inp + k * b_, w, whole);
+                        let x = load_word(d, inp + k * b_, w, whole, chunk);
                         u64_at(push(k) + 8 * w as usize).store(flag | x as u64, Ordering::Relaxed);
                     }
                 }
@@ -367,13 +378,13 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                         cells(push(k))?;
                     }
                     for w in lo..hi {
-                        let x = load_word(d, inp, w, whole);
+                        let x = load_word(d, inp, w, whole, chunk);
                         for k in (0..n).filter(|&k| k != rank) {
                             u64_at(push(k) + 8 * w as usize)
                                 .store(flag | x as u64, Ordering::Relaxed);
                         }
                         if !in_place {
-                            store_word(d, own, w, whole, x);
+                            store_word(d, own, w, whole, chunk, x);
                         }
                     }
                 }
@@ -399,7 +410,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                     let mut acc = [0f32; 2];
                     for k in 0..n {
                         let x = if k == rank {
-                            load_word(d, own, w, whole)
+                            load_word(d, own, w, whole, chunk)
                         } else {
                             poll(&cx, mine(k) + 8 * w as usize, flag, cnt)
                         };
@@ -413,12 +424,13 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                             *acc = if k == 0 { v } else { op.apply(*acc, v) };
                         }
                     }
+                    let acc = acc.map(|x| op.finish(x, n));
                     let x = if halves == 1 {
                         d.encode(acc[0])
                     } else {
                         d.encode(acc[0]) | d.encode(acc[1]) << 16
                     };
-                    store_word(d, out, w, whole, x);
+                    store_word(d, out, w, whole, chunk, x);
                 }
             }
             Collective::AllGather => {
@@ -429,7 +441,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                 for w in lo..hi {
                     for k in (0..n).filter(|&k| k != rank) {
                         let x = poll(&cx, mine(k) + 8 * w as usize, flag, cnt);
-                        store_word(d, out + k * b_, w, whole, x);
+                        store_word(d, out + k * b_, w, whole, chunk, x);
                     }
                 }
             }
@@ -439,7 +451,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                     check_words(a, out, r, chunk, true)?;
                     for w in lo..hi {
                         let x = poll(&cx, mine(root) + 8 * w as usize, flag, cnt);
-                        store_word(d, out, w, whole, x);
+                        store_word(d, out, w, whole, chunk, x);
                     }
                 }
                 if b == 0 {

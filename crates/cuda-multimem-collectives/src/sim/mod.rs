@@ -38,7 +38,7 @@ pub fn install() {
     ONCE.call_once(|| {
         for k in Kernel::ALL {
             for d in DType::ALL {
-                for o in Op::ALL {
+                for o in Op::ALL.into_iter().filter(|&o| k.has(o)) {
                     register_kernel(&k.entry(d, o), move |a| run(k, d, o, a));
                 }
             }
@@ -123,6 +123,7 @@ fn reduce_into(
         for &(x, base) in &srcs[1..] {
             acc = op.apply(acc, ld(d, x, i - base));
         }
+        let acc = op.finish(acc, srcs.len());
         for o in outs {
             st(d, *o, i, acc);
         }
@@ -585,6 +586,7 @@ fn run_ll(
                         *acc = if k == 0 { x } else { op.apply(*acc, x) };
                     }
                 }
+                let acc = acc.map(|x| op.finish(x, n));
                 let word = if per_word == 1 {
                     encode(d, acc[0])
                 } else {

@@ -252,7 +252,10 @@ fn ce_every_op<T: Elem>(comm: &Communicator, s: &[Stream], seed: &mut Rng) {
         for count in [5_000usize, 131_075] {
             let count = count.min((1 << 20) / es);
             // from ce_min_bytes (16 KiB) on
-            let alg = if count * es >= 16 << 10 {
+            let alg = if matches!(op, ReduceOp::Prod | ReduceOp::Avg) {
+                // no write-only two-shot forms: the reading two-shot
+                Algorithm::TwoShot
+            } else if count * es >= 16 << 10 {
                 Algorithm::TwoShotCe
             } else {
                 Algorithm::TwoShotPush

@@ -16,6 +16,7 @@ use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Call, Mem, Params, Pending, Queued};
 use cuda_multimem_tests::{env, sim, sim_delayed, skip, Env, Rng};
 
+mod bits;
 mod copy_engine;
 mod correctness;
 mod protocol;

@@ -184,8 +184,9 @@ fn mm_every_op<T: Element + Default>(comm: &Communicator, s: &[Stream], seed: &m
             }
             sync(s);
             comm.check().unwrap();
-            // f32 min and max have no multimem form: the peer-to-peer path serves them
-            let want_path = if T::DTYPE == DType::F32 && op != ReduceOp::Sum {
+            // f32 min and max, and product and average of every type, have no multimem form:
+            // the peer-to-peer path serves them
+            let want_path = if !cuda_multimem_collectives::multimem_supports(T::DTYPE, op) {
                 Path::PeerToPeer
             } else {
                 Path::Multimem

@@ -36,7 +36,7 @@ impl Kernels {
         let mut meet = None;
         for c in Collective::ALL {
             let m = load_module(device, c.file(), c.ptx())?;
-            for dt in DType::ALL {
+            for &dt in c.dtypes() {
                 for &op in c.ops() {
                     main.insert((c, false, dt, op), m.function(&c.entry(dt, op))?);
                     main.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);

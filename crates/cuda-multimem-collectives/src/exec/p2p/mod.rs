@@ -75,7 +75,7 @@ impl RankKernels {
         for k in Kernel::ALL {
             let m = load_module(device, k.file(), k.ptx())?;
             for dt in DType::ALL {
-                for op in ReduceOp::ALL {
+                for op in ReduceOp::ALL.into_iter().filter(|&op| k.has(op)) {
                     allreduce.insert((k, dt, op), m.function(&k.entry(dt, op))?);
                 }
             }

@@ -5,7 +5,7 @@
 
 use crate::kernels::gather::Collective;
 use crate::operand::{Operand, Resolved};
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, Fp8Scaling, ReduceOp};
 
 /// Which collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -72,6 +72,28 @@ pub(crate) struct Call<'o> {
     pub(crate) residual: Option<Arg<'o>>,
     pub(crate) weight: Option<Arg<'o>>,
     pub(crate) norm: Option<NormArgs>,
+    /// A norm's FP8 output (then `output` is the e4m3 rows, named "out").
+    pub(crate) quant: Option<QuantArgs<'o>>,
+}
+
+/// The FP8 output of a norm call besides its e4m3 rows: the scaling, the static scale, the
+/// scales buffer and the unquantised rows.
+#[derive(Clone, Copy)]
+pub(crate) struct QuantArgs<'o> {
+    pub(crate) scaling: Fp8Scaling,
+    /// The static scale ([`Fp8Scaling::Static`]; 0 otherwise).
+    pub(crate) scale: f32,
+    pub(crate) scales: Option<Arg<'o>>,
+    pub(crate) unquantised: Option<Arg<'o>>,
+}
+
+/// [`QuantArgs`] checked: the operands resolved on the calling rank.
+#[derive(Clone, Copy)]
+pub(crate) struct QuantChecked<'o> {
+    pub(crate) scaling: Fp8Scaling,
+    pub(crate) scale: f32,
+    pub(crate) scales: Option<Resolved<'o>>,
+    pub(crate) unquantised: Option<Resolved<'o>>,
 }
 
 impl<'o> Call<'o> {
@@ -100,6 +122,7 @@ impl<'o> Call<'o> {
             residual: None,
             weight: None,
             norm: None,
+            quant: None,
         }
     }
 }
@@ -127,6 +150,7 @@ pub(crate) struct Checked<'o> {
     /// it never decides what the team runs, only what this rank may skip).
     pub(crate) in_place: bool,
     pub(crate) norm: Option<NormShape>,
+    pub(crate) quant: Option<QuantChecked<'o>>,
     /// The argument names of the input and the output (for errors found while executing).
     pub(crate) names: [&'static str; 2],
 }
@@ -155,6 +179,8 @@ pub(crate) struct Facts {
     /// locally, without changing what the team runs).
     pub(crate) sym_addrs: u64,
     pub(crate) norm: Option<NormShape>,
+    /// A norm's FP8 scaling (every rank asks for the same: the kernels' call header says it).
+    pub(crate) quant: Option<Fp8Scaling>,
 }
 
 impl Checked<'_> {
@@ -177,6 +203,7 @@ impl Checked<'_> {
             sym_out: self.output.is_sym(),
             sym_addrs: addr(&self.input) | addr(&self.output),
             norm: self.norm,
+            quant: self.quant.map(|q| q.scaling),
         }
     }
 }

@@ -196,6 +196,7 @@ impl Communicator {
             sym_out: sym,
             sym_addrs: 0,
             norm: None,
+            quant: None,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -211,6 +212,31 @@ impl Communicator {
         dtype: DType,
         tokens: usize,
         hidden: usize,
+    ) -> Result<Choice> {
+        self.norm_choice(dtype, tokens, hidden, None)
+    }
+
+    /// What [`RankHandle::all_reduce_add_rms_norm_fp8`] runs for `tokens` rows of `hidden`
+    /// elements of `dtype` with an FP8 output of `scaling`: the form chosen as for the plain norm
+    /// among the unsplit one-shots (the low-latency one-shot where the plain norm runs it or its
+    /// split form; else the barrier one-shot, also where the plain norm would run the
+    /// two-shot), and the launch shape of its first launch. It asks the planner the call asks.
+    pub fn add_rms_norm_fp8_choice(
+        &self,
+        dtype: DType,
+        tokens: usize,
+        hidden: usize,
+        scaling: crate::types::Fp8Scaling,
+    ) -> Result<Choice> {
+        self.norm_choice(dtype, tokens, hidden, Some(scaling))
+    }
+
+    fn norm_choice(
+        &self,
+        dtype: DType,
+        tokens: usize,
+        hidden: usize,
+        quant: Option<crate::types::Fp8Scaling>,
     ) -> Result<Choice> {
         let row_bytes = hidden
             .checked_mul(dtype.size())
@@ -235,6 +261,7 @@ impl Communicator {
                 row_bytes,
                 eps: 0.0,
             }),
+            quant,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }

@@ -271,7 +271,7 @@ fn run(args: &Args) -> Res<bool> {
             .into_iter()
             .chain(
                 FP8.iter()
-                    .filter(|f| !f.1.grouped() || h % 128 == 0)
+                    .filter(|f| !f.1.grouped() || h / 128 * 128 == h)
                     .map(|f| f.0),
             )
             .collect();

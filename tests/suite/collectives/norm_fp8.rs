@@ -25,16 +25,45 @@ const EPS: f32 = 1e-6;
 /// saturate.
 const STATIC: f32 = 0.0078125;
 
-/// A team of `n` on the driver `CUDA_MULTIMEM_DRIVER` selects when it has `n` devices, else on a
-/// simulated machine of `n` (as the plain norm's tests).
+/// A team of `n` on the driver `CUDA_MULTIMEM_DRIVER` selects: its first `n` devices when it
+/// has them; on a real machine with fewer GPUs, `n` ranks placed round-robin on them (ranks
+/// sharing a GPU: test-hw on a one-GPU machine runs every test here on the real kernels);
+/// else a simulated machine of `n`.
 fn team(n: usize, config: CommConfig) -> (cuda_multimem_tests::Env, Communicator, Vec<Stream>) {
     let e = env();
-    let e = if e.driver.devices().len() >= n {
-        e
+    let devices = if e.driver.devices().len() >= n {
+        e.driver.devices()[..n].to_vec()
+    } else if !e.driver.is_simulated() {
+        placed(&e, n)
     } else {
         drop(e);
-        sim(SimConfig::new(n, 13000))
+        return distinct_sim(n, config);
     };
+    let (comm, s) = cuda_multimem_tests::team_on(&devices, config, MulticastPolicy::Never);
+    (e, comm, s)
+}
+
+/// A team of `n` on devices of their own: the real ones when the driver has `n`, else a
+/// simulated machine of `n` (for the tests that assert the plain norm's own forms).
+fn team_distinct(
+    n: usize,
+    config: CommConfig,
+) -> (cuda_multimem_tests::Env, Communicator, Vec<Stream>) {
+    let e = env();
+    if e.driver.devices().len() >= n {
+        let devices = e.driver.devices()[..n].to_vec();
+        let (comm, s) = cuda_multimem_tests::team_on(&devices, config, MulticastPolicy::Never);
+        return (e, comm, s);
+    }
+    drop(e);
+    distinct_sim(n, config)
+}
+
+fn distinct_sim(
+    n: usize,
+    config: CommConfig,
+) -> (cuda_multimem_tests::Env, Communicator, Vec<Stream>) {
+    let e = sim(SimConfig::new(n, 13000));
     let devices = e.driver.devices()[..n].to_vec();
     let (comm, s) = cuda_multimem_tests::team_on(&devices, config, MulticastPolicy::Never);
     (e, comm, s)
@@ -383,7 +412,7 @@ fn fp8_outputs_of_every_type_in_both_one_shot_forms() {
 #[test]
 fn fp8_calls_run_the_one_shot_where_the_plain_norm_runs_two_shot_or_split() {
     {
-        let (_e, comm, s) = team(
+        let (_e, comm, s) = team_distinct(
             4,
             CommConfig {
                 one_shot_max_bytes: Some(4096),
@@ -406,7 +435,7 @@ fn fp8_calls_run_the_one_shot_where_the_plain_norm_runs_two_shot_or_split() {
         }
     }
     // a split row (8192 bf16 = 16 KiB, 2 tokens) runs unsplit
-    let (_e, comm, _s) = team(2, forced(Some(Algorithm::OneShot)));
+    let (_e, comm, _s) = team_distinct(2, forced(Some(Algorithm::OneShot)));
     assert_eq!(
         comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, 2, 8192)
             .unwrap()

@@ -919,3 +919,22 @@ fn ranks_that_disagree_on_the_fp8_output_are_reported() {
         "expected a disagreement"
     );
 }
+
+/// A team of one: the fused FP8 call is the local FP8 kernel (`Algorithm::Local`).
+#[test]
+fn a_team_of_one_runs_the_local_fp8_kernel() {
+    let (_e, comm, s) = team_distinct(1, CommConfig::default());
+    let c = Case::<bf16>::new(1, 3, 256, 21);
+    for scaling in Fp8Scaling::ALL {
+        let ch = run_case(
+            &comm,
+            &s,
+            &c,
+            scaling,
+            true,
+            true,
+            &format!("alone, {scaling:?}"),
+        );
+        assert_eq!(ch.algorithm, Algorithm::Local);
+    }
+}

@@ -7,9 +7,11 @@
 //! - **fp8-static**, **fp8-token**, **fp8-group**, **fp8-ue8m0**, **fp8-token+bf16**:
 //!   `RankHandle::all_reduce_add_rms_norm_fp8` with a static scale, per-token scales,
 //!   per-group-of-128 f32 or UE8M0 scales, and per-token scales with the bf16 rows beside
-//!   (the grouped ones only where hidden is a multiple of 128). Our bf16 fused kernel followed by
-//!   a separate quantisation kernel is not measured: the library has no standalone
-//!   quantisation kernel yet.
+//!   (the grouped ones only where hidden is a multiple of 128);
+//! - **unfused-fp8-token**: our allreduce in place, then the local add + RMSNorm + per-token
+//!   FP8 kernel (`RankHandle::add_rms_norm_fp8`) — the unfused pair of an engine whose norm
+//!   kernel quantises. Our bf16 fused kernel followed by a separate quantisation kernel is not
+//!   measured: the library has no standalone quantisation kernel yet.
 //!
 //! Each timed two ways, as bench-allreduce does: **pipelined** (a graph of many calls per rank,
 //! replayed; time per call from rank 0's events, median of `--runs`) and **single** (a thread
@@ -140,6 +142,16 @@ fn call(
             spec
         };
         hr.all_reduce_add_rms_norm_fp8(x, res, g, spec, h, EPS, s)?;
+    } else if imp == "unfused-fp8-token" {
+        // SAFETY: as above.
+        let (q, sc) = unsafe {
+            (
+                Dst::<F8E4M3>::from_raw(b.q.device_ptr(), len),
+                Dst::<f32>::from_raw(b.sc.device_ptr(), t),
+            )
+        };
+        hr.all_reduce_in_place(xm, ReduceOp::Sum, s)?;
+        hr.add_rms_norm_fp8(x, res, g, Fp8Out::per_token(q, sc), h, EPS, s)?;
     } else if imp == "fused" {
         hr.all_reduce_add_rms_norm(x, res, g, out, h, EPS, s)?;
     } else {
@@ -200,7 +212,7 @@ fn run(args: &Args) -> Res<bool> {
         args.runs
     );
     println!(
-        "{:>7} {:>10} {:>14} {:>11} {:>11}  {:<40} {:>7}",
+        "{:>7} {:>10} {:>17} {:>11} {:>11}  {:<40} {:>7}",
         "tokens", "bytes", "impl", "pipe(us)", "single(us)", "form", "correct"
     );
     let mut all_ok = true;
@@ -267,7 +279,7 @@ fn run(args: &Args) -> Res<bool> {
         let choice = comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)?;
         let iters = if sim { 2 } else { args.iters };
         let runs = if sim { 1 } else { args.runs };
-        let imps: Vec<&str> = ["fused", "unfused"]
+        let imps: Vec<&str> = ["fused", "unfused", "unfused-fp8-token"]
             .into_iter()
             .chain(
                 FP8.iter()
@@ -300,6 +312,16 @@ fn run(args: &Args) -> Res<bool> {
             comm.check()?;
             let form = if imp == "fused" {
                 choice.to_string()
+            } else if imp == "unfused-fp8-token" {
+                format!(
+                    "{} + add_rms_norm_fp8",
+                    comm.choice(
+                        cuda_multimem_collectives::DType::Bf16,
+                        ReduceOp::Sum,
+                        len,
+                        cuda_multimem_collectives::Operands::Local
+                    )?
+                )
             } else if let Some(scaling) = fp8 {
                 comm.add_rms_norm_fp8_choice(cuda_multimem_collectives::DType::Bf16, t, h, scaling)?
                     .to_string()
@@ -315,7 +337,7 @@ fn run(args: &Args) -> Res<bool> {
                 )
             };
             println!(
-                "{:>7} {:>10} {:>14} {:>11.2} {:>11.2}  {:<40} {:>7}",
+                "{:>7} {:>10} {:>17} {:>11.2} {:>11.2}  {:<40} {:>7}",
                 t,
                 bytes,
                 imp,

@@ -701,7 +701,8 @@ fn pass2_fp8(label: &str, f: &Flavor) -> String {
         }
         a += "\tmax.u32 %r69, %r69, %r70;\n";
         a += &fp8_group_slot(f);
-        a += "\t@%p31 red.shared.max.u32 [%r72], %r70;\n";
+        // per unit only where the groups' butterfly below does not run (p39)
+        a += "\t@%p39 red.shared.max.u32 [%r72], %r70;\n";
         a
     };
     // (a)
@@ -721,12 +722,38 @@ fn pass2_fp8(label: &str, f: &Flavor) -> String {
         sa += &format!("\t{} %f1, %h1;\n", f.cvt_in());
     }
     sa += &amax_unit(1);
-    let mut s =
-        "\t// ---- FP8 pass 2a: y, the unquantised rows, amax\n\tmov.u32 %r69, 0;\n".to_string();
+    // p38: vectors, one per thread (thread t has unit t): a group's units are `gw` consecutive
+    // lanes of one warp, max-ed by a butterfly after the loop; p39: grouped otherwise (a red
+    // per unit)
+    let gw = cuda_multimem_collectives::FP8_GROUP / n;
+    let mut s = "\t// ---- FP8 pass 2a: y, the unquantised rows, amax\n\tmov.u32 %r69, 0;\n\tand.pred %p38, %p9, %p26;\n\tand.pred %p38, %p38, %p31;\n\tnot.pred %p39, %p38;\n\tand.pred %p39, %p39, %p31;\n".to_string();
     s += &vector_or_scalar(&format!("{label}a"), f, &va, &sa);
+    // the block's threads meet here (uniform code): per token, a warp butterfly then one red
+    // per warp; per group with p38, a butterfly over the group's lanes, then its first lane's
+    // red (order-free: the same amax as one red per unit)
+    let bfly = |offs: &[usize]| -> String {
+        offs.iter()
+            .map(|o| {
+                format!(
+                    "\tshfl.sync.bfly.b32 %r71, %r69, {o}, 31, -1;\n\tmax.u32 %r69, %r69, %r71;\n"
+                )
+            })
+            .collect()
+    };
+    let goffs: Vec<usize> = [16usize, 8, 4, 2, 1]
+        .into_iter()
+        .filter(|&o| o < gw)
+        .collect();
+    s += &format!(
+        "\t@!%p36 bra $L_{label}_wtok;\n{}\tand.b32 %r70, %r1, 31;\n\tsetp.eq.u32 %p37, %r70, 0;\n\t@%p37 red.shared.max.u32 [%r67], %r69;\n$L_{label}_wtok:\n\t@!%p38 bra $L_{label}_wgrp;\n{}\tand.b32 %r70, %r1, {gm};\n\tsetp.eq.u32 %p37, %r70, 0;\n\tshl.b32 %r72, %r1, 4;\n\tshr.b32 %r72, %r72, {sh};\n\tshl.b32 %r72, %r72, 2;\n\tadd.u32 %r72, %r67, %r72;\n\t@%p37 red.shared.max.u32 [%r72], %r69;\n$L_{label}_wgrp:\n",
+        bfly(&[16, 8, 4, 2, 1]),
+        bfly(&goffs),
+        gm = gw - 1,
+        sh = f.es_log2() + cuda_multimem_collectives::FP8_GROUP.trailing_zeros(),
+    );
     // the dynamic modes: amax complete after one bar.sync; the scales written
     s += &format!(
-        "\t@!%p30 bra $L_{label}_static;\n\t@%p36 red.shared.max.u32 [%r67], %r69;\n\tbar.sync 0;\n\t@!%p36 bra $L_{label}_notok;\n\tld.shared.u32 %r73, [%r67];\n{}\tmov.f32 %f45, %f47;\n\tsetp.ne.u32 %p37, %r1, 0;\n\t@%p37 bra $L_{label}_notok;\n\tshl.b64 %rd88, %rd50, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f45;\n$L_{label}_notok:\n",
+        "\t@!%p30 bra $L_{label}_static;\n\tbar.sync 0;\n\t@!%p36 bra $L_{label}_notok;\n\tld.shared.u32 %r73, [%r67];\n{}\tmov.f32 %f45, %f47;\n\tsetp.ne.u32 %p37, %r1, 0;\n\t@%p37 bra $L_{label}_notok;\n\tshl.b64 %rd88, %rd50, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f45;\n$L_{label}_notok:\n",
         fp8_scale(&format!("{label}t"), "%r73")
     );
     // per group, f32: threads t < groups, row-major

@@ -279,7 +279,8 @@ pub fn fp8_quantise<T: Element>(
 /// Per-group power-of-two scales (`tokens × groups`, row by row, as [`fp8_quantise`] gives
 /// them) in the layout [`Fp8Scaling::PerGroupUe8m0`] writes: the UE8M0 byte of group g of
 /// token t in byte `g % 4` of the `u32` at `(g / 4) · align(tokens, 4) + t`; the bytes of
-/// groups past the last, and the tokens of the alignment, 0.
+/// groups past the last 0. The words of the alignment's tokens are 0 here; the kernels do not
+/// write them (compare only tokens `t < tokens`).
 pub fn ue8m0_pack(scales: &[f32], tokens: usize, groups: usize) -> Vec<u32> {
     let stride = tokens.next_multiple_of(4);
     let mut packed = vec![0u32; groups.div_ceil(4) * stride];

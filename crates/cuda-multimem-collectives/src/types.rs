@@ -430,7 +430,8 @@ pub enum Fp8Scaling {
     /// One power-of-two scale per group of [`FP8_GROUP`] elements (the f32 scale rounded up to
     /// a power of two), written as UE8M0 exponent bytes packed four groups to a `u32` in the
     /// layout DeepGEMM reads (`u32` at `pack · align(tokens, 4) + token`, group `4 · pack + i`
-    /// in byte i; missing groups of the last pack 0).
+    /// in byte i; missing groups of the last pack 0; the words of the alignment's tokens,
+    /// `tokens ≤ t < align(tokens, 4)`, are not written).
     PerGroupUe8m0,
 }
 

@@ -10,6 +10,12 @@
 //! within the sum-of-squares tolerance against `add_rms_norm_reference` of the same partials;
 //! and out against the whole block computed in f32 on one device, within bf16 rounding.
 //!
+//! Then the FP8 form an FP8 engine runs (`RankHandle::all_reduce_add_rms_norm_fp8`, per-token
+//! dynamic scales, with the bf16 rows beside them): its e4m3 rows are the host quantisation of
+//! the bf16 output bit for bit (`fp8_quantise`), and they feed the next layer's column-parallel
+//! matmul as an FP8 GEMM reads them (`q · scale` per token, times this rank's W1 columns),
+//! within FP8 precision of the same matmul on the bf16 rows.
+//!
 //! `cargo run --release --example tp_mlp` (`CUDA_MULTIMEM_DRIVER=sim:devices=N` picks a
 //! simulated machine).
 
@@ -20,8 +26,8 @@ use std::process::ExitCode;
 
 use cuda_multimem::{DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, next_random, rms_norm_within_tolerance, Communicator,
-    MulticastPolicy,
+    add_rms_norm_reference, bf16, fp8_quantise, next_random, rms_norm_within_tolerance,
+    Communicator, Fp8Out, Fp8Scaling, MulticastPolicy, F8E4M3,
 };
 use cuda_multimem_examples::{pick_driver, Res};
 
@@ -156,6 +162,85 @@ fn run() -> Res<bool> {
         );
         ok &= exact && close && single_ok;
     }
+    ok &= fp8_step(&comm, &streams, devices, &parts_bf, &xb, &gb, &w1, n)?;
     println!("{}", if ok { "tp_mlp: ok" } else { "tp_mlp: MISMATCH" });
+    Ok(ok)
+}
+
+/// The same fused step with an FP8 output (per-token scales, the bf16 rows beside them), whose
+/// e4m3 rows and scales go into the next layer's first matmul (this rank's columns of W1).
+#[allow(clippy::too_many_arguments)]
+fn fp8_step(
+    comm: &Communicator,
+    streams: &[Stream],
+    devices: &[cuda_multimem::Device],
+    parts_bf: &[Vec<bf16>],
+    xb: &[bf16],
+    gb: &[bf16],
+    w1: &[f32],
+    n: usize,
+) -> Res<bool> {
+    let len = TOKENS * HIDDEN;
+    let mut bufs = Vec::new();
+    for (r, d) in devices.iter().enumerate() {
+        bufs.push((
+            DeviceBuffer::from_host(d, &parts_bf[r])?,
+            DeviceBuffer::from_host(d, xb)?,
+            DeviceBuffer::from_host(d, gb)?,
+            DeviceBuffer::<F8E4M3>::zeroed(d, len)?,
+            DeviceBuffer::<f32>::zeroed(d, TOKENS)?,
+            DeviceBuffer::<bf16>::zeroed(d, len)?,
+        ));
+    }
+    for (r, (y, res, g, q, sc, out)) in bufs.iter_mut().enumerate() {
+        let spec = Fp8Out::per_token(&mut *q, &mut *sc).with_unquantised(&mut *out);
+        let c = comm.rank(r)?.all_reduce_add_rms_norm_fp8(
+            &*y,
+            &mut *res,
+            &*g,
+            spec,
+            HIDDEN,
+            EPS,
+            &streams[r],
+        )?;
+        if r == 0 {
+            println!("rank 0 ran the FP8 form: {c}");
+        }
+    }
+    for st in streams {
+        st.synchronize()?;
+    }
+    comm.check()?;
+    let cols = INTER / n;
+    let mut ok = true;
+    for (r, (_, _, _, q, sc, out)) in bufs.iter().enumerate() {
+        let (q, sc, out) = (q.to_vec()?, sc.to_vec()?, out.to_vec()?);
+        let (wq, ws) = fp8_quantise(&out, HIDDEN, Fp8Scaling::PerToken, 0.0);
+        let exact = q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits()) && sc == ws;
+        // the next matmul on rank r: its columns of W1, from the e4m3 rows (an FP8 GEMM's
+        // view: q · scale) and from the bf16 rows
+        let mut worst = 0f32;
+        let mut big = 0f32;
+        for t in 0..TOKENS {
+            for c in r * cols..(r + 1) * cols {
+                let (mut a8, mut a16) = (0f32, 0f32);
+                for k in 0..HIDDEN {
+                    let w = w1[k * INTER + c];
+                    a8 += q[t * HIDDEN + k].to_f32() * sc[t] * w;
+                    a16 += out[t * HIDDEN + k].to_f32() * w;
+                }
+                worst = worst.max((a8 - a16).abs());
+                big = big.max(a16.abs());
+            }
+        }
+        // e4m3 keeps 3 mantissa bits: each element within 2^-4 relative; the sums of
+        // HIDDEN products with random signs stay well within 5 % of the largest output
+        let close = worst <= 0.05 * big;
+        println!(
+            "rank {r}: e4m3 rows and scales {} the host quantisation; next matmul from FP8: max |diff| {worst:.4} of {big:.4}",
+            if exact { "equal" } else { "DIFFER from" }
+        );
+        ok &= exact && close;
+    }
     Ok(ok)
 }

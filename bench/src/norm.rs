@@ -3,7 +3,15 @@
 //! an engine holds them), two implementations side by side:
 //! - **fused**: `RankHandle::all_reduce_add_rms_norm`;
 //! - **unfused**: our allreduce in place, then the separate residual add + RMSNorm kernel
-//!   (`RankHandle::add_rms_norm`) — what an engine runs without the fusion.
+//!   (`RankHandle::add_rms_norm`) — what an engine runs without the fusion;
+//! - **fp8-static**, **fp8-token**, **fp8-group**, **fp8-ue8m0**, **fp8-token+bf16**:
+//!   `RankHandle::all_reduce_add_rms_norm_fp8` with a static scale, per-token scales,
+//!   per-group-of-128 f32 or UE8M0 scales, and per-token scales with the bf16 rows beside
+//!   (the grouped ones only where hidden is a multiple of 128);
+//! - **unfused-fp8-token**: our allreduce in place, then the local add + RMSNorm + per-token
+//!   FP8 kernel (`RankHandle::add_rms_norm_fp8`) — the unfused pair of an engine whose norm
+//!   kernel quantises. Our bf16 fused kernel followed by a separate quantisation kernel is not
+//!   measured: the library has no standalone quantisation kernel yet.
 //!
 //! Each timed two ways, as bench-allreduce does: **pipelined** (a graph of many calls per rank,
 //! replayed; time per call from rank 0's events, median of `--runs`) and **single** (a thread
@@ -20,7 +28,7 @@ use clap::{Parser, ValueEnum};
 use cuda_multimem::{CaptureMode, DeviceBuffer, Stream};
 use cuda_multimem_collectives::{
     add_rms_norm_reference, random_input, rms_norm_within_tolerance, Algorithm, CommConfig,
-    Communicator, Dst, MulticastPolicy, ReduceOp, Src,
+    Communicator, Dst, Fp8Out, Fp8Scaling, MulticastPolicy, ReduceOp, Src, F8E4M3,
 };
 use half::bf16;
 use serde_json::json;
@@ -74,7 +82,19 @@ struct Bufs {
     res: DeviceBuffer<bf16>,
     g: DeviceBuffer<bf16>,
     out: DeviceBuffer<bf16>,
+    q: DeviceBuffer<F8E4M3>,
+    sc: DeviceBuffer<f32>,
+    sc_u: DeviceBuffer<u32>,
 }
+
+/// The FP8 implementations: name, scaling, with the bf16 rows.
+const FP8: [(&str, Fp8Scaling, bool); 5] = [
+    ("fp8-static", Fp8Scaling::Static, false),
+    ("fp8-token", Fp8Scaling::PerToken, false),
+    ("fp8-group", Fp8Scaling::PerGroup, false),
+    ("fp8-ue8m0", Fp8Scaling::PerGroupUe8m0, false),
+    ("fp8-token+bf16", Fp8Scaling::PerToken, true),
+];
 
 /// Queue one call of `imp` for rank `r` on `s`.
 fn call(
@@ -99,7 +119,40 @@ fn call(
         )
     };
     let hr = comm.rank(r)?;
-    if imp == "fused" {
+    if let Some(&(_, scaling, both)) = FP8.iter().find(|f| f.0 == imp) {
+        let sl = scaling.scales_len(t, h);
+        // SAFETY: as above: this rank's own buffers (q of len bytes, the scales of at least
+        // `sl` elements: sized for every scaling).
+        let (q, sc, su) = unsafe {
+            (
+                Dst::<F8E4M3>::from_raw(b.q.device_ptr(), len),
+                Dst::<f32>::from_raw(b.sc.device_ptr(), sl),
+                Dst::<u32>::from_raw(b.sc_u.device_ptr(), sl),
+            )
+        };
+        let spec = match scaling {
+            Fp8Scaling::Static => Fp8Out::static_scale(q, 0.01),
+            Fp8Scaling::PerToken => Fp8Out::per_token(q, sc),
+            Fp8Scaling::PerGroup => Fp8Out::per_group(q, sc),
+            Fp8Scaling::PerGroupUe8m0 => Fp8Out::per_group_ue8m0(q, su),
+        };
+        let spec = if both {
+            spec.with_unquantised(out)
+        } else {
+            spec
+        };
+        hr.all_reduce_add_rms_norm_fp8(x, res, g, spec, h, EPS, s)?;
+    } else if imp == "unfused-fp8-token" {
+        // SAFETY: as above.
+        let (q, sc) = unsafe {
+            (
+                Dst::<F8E4M3>::from_raw(b.q.device_ptr(), len),
+                Dst::<f32>::from_raw(b.sc.device_ptr(), t),
+            )
+        };
+        hr.all_reduce_in_place(xm, ReduceOp::Sum, s)?;
+        hr.add_rms_norm_fp8(x, res, g, Fp8Out::per_token(q, sc), h, EPS, s)?;
+    } else if imp == "fused" {
         hr.all_reduce_add_rms_norm(x, res, g, out, h, EPS, s)?;
     } else {
         hr.all_reduce_in_place(xm, ReduceOp::Sum, s)?;
@@ -159,7 +212,7 @@ fn run(args: &Args) -> Res<bool> {
         args.runs
     );
     println!(
-        "{:>7} {:>10} {:>8} {:>11} {:>11}  {:<28} {:>7}",
+        "{:>7} {:>10} {:>17} {:>11} {:>11}  {:<40} {:>7}",
         "tokens", "bytes", "impl", "pipe(us)", "single(us)", "form", "correct"
     );
     let mut all_ok = true;
@@ -177,6 +230,15 @@ fn run(args: &Args) -> Res<bool> {
                 res: DeviceBuffer::from_host(d, &r0)?,
                 g: DeviceBuffer::from_host(d, &g0)?,
                 out: DeviceBuffer::zeroed(d, len)?,
+                q: DeviceBuffer::zeroed(d, len)?,
+                sc: DeviceBuffer::zeroed(
+                    d,
+                    Fp8Scaling::PerGroupUe8m0
+                        .scales_len(t, h)
+                        .max(t * h.div_ceil(128))
+                        .max(1),
+                )?,
+                sc_u: DeviceBuffer::zeroed(d, Fp8Scaling::PerGroupUe8m0.scales_len(t, h).max(1))?,
             });
         }
         // correctness of the fused call on rank 0 (every rank is checked by the test suite)
@@ -194,10 +256,39 @@ fn run(args: &Args) -> Res<bool> {
                 .zip(&wo)
                 .all(|(a, b)| rms_norm_within_tolerance(*a, *b));
         all_ok &= ok;
+        // the FP8 call with the bf16 rows beside: its e4m3 rows and scales are the host
+        // quantisation of those rows (rank 0)
+        let fp8_ok = {
+            for (r, b) in bufs.iter().enumerate() {
+                call(&comm, r, b, "fp8-token+bf16", t, h, &streams[r])?;
+            }
+            sync(&streams)?;
+            comm.check()?;
+            let out = bufs[0].out.to_vec()?;
+            let (wq, ws) =
+                cuda_multimem_collectives::fp8_quantise(&out, h, Fp8Scaling::PerToken, 0.0);
+            let q = bufs[0].q.to_vec()?;
+            let sc = bufs[0].sc.to_vec()?;
+            q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())
+                && sc[..t]
+                    .iter()
+                    .zip(&ws)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        all_ok &= fp8_ok;
         let choice = comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)?;
         let iters = if sim { 2 } else { args.iters };
         let runs = if sim { 1 } else { args.runs };
-        for imp in ["fused", "unfused"] {
+        let imps: Vec<&str> = ["fused", "unfused", "unfused-fp8-token"]
+            .into_iter()
+            .chain(
+                FP8.iter()
+                    .filter(|f| !f.1.grouped() || h / 128 * 128 == h)
+                    .map(|f| f.0),
+            )
+            .collect();
+        for imp in imps {
+            let fp8 = FP8.iter().find(|f| f.0 == imp).map(|f| f.1);
             // pipelined: a graph of `iters` calls per rank
             let pipe =
                 pipelined_by_graph(&streams, (iters, runs), CaptureMode::Global, &mut |r| {
@@ -221,6 +312,19 @@ fn run(args: &Args) -> Res<bool> {
             comm.check()?;
             let form = if imp == "fused" {
                 choice.to_string()
+            } else if imp == "unfused-fp8-token" {
+                format!(
+                    "{} + add_rms_norm_fp8",
+                    comm.choice(
+                        cuda_multimem_collectives::DType::Bf16,
+                        ReduceOp::Sum,
+                        len,
+                        cuda_multimem_collectives::Operands::Local
+                    )?
+                )
+            } else if let Some(scaling) = fp8 {
+                comm.add_rms_norm_fp8_choice(cuda_multimem_collectives::DType::Bf16, t, h, scaling)?
+                    .to_string()
             } else {
                 format!(
                     "{} + add_rms_norm",
@@ -233,21 +337,18 @@ fn run(args: &Args) -> Res<bool> {
                 )
             };
             println!(
-                "{:>7} {:>10} {:>8} {:>11.2} {:>11.2}  {:<28} {:>7}",
+                "{:>7} {:>10} {:>17} {:>11.2} {:>11.2}  {:<40} {:>7}",
                 t,
                 bytes,
                 imp,
                 pipe * 1e6,
                 single * 1e6,
                 form,
-                if imp == "fused" {
-                    if ok {
-                        "yes"
-                    } else {
-                        "NO"
-                    }
-                } else {
-                    "-"
+                match imp {
+                    "fused" if ok => "yes",
+                    "fp8-token+bf16" if fp8_ok => "yes",
+                    "fused" | "fp8-token+bf16" => "NO",
+                    _ => "-",
                 }
             );
             for (mode, secs) in [("pipelined", pipe), ("single", single)] {
@@ -257,7 +358,11 @@ fn run(args: &Args) -> Res<bool> {
                 let bw = bytes as f64 / secs / 1e9;
                 let fields = json!({
                     "bench": "allreduce_rmsnorm",
-                    "impl": if imp == "fused" { "cuda-multimem" } else { "cuda-multimem-unfused" },
+                    "impl": match imp {
+                        "fused" => "cuda-multimem".to_string(),
+                        "unfused" => "cuda-multimem-unfused".to_string(),
+                        other => format!("cuda-multimem-{other}"),
+                    },
                     "operand": "local",
                     "dtype": "bf16",
                     "op": "sum",
@@ -272,7 +377,11 @@ fn run(args: &Args) -> Res<bool> {
                     "path": choice.path.to_string(),
                     "algorithm": form,
                     "staged_chunks": 0,
-                    "correct": if imp == "fused" { json!(ok) } else { json!(null) },
+                    "correct": match imp {
+                        "fused" => json!(ok),
+                        "fp8-token+bf16" => json!(fp8_ok),
+                        _ => json!(null),
+                    },
                 });
                 result_line(fields)?;
             }

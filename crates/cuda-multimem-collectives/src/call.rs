@@ -5,7 +5,7 @@
 
 use crate::kernels::gather::Collective;
 use crate::operand::{Operand, Resolved};
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, Fp8Scaling, ReduceOp};
 
 /// Which collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -119,6 +119,28 @@ pub(crate) struct Call<'o> {
     pub(crate) norm: Option<NormArgs>,
     /// An all-to-all's element size and counts.
     pub(crate) a2a: Option<A2aArgs<'o>>,
+    /// A norm's FP8 output (then `output` is the e4m3 rows, named "out").
+    pub(crate) quant: Option<QuantArgs<'o>>,
+}
+
+/// The FP8 output of a norm call besides its e4m3 rows: the scaling, the static scale, the
+/// scales buffer and the unquantised rows.
+#[derive(Clone, Copy)]
+pub(crate) struct QuantArgs<'o> {
+    pub(crate) scaling: Fp8Scaling,
+    /// The static scale ([`Fp8Scaling::Static`]; 0 otherwise).
+    pub(crate) scale: f32,
+    pub(crate) scales: Option<Arg<'o>>,
+    pub(crate) unquantised: Option<Arg<'o>>,
+}
+
+/// [`QuantArgs`] checked: the operands resolved on the calling rank.
+#[derive(Clone, Copy)]
+pub(crate) struct QuantChecked<'o> {
+    pub(crate) scaling: Fp8Scaling,
+    pub(crate) scale: f32,
+    pub(crate) scales: Option<Resolved<'o>>,
+    pub(crate) unquantised: Option<Resolved<'o>>,
 }
 
 impl<'o> Call<'o> {
@@ -165,6 +187,7 @@ impl<'o> Call<'o> {
             weight: None,
             norm: None,
             a2a: None,
+            quant: None,
         }
     }
 }
@@ -192,6 +215,7 @@ pub(crate) struct Checked<'o> {
     /// it never decides what the team runs, only what this rank may skip).
     pub(crate) in_place: bool,
     pub(crate) norm: Option<NormShape>,
+    pub(crate) quant: Option<QuantChecked<'o>>,
     /// The argument names of the input and the output (for errors found while executing).
     pub(crate) names: [&'static str; 2],
     /// An all-to-all's element size and checked counts.
@@ -222,6 +246,8 @@ pub(crate) struct Facts {
     /// locally, without changing what the team runs).
     pub(crate) sym_addrs: u64,
     pub(crate) norm: Option<NormShape>,
+    /// A norm's FP8 scaling (every rank asks for the same: the kernels' call header says it).
+    pub(crate) quant: Option<Fp8Scaling>,
     /// An all-to-all: the mode (`kernels::alltoall::MODE_*`), the output's bytes and whether
     /// the call is in place (in place is a shared fact of the call: every rank makes it).
     pub(crate) a2a: Option<A2aFacts>,
@@ -266,6 +292,7 @@ impl Checked<'_> {
                 out_bytes: self.output.bytes,
                 in_place: self.in_place,
             }),
+            quant: self.quant.map(|q| q.scaling),
         }
     }
 }

@@ -76,6 +76,7 @@ mod comm;
 mod config;
 mod engine;
 mod exec;
+mod fp8;
 pub mod hier;
 pub mod kernels;
 pub mod nccl;
@@ -95,6 +96,7 @@ pub use config::CommConfig;
 /// The stream side of a call, re-exported from `cuda-multimem`: what every collective takes as
 /// its stream ([`IntoStream`]) and what an operand's conversion sees of it ([`CallStream`]).
 pub use cuda_multimem::{CallStream, IntoStream};
+pub use fp8::{Fp8Out, Fp8Scales};
 #[cfg(feature = "sim")]
 pub use hier::HostCrossDomainDouble;
 pub use hier::{
@@ -104,15 +106,20 @@ pub use kernels::multimem::supported as multimem_supports;
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, IntoDst, IntoSrc, Src};
 pub use reference::{
-    add_rms_norm_reference, all_gather_reference, broadcast_reference, next_random, random_bytes,
+    add_rms_norm_fp8_reference, add_rms_norm_reference, all_gather_reference, broadcast_reference,
+    fp8_amax, fp8_e4m3, fp8_quantise, fp8_quantise_row, fp8_scale, next_random, random_bytes,
     random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
-    rms_scale,
+    rms_scale, ue8m0_byte, ue8m0_pack, Fp8NormReference,
 };
 pub use types::{
-    multimem_pays_off, Algorithm, Choice, DType, Element, MulticastPolicy, Operands, Path, ReduceOp,
+    multimem_pays_off, Algorithm, Choice, DType, Element, Fp8Scaling, MulticastPolicy, Operands,
+    Path, ReduceOp, FP8_E4M3_MAX, FP8_GROUP,
 };
 
 /// The FP8 types (the `float8` crate, which candle uses): moved by all-gather and broadcast.
 pub use float8;
+/// The FP8 element type of the quantised norm outputs, re-exported from the `float8` crate.
+pub use float8::F8E4M3;
+
 /// The element types, re-exported from the `half` crate.
 pub use half::{bf16, f16};

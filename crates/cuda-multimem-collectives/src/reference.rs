@@ -1,6 +1,8 @@
 //! Host references and test data: what the kernels compute, computed on the host.
 
-use crate::types::{DType, Element, ReduceOp};
+use float8::F8E4M3;
+
+use crate::types::{DType, Element, Fp8Scaling, ReduceOp, FP8_E4M3_MAX, FP8_GROUP};
 
 /// The next value of the xorshift generator whose state is `state` (non-zero; it advances),
 /// in [-1, 1): the one generator of the tests, examples and benchmarks.
@@ -174,6 +176,158 @@ pub fn rms_norm_within_tolerance<T: Element>(got: T, want: T) -> bool {
     (g - w).abs() <= step + w.abs() / 65536.0 + f32::MIN_POSITIVE
 }
 
+/// `amax` of `v` as the FP8 kernels take it: the largest bit pattern of the values with the
+/// sign cleared, compared as `u32` — order-free (so every reduction tree gives the same bits),
+/// and a NaN, larger than every number, wins (its row or group gets a NaN scale).
+pub fn fp8_amax(v: &[f32]) -> f32 {
+    f32::from_bits(
+        v.iter()
+            .map(|x| x.to_bits() & 0x7fff_ffff)
+            .max()
+            .unwrap_or(0),
+    )
+}
+
+/// The dequantisation scale computed from `amax`: `amax / 448` (correctly rounded), 1 where
+/// that is 0 (an all-zero row or group, or an amax so small the quotient underflows: every
+/// element is then ±0 or rounds to it); with `ue8m0`, rounded up to a power of two (the
+/// exponent of the f32 scale, plus one when its mantissa is not 0; a NaN or infinite scale
+/// becomes NaN, UE8M0's 255).
+pub fn fp8_scale(amax: f32, ue8m0: bool) -> f32 {
+    let mut s = amax / FP8_E4M3_MAX;
+    if s == 0.0 {
+        s = 1.0;
+    }
+    if !ue8m0 {
+        return s;
+    }
+    let byte = ue8m0_byte(s);
+    if byte == 255 {
+        f32::from_bits(0x7fff_ffff)
+    } else {
+        f32::from_bits((byte as u32) << 23)
+    }
+}
+
+/// The UE8M0 byte (biased power-of-two exponent) of an f32 scale rounded up to a power of two:
+/// `exponent + (mantissa != 0)`, at most 255 (NaN).
+pub fn ue8m0_byte(scale: f32) -> u8 {
+    let b = scale.to_bits();
+    let e = (b >> 23) & 0xff;
+    let m = b & 0x7f_ffff;
+    (e + (m != 0) as u32).min(255) as u8
+}
+
+/// e4m3 of `v`, as `cvt.rn.satfinite.e4m3x2.f32` converts: round to nearest even, finite
+/// values beyond ±448 (and ±∞) saturate to ±448, a NaN stays a NaN (0x7f, or 0xff: the sign of
+/// a NaN is not specified).
+pub fn fp8_e4m3(v: f32) -> F8E4M3 {
+    F8E4M3::from_f32(v)
+}
+
+/// Quantise one normalised row `y` (values of `T` as f32) with `scaling` (`static_scale` for
+/// [`Fp8Scaling::Static`]): the row's e4m3 values `e4m3(y / scale)` and its scales (none,
+/// one per token, or one per group of [`FP8_GROUP`] — for UE8M0 the powers of two used).
+pub fn fp8_quantise_row(
+    y: &[f32],
+    scaling: Fp8Scaling,
+    static_scale: f32,
+) -> (Vec<F8E4M3>, Vec<f32>) {
+    match scaling {
+        Fp8Scaling::Static => (
+            y.iter().map(|&v| fp8_e4m3(v / static_scale)).collect(),
+            vec![],
+        ),
+        Fp8Scaling::PerToken => {
+            let s = fp8_scale(fp8_amax(y), false);
+            (y.iter().map(|&v| fp8_e4m3(v / s)).collect(), vec![s])
+        }
+        Fp8Scaling::PerGroup | Fp8Scaling::PerGroupUe8m0 => {
+            let ue = scaling == Fp8Scaling::PerGroupUe8m0;
+            let mut q = Vec::with_capacity(y.len());
+            let mut sc = Vec::new();
+            for g in y.chunks(FP8_GROUP) {
+                let s = fp8_scale(fp8_amax(g), ue);
+                q.extend(g.iter().map(|&v| fp8_e4m3(v / s)));
+                sc.push(s);
+            }
+            (q, sc)
+        }
+    }
+}
+
+/// Quantise the rows of a normalised output `out` (`tokens × hidden` of `T`): every row's e4m3
+/// values and its scales as [`fp8_quantise_row`] gives them, the scales row by row
+/// (`tokens × groups` for the grouped forms; pack them with [`ue8m0_pack`]).
+pub fn fp8_quantise<T: Element>(
+    out: &[T],
+    hidden: usize,
+    scaling: Fp8Scaling,
+    static_scale: f32,
+) -> (Vec<F8E4M3>, Vec<f32>) {
+    let mut q = Vec::with_capacity(out.len());
+    let mut sc = Vec::new();
+    for row in out.chunks(hidden.max(1)) {
+        let y: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
+        let (rq, rs) = fp8_quantise_row(&y, scaling, static_scale);
+        q.extend(rq);
+        sc.extend(rs);
+    }
+    (q, sc)
+}
+
+/// Per-group power-of-two scales (`tokens × groups`, row by row, as [`fp8_quantise`] gives
+/// them) in the layout [`Fp8Scaling::PerGroupUe8m0`] writes: the UE8M0 byte of group g of
+/// token t in byte `g % 4` of the `u32` at `(g / 4) · align(tokens, 4) + t`; the bytes of
+/// groups past the last 0. The words of the alignment's tokens are 0 here; the kernels do not
+/// write them (compare only tokens `t < tokens`).
+pub fn ue8m0_pack(scales: &[f32], tokens: usize, groups: usize) -> Vec<u32> {
+    let stride = tokens.next_multiple_of(4);
+    let mut packed = vec![0u32; groups.div_ceil(4) * stride];
+    for t in 0..tokens {
+        for g in 0..groups {
+            let b = ue8m0_byte(scales[t * groups + g]) as u32;
+            packed[(g / 4) * stride + t] |= b << (8 * (g % 4));
+        }
+    }
+    packed
+}
+
+/// What [`add_rms_norm_fp8_reference`] computes.
+#[derive(Debug, Clone)]
+pub struct Fp8NormReference<T> {
+    /// residual_out (bit-exact against the kernels).
+    pub residual: Vec<T>,
+    /// The normalised output rounded to `T` (what the unquantised norm writes).
+    pub out: Vec<T>,
+    /// Its e4m3 values.
+    pub q: Vec<F8E4M3>,
+    /// Its scales, row by row (none for [`Fp8Scaling::Static`]).
+    pub scales: Vec<f32>,
+}
+
+/// [`add_rms_norm_reference`] followed by the FP8 quantisation of its `out`
+/// ([`fp8_quantise`]): what `RankHandle::all_reduce_add_rms_norm_fp8` computes, rounding at
+/// the same points (the sum of squares sequentially: see [`add_rms_norm_reference`]).
+pub fn add_rms_norm_fp8_reference<T: Element>(
+    inputs: &[&[T]],
+    r: &[T],
+    gamma: &[T],
+    hidden: usize,
+    eps: f32,
+    scaling: Fp8Scaling,
+    static_scale: f32,
+) -> Fp8NormReference<T> {
+    let (residual, out) = add_rms_norm_reference(inputs, r, gamma, hidden, eps);
+    let (q, scales) = fp8_quantise(&out, hidden, scaling, static_scale);
+    Fp8NormReference {
+        residual,
+        out,
+        q,
+        scales,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,6 +349,53 @@ mod tests {
         assert_eq!(res[0].to_f32(), 1.0078125);
         assert!(rms_norm_within_tolerance(t(1.0), t(1.0)));
         assert!(!rms_norm_within_tolerance(t(1.0), t(1.03125)));
+    }
+
+    #[test]
+    fn fp8_conversion_rounds_to_nearest_even_and_saturates() {
+        let b = |v: f32| fp8_e4m3(v).to_bits();
+        assert_eq!(b(448.0), 0x7e);
+        assert_eq!(b(1e9), 0x7e);
+        assert_eq!(b(f32::INFINITY), 0x7e);
+        assert_eq!(b(-1e9), 0xfe);
+        assert_eq!(b(464.0), 0x7e); // halfway to 480: to even (448)
+        assert_eq!(b(1.0), 0x38);
+        assert_eq!(b(1.0625), 0x38); // halfway between 1 and 1.125: even
+        assert_eq!(b(1.0625 + 1e-6), 0x39);
+        assert_eq!(b(2f32.powi(-9)), 0x01); // smallest subnormal
+        assert_eq!(b(2f32.powi(-10)), 0x00); // its half: to even
+        assert_eq!(b(f32::NAN) & 0x7f, 0x7f);
+    }
+
+    #[test]
+    fn fp8_scales_of_zero_and_nan_and_powers_of_two() {
+        assert_eq!(fp8_scale(0.0, false), 1.0);
+        assert_eq!(fp8_scale(0.0, true), 1.0);
+        assert_eq!(fp8_scale(448.0, false), 1.0);
+        assert_eq!(fp8_scale(448.0, true), 1.0);
+        assert_eq!(fp8_scale(449.0, true), 2.0);
+        assert_eq!(fp8_scale(224.0, true), 0.5);
+        assert!(fp8_scale(f32::NAN, true).is_nan());
+        assert_eq!(ue8m0_byte(1.0), 127);
+        assert_eq!(fp8_amax(&[-3.0, 2.0, -0.0]), 3.0);
+        assert!(fp8_amax(&[1.0, f32::NAN]).is_nan());
+        // a row of zeros: scale 1, every element 0
+        let (q, s) = fp8_quantise_row(&[0.0; 4], Fp8Scaling::PerToken, 0.0);
+        assert_eq!(s, vec![1.0]);
+        assert!(q.iter().all(|q| q.to_bits() & 0x7f == 0));
+        // the row's largest element becomes ±448
+        let (q, s) = fp8_quantise_row(&[-2.0, 1.0], Fp8Scaling::PerToken, 0.0);
+        assert_eq!(s, vec![2.0 / 448.0]);
+        assert_eq!(q[0].to_bits(), 0xfe);
+        // packing: two tokens, five groups: packs of 4 groups, stride align(2, 4) = 4
+        let sc: Vec<f32> = (0..10).map(|i| 2f32.powi(i)).collect();
+        let p = ue8m0_pack(&sc, 2, 5);
+        assert_eq!(p.len(), 8);
+        assert_eq!(p[0], u32::from_le_bytes([127, 128, 129, 130]));
+        assert_eq!(p[1], u32::from_le_bytes([132, 133, 134, 135]));
+        assert_eq!(p[4], 131);
+        assert_eq!(p[5], 136);
+        assert_eq!(p[2], 0);
     }
 
     #[test]

@@ -503,3 +503,74 @@ pub enum MulticastPolicy {
 pub fn multimem_pays_off(n: usize) -> bool {
     n > 3
 }
+
+/// How the FP8 (e4m3) output of [`crate::RankHandle::all_reduce_add_rms_norm_fp8`] is scaled:
+/// every quantised element is `e4m3(y / scale)` with `y` the normalised value rounded to the
+/// call's `T` (what the unquantised norm writes), the division correctly rounded in f32 and the
+/// conversion round-to-nearest-even saturating to ±448 (`cvt.rn.satfinite.e4m3x2.f32`);
+/// `scale` is the dequantisation scale (`y ≈ q · scale`). Where a scale is computed, it is
+/// `amax / 448` over its elements (`amax` of 0 gives a scale of 1, so every element is ±0):
+/// see `docs/design/rmsnorm.md` ("FP8 outputs").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fp8Scaling {
+    /// One scale for the whole tensor, given by the caller (finite, > 0).
+    Static,
+    /// One scale per token (row), written as f32.
+    PerToken,
+    /// One scale per group of [`FP8_GROUP`] consecutive elements of a row, written as f32,
+    /// row-major (`tokens × hidden / 128`).
+    PerGroup,
+    /// One power-of-two scale per group of [`FP8_GROUP`] elements (the f32 scale rounded up to
+    /// a power of two), written as UE8M0 exponent bytes packed four groups to a `u32` in the
+    /// layout DeepGEMM reads (`u32` at `pack · align(tokens, 4) + token`, group `4 · pack + i`
+    /// in byte i; missing groups of the last pack 0; the words of the alignment's tokens,
+    /// `tokens ≤ t < align(tokens, 4)`, are not written).
+    PerGroupUe8m0,
+}
+
+/// Elements per scale group of [`Fp8Scaling::PerGroup`] and [`Fp8Scaling::PerGroupUe8m0`].
+pub const FP8_GROUP: usize = 128;
+
+/// The largest finite e4m3 value: outputs saturate to ±448, and computed scales are
+/// `amax / 448`.
+pub const FP8_E4M3_MAX: f32 = 448.0;
+
+impl Fp8Scaling {
+    /// Every scaling.
+    pub const ALL: [Fp8Scaling; 4] = [
+        Fp8Scaling::Static,
+        Fp8Scaling::PerToken,
+        Fp8Scaling::PerGroup,
+        Fp8Scaling::PerGroupUe8m0,
+    ];
+
+    /// The code the kernels take (low byte of their mode parameter).
+    pub fn code(self) -> u64 {
+        match self {
+            Fp8Scaling::Static => 0,
+            Fp8Scaling::PerToken => 1,
+            Fp8Scaling::PerGroup => 2,
+            Fp8Scaling::PerGroupUe8m0 => 3,
+        }
+    }
+
+    /// Whether scales are per group of [`FP8_GROUP`] elements.
+    pub fn grouped(self) -> bool {
+        matches!(self, Fp8Scaling::PerGroup | Fp8Scaling::PerGroupUe8m0)
+    }
+
+    /// Elements of the scales buffer for `tokens` rows of `hidden` (hidden a multiple of
+    /// [`FP8_GROUP`] for the grouped forms): 0 (static), `tokens`, `tokens · hidden / 128`
+    /// (f32), or `ceil(hidden / 128 / 4) · align(tokens, 4)` (`u32` packs).
+    pub fn scales_len(self, tokens: usize, hidden: usize) -> usize {
+        let groups = hidden / FP8_GROUP;
+        match self {
+            Fp8Scaling::Static => 0,
+            Fp8Scaling::PerToken => tokens,
+            Fp8Scaling::PerGroup => tokens.saturating_mul(groups),
+            Fp8Scaling::PerGroupUe8m0 => groups
+                .div_ceil(4)
+                .saturating_mul(tokens.next_multiple_of(4)),
+        }
+    }
+}

@@ -31,12 +31,15 @@ const HEADER: &str = "//
 // of SPLIT alternating by row like cmm_norm_red; one mbarrier per buffer counts their bytes
 .shared .align 16 .f32 cmm_norm_part[16];
 .shared .align 8 .b64 cmm_norm_mbar[2];
+// the FP8 entries: amax (|y| bits as u32) of the row (slot 0) or of each group of 128, two
+// buffers of MAX_FP8_GROUPS alternating by row like cmm_norm_red
+.shared .align 4 .u32 cmm_norm_amax[1024];
 ";
 
-const REGS: &str = "\t.reg .pred %p<32>;
-\t.reg .b16 %h<4>;
-\t.reg .b32 %r<64>;
-\t.reg .b64 %rd<84>;
+const REGS: &str = "\t.reg .pred %p<40>;
+\t.reg .b16 %h<8>;
+\t.reg .b32 %r<80>;
+\t.reg .b64 %rd<90>;
 \t.reg .f32 %f<48>;
 ";
 
@@ -45,16 +48,58 @@ const REGS: &str = "\t.reg .pred %p<32>;
 /// per row, p9 vector mode, rd19 = 0, r54 the shared reduction array. With `pad`: rd1 pad, rd7
 /// header, rd8 timeout, r5 rank, r6 ranks, r7 counter c.
 fn prologue(name: &str, f: &Flavor, pad: bool) -> String {
-    prologue_with(name, f, pad, "")
+    prologue_with(name, f, pad, "", false)
 }
 
-/// [`prologue`] with extra entry directives (`dirs`, after `.maxntid`).
-fn prologue_with(name: &str, f: &Flavor, pad: bool, dirs: &str) -> String {
-    let params = if pad {
-        "\t.param .u64 p_ctx,\n\t.param .u64 p_x,\n\t.param .u64 p_res,\n\t.param .u64 p_w,\n\t.param .u64 p_out,\n\t.param .u64 p_rows,\n\t.param .u64 p_hidden,\n\t.param .u64 p_sig,\n\t.param .u64 p_timeout,\n\t.param .u64 p_eps\n"
+/// The FP8 entries' extra parameters and registers: rd80 the e4m3 rows, rd81 the scales, r64
+/// the mode (0 static, 1 per token, 2 per group, 3 per group UE8M0), f44 the static scale,
+/// rd83 the UE8M0 stride in words, rd85 groups per row, r66 the amax buffers; p30 dynamic,
+/// p31 grouped, p32 UE8M0, p36 per token, p33 the unquantised rows (rd5) are written.
+fn fp8_params() -> String {
+    format!(
+        r#"	ld.param.u64 %rd80, [p_q];
+	ld.param.u64 %rd81, [p_sc];
+	ld.param.u64 %rd82, [p_mode];
+	ld.param.u64 %rd83, [p_stride];
+	cvt.u32.u64 %r64, %rd82;
+	and.b32 %r64, %r64, 255;
+	shr.b64 %rd84, %rd82, 32;
+	cvt.u32.u64 %r65, %rd84;
+	mov.b32 %f44, %r65;
+	setp.ne.u32 %p30, %r64, 0;
+	setp.ge.u32 %p31, %r64, 2;
+	setp.eq.u32 %p32, %r64, 3;
+	setp.eq.u32 %p36, %r64, 1;
+	setp.ne.u64 %p33, %rd5, 0;
+	shr.u64 %rd85, %rd9, {g};
+	mov.u32 %r66, cmm_norm_amax;
+"#,
+        g = cuda_multimem_collectives::FP8_GROUP.trailing_zeros(),
+    )
+}
+
+/// [`prologue`] with extra entry directives (`dirs`, after `.maxntid`); `fp8`: an FP8 entry
+/// (four more parameters: [`fp8_params`]; the e4m3 rows must be 8-byte aligned for vectors).
+fn prologue_with(name: &str, f: &Flavor, pad: bool, dirs: &str, fp8: bool) -> String {
+    let fp8_decl = if fp8 {
+        ",\n\t.param .u64 p_q,\n\t.param .u64 p_sc,\n\t.param .u64 p_mode,\n\t.param .u64 p_stride"
     } else {
-        "\t.param .u64 p_x,\n\t.param .u64 p_res,\n\t.param .u64 p_w,\n\t.param .u64 p_out,\n\t.param .u64 p_rows,\n\t.param .u64 p_hidden,\n\t.param .u64 p_eps\n"
+        ""
     };
+    let (fp8_load, fp8_align) = if fp8 {
+        (
+            fp8_params(),
+            "\tshl.b64 %rd86, %rd80, 1;\n\tor.b64 %rd18, %rd18, %rd86;\n",
+        )
+    } else {
+        (String::new(), "")
+    };
+    let params = if pad {
+        "\t.param .u64 p_ctx,\n\t.param .u64 p_x,\n\t.param .u64 p_res,\n\t.param .u64 p_w,\n\t.param .u64 p_out,\n\t.param .u64 p_rows,\n\t.param .u64 p_hidden,\n\t.param .u64 p_sig,\n\t.param .u64 p_timeout,\n\t.param .u64 p_eps{fp8_decl}\n"
+    } else {
+        "\t.param .u64 p_x,\n\t.param .u64 p_res,\n\t.param .u64 p_w,\n\t.param .u64 p_out,\n\t.param .u64 p_rows,\n\t.param .u64 p_hidden,\n\t.param .u64 p_eps{fp8_decl}\n"
+    }
+    .replace("{fp8_decl}", fp8_decl);
     let pad_part = if pad {
         format!(
             "\tld.param.u64 %rd1, [p_ctx];\n\tld.param.u64 %rd7, [p_sig];\n\tld.param.u64 %rd8, [p_timeout];\n\tld.global.u32 %r5, [%rd1+{OFF_RANK}];\n\tld.global.u32 %r6, [%rd1+{OFF_NRANKS}];\n\t// this block's barrier counter c\n\tmul.wide.u32 %rd18, %r2, 4;\n\tadd.u64 %rd18, %rd1, %rd18;\n\tld.global.u32 %r7, [%rd18+{OFF_CTR}];\n"
@@ -81,13 +126,13 @@ fn prologue_with(name: &str, f: &Flavor, pad: bool, dirs: &str) -> String {
 	mov.u32 %r2, %ctaid.x;
 	mov.u32 %r3, %ntid.x;
 	mov.u32 %r4, %nctaid.x;
-{pad_part}	// row bytes; 16-byte vectors when every operand and the row length are 16-byte aligned
+{pad_part}{fp8_load}	// row bytes; 16-byte vectors when every operand and the row length are 16-byte aligned
 	shl.b64 %rd16, %rd9, {es};
 	or.b64 %rd18, %rd2, %rd3;
 	or.b64 %rd18, %rd18, %rd4;
 	or.b64 %rd18, %rd18, %rd5;
 	or.b64 %rd18, %rd18, %rd16;
-	and.b64 %rd18, %rd18, 15;
+{fp8_align}	and.b64 %rd18, %rd18, 15;
 	setp.eq.u64 %p9, %rd18, 0;
 	shr.u64 %rd10, %rd16, 4;
 	selp.b64 %rd10, %rd10, %rd9, %p9;
@@ -349,14 +394,23 @@ $L_mb_ready:
 
 /// The prologue of a one-shot form: `whole`'s entry, or with `split` `cut`'s, declared for
 /// clusters of `SPLIT` blocks and followed by the slice setup ([`split_slice`]).
-fn one_shot_prologue(whole: NormKernel, cut: NormKernel, f: &Flavor, split: bool) -> String {
+fn one_shot_prologue(
+    whole: NormKernel,
+    cut: NormKernel,
+    f: &Flavor,
+    split: bool,
+    fp8: bool,
+) -> String {
     if split {
         prologue_with(
             &cut.entry(f.dtype),
             f,
             true,
             &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
+            false,
         ) + &split_slice(f)
+    } else if fp8 {
+        prologue_with(&whole.fp8_entry(f.dtype), f, true, "", true)
     } else {
         prologue(&whole.entry(f.dtype), f, true)
     }
@@ -538,6 +592,244 @@ fn pass2(label: &str, f: &Flavor, push: Option<(&str, &str)>) -> String {
     vector_or_scalar(label, f, &v, &s)
 }
 
+/// The FP8 entries' row start: this row's amax buffer (r67 = buffer r63, before block_rstd
+/// flips it) and, for the dynamic modes, its slots zeroed (1 per token, or one per group) by
+/// the block's threads. The buffer was last read two rows ago, before the previous row's
+/// `bar.sync`; this row's `red`s follow this row's first `bar.sync` (block_rstd).
+fn fp8_row_start() -> String {
+    let body =
+        "\tcvt.u32.u64 %r68, %rd21;\n\tadd.u32 %r68, %r67, %r68;\n\tst.shared.u32 [%r68], 0;\n";
+    format!(
+        "\t// ---- FP8: this row's amax slots (buffer r63), zeroed\n\tshl.b32 %r67, %r63, {buf};\n\tadd.u32 %r67, %r66, %r67;\n\t@!%p30 bra $L_qz_done;\n\tselp.b64 %rd87, %rd85, 1, %p31;\n{}$L_qz_done:\n",
+        strided("qz", "%rd19", "%rd87", 2, body),
+        buf = (MAX_FP8_GROUPS * 4).trailing_zeros(),
+    )
+}
+
+/// The dequantisation scale of the amax bits in `amax` (u32 register) into %f47: amax / 448
+/// (div.rn), 1 where that is 0, rounded up to a power of two for UE8M0 (p32; its byte in r77,
+/// 255 and a NaN scale for a NaN or infinite one).
+fn fp8_scale(label: &str, amax: &str) -> String {
+    format!(
+        r#"	mov.b32 %f47, {amax};
+	div.rn.f32 %f47, %f47, 0f43E00000;
+	setp.eq.f32 %p34, %f47, 0f00000000;
+	@%p34 mov.f32 %f47, 0f3F800000;
+	@!%p32 bra $L_{label}_nue;
+	mov.b32 %r76, %f47;
+	shr.u32 %r77, %r76, 23;
+	and.b32 %r77, %r77, 255;
+	and.b32 %r78, %r76, 8388607;
+	setp.ne.u32 %p35, %r78, 0;
+	@%p35 add.u32 %r77, %r77, 1;
+	min.u32 %r77, %r77, 255;
+	shl.b32 %r76, %r77, 23;
+	mov.b32 %f47, %r76;
+	setp.eq.u32 %p35, %r77, 255;
+	@%p35 mov.f32 %f47, 0f7FFFFFFF;
+$L_{label}_nue:
+"#
+    )
+}
+
+/// The address of the amax slot of the group of the current unit (byte offset %rd21) in %r72.
+fn fp8_group_slot(f: &Flavor) -> String {
+    format!(
+        "\tshr.u64 %rd88, %rd21, {sh};\n\tcvt.u32.u64 %r72, %rd88;\n\tshl.b32 %r72, %r72, 2;\n\tadd.u32 %r72, %r67, %r72;\n",
+        sh = f.es_log2() + cuda_multimem_collectives::FP8_GROUP.trailing_zeros()
+    )
+}
+
+/// The FP8 pass 2 over the row at byte offset %rd51 (j = %rd50 in the launch): (a) y =
+/// T((residual_out · rstd) · γ) per unit as the plain pass 2 computes it, stored to the
+/// unquantised rows when asked (p33), |y| bits max-ed per thread (per token) or into the
+/// group's shared slot (`red.shared.max.u32`: order-free); for the dynamic modes one
+/// `bar.sync`, then the scales written (thread 0 the token's, threads t the groups' or packs');
+/// (b) per unit y again (still in registers with one unit per thread, p26, else recomputed by
+/// the same instructions), `div.rn` by its scale, `cvt.rn.satfinite.e4m3x2.f32`, stored to
+/// the e4m3 rows.
+fn pass2_fp8(label: &str, f: &Flavor) -> String {
+    let res = "\tadd.u64 %rd24, %rd3, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
+    let tout = "\tadd.u64 %rd24, %rd5, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
+    let n = lanes(f);
+    // y of a vector unit into f1..fn (from registers when p26 and `regs`)
+    let y_vec = |l: &str, regs: bool| -> String {
+        let mut v = String::new();
+        if regs {
+            v += &format!(
+                "\t@!%p26 bra $L_{l}_reload;\n\tmov.b32 %r30, %r35;\n\tmov.b32 %r31, %r36;\n\tmov.b32 %r32, %r37;\n\tmov.b32 %r33, %r38;\n\tbra.uni $L_{l}_have;\n$L_{l}_reload:\n"
+            );
+        }
+        v += res;
+        v += "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n";
+        v += &unpack(f, 1);
+        v += "\tadd.u64 %rd25, %rd4, %rd21;\n\tld.global.nc.v4.b32 {%r30, %r31, %r32, %r33}, [%rd25];\n";
+        if regs {
+            v += &format!("$L_{l}_have:\n");
+        }
+        v += &unpack(f, 11);
+        for i in 1..=n {
+            v += &format!(
+                "\tmul.rn.f32 %f{i}, %f{i}, %f42;\n\tmul.rn.f32 %f{i}, %f{i}, %f{};\n",
+                i + 10
+            );
+        }
+        v += &f.vec_out();
+        v
+    };
+    let y_sc = || -> String {
+        let mut s = res.to_string();
+        s += &f.sc_load("%rd24", true, "");
+        s += "\tadd.u64 %rd25, %rd4, %rd21;\n";
+        s += &if f.half() {
+            format!(
+                "\tld.global.nc.b16 %h1, [%rd25];\n\t{} %f11, %h1;\n",
+                f.cvt_in()
+            )
+        } else {
+            "\tld.global.nc.f32 %f11, [%rd25];\n".to_string()
+        };
+        s += "\tmul.rn.f32 %f1, %f1, %f42;\n\tmul.rn.f32 %f1, %f1, %f11;\n";
+        if f.half() {
+            s += &format!("\t{} %h1, %f1;\n", f.cvt_out());
+        }
+        s
+    };
+    let amax_unit = |k: usize| -> String {
+        let mut a = "\tmov.u32 %r70, 0;\n".to_string();
+        for i in 1..=k {
+            a += &format!("\tmov.b32 %r71, %f{i};\n\tand.b32 %r71, %r71, 2147483647;\n\tmax.u32 %r70, %r70, %r71;\n");
+        }
+        a += "\tmax.u32 %r69, %r69, %r70;\n";
+        a += &fp8_group_slot(f);
+        // per unit only where the groups' butterfly below does not run (p39)
+        a += "\t@%p39 red.shared.max.u32 [%r72], %r70;\n";
+        a
+    };
+    // (a)
+    let mut va = y_vec(&format!("{label}a"), true);
+    va += &format!("\t@!%p33 bra $L_{label}_nov;\n{tout}\tst.global.v4.b32 [%rd24], {{%r30, %r31, %r32, %r33}};\n$L_{label}_nov:\n");
+    va += &unpack(f, 1);
+    va += &amax_unit(n);
+    let mut sa = y_sc();
+    sa += &format!("\t@!%p33 bra $L_{label}_nos;\n{tout}");
+    sa += if f.half() {
+        "\tst.global.b16 [%rd24], %h1;\n"
+    } else {
+        "\tst.global.f32 [%rd24], %f1;\n"
+    };
+    sa += &format!("$L_{label}_nos:\n");
+    if f.half() {
+        sa += &format!("\t{} %f1, %h1;\n", f.cvt_in());
+    }
+    sa += &amax_unit(1);
+    // p38: vectors, one per thread (thread t has unit t): a group's units are `gw` consecutive
+    // lanes of one warp, max-ed by a butterfly after the loop; p39: grouped otherwise (a red
+    // per unit)
+    let gw = cuda_multimem_collectives::FP8_GROUP / n;
+    let mut s = "\t// ---- FP8 pass 2a: y, the unquantised rows, amax\n\tmov.u32 %r69, 0;\n\tand.pred %p38, %p9, %p26;\n\tand.pred %p38, %p38, %p31;\n\tnot.pred %p39, %p38;\n\tand.pred %p39, %p39, %p31;\n".to_string();
+    s += &vector_or_scalar(&format!("{label}a"), f, &va, &sa);
+    // the block's threads meet here (uniform code): per token, a warp butterfly then one red
+    // per warp; per group with p38, a butterfly over the group's lanes, then its first lane's
+    // red (order-free: the same amax as one red per unit)
+    let bfly = |offs: &[usize]| -> String {
+        offs.iter()
+            .map(|o| {
+                format!(
+                    "\tshfl.sync.bfly.b32 %r71, %r69, {o}, 31, -1;\n\tmax.u32 %r69, %r69, %r71;\n"
+                )
+            })
+            .collect()
+    };
+    let goffs: Vec<usize> = [16usize, 8, 4, 2, 1]
+        .into_iter()
+        .filter(|&o| o < gw)
+        .collect();
+    s += &format!(
+        "\t@!%p36 bra $L_{label}_wtok;\n{}\tand.b32 %r70, %r1, 31;\n\tsetp.eq.u32 %p37, %r70, 0;\n\t@%p37 red.shared.max.u32 [%r67], %r69;\n$L_{label}_wtok:\n\t@!%p38 bra $L_{label}_wgrp;\n{}\tand.b32 %r70, %r1, {gm};\n\tsetp.eq.u32 %p37, %r70, 0;\n\tshl.b32 %r72, %r1, 4;\n\tshr.b32 %r72, %r72, {sh};\n\tshl.b32 %r72, %r72, 2;\n\tadd.u32 %r72, %r67, %r72;\n\t@%p37 red.shared.max.u32 [%r72], %r69;\n$L_{label}_wgrp:\n",
+        bfly(&[16, 8, 4, 2, 1]),
+        bfly(&goffs),
+        gm = gw - 1,
+        sh = f.es_log2() + cuda_multimem_collectives::FP8_GROUP.trailing_zeros(),
+    );
+    // the dynamic modes: amax complete after one bar.sync; the scales written
+    s += &format!(
+        "\t@!%p30 bra $L_{label}_static;\n\tbar.sync 0;\n\t@!%p36 bra $L_{label}_notok;\n\tld.shared.u32 %r73, [%r67];\n{}\tmov.f32 %f45, %f47;\n\tsetp.ne.u32 %p37, %r1, 0;\n\t@%p37 bra $L_{label}_notok;\n\tshl.b64 %rd88, %rd50, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f45;\n$L_{label}_notok:\n",
+        fp8_scale(&format!("{label}t"), "%r73")
+    );
+    // per group, f32: threads t < groups, row-major
+    let g32 = format!(
+        "\tcvt.u32.u64 %r72, %rd21;\n\tadd.u32 %r72, %r67, %r72;\n\tld.shared.u32 %r73, [%r72];\n{}\tmad.lo.u64 %rd88, %rd50, %rd85, %rd20;\n\tshl.b64 %rd88, %rd88, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f47;\n",
+        fp8_scale(&format!("{label}g"), "%r73")
+    );
+    s += &format!(
+        "\tsetp.eq.u32 %p37, %r64, 2;\n\t@!%p37 bra $L_{label}_nog;\n{}$L_{label}_nog:\n",
+        strided(&format!("{label}g"), "%rd19", "%rd85", 2, &g32)
+    );
+    // per group, UE8M0: threads p < ceil(groups / 4), word (p · stride + j)
+    let mut pk = "\tmov.u32 %r74, 0;\n".to_string();
+    for i in 0..4 {
+        pk += &format!(
+            "\tshl.b64 %rd88, %rd20, 2;\n\tadd.u64 %rd88, %rd88, {i};\n\tsetp.ge.u64 %p37, %rd88, %rd85;\n\t@%p37 bra $L_{label}_pk{i};\n\tcvt.u32.u64 %r72, %rd88;\n\tshl.b32 %r72, %r72, 2;\n\tadd.u32 %r72, %r67, %r72;\n\tld.shared.u32 %r73, [%r72];\n{}\tshl.b32 %r77, %r77, {sh};\n\tor.b32 %r74, %r74, %r77;\n$L_{label}_pk{i}:\n",
+            fp8_scale(&format!("{label}u{i}"), "%r73"),
+            sh = 8 * i
+        );
+    }
+    pk += "\tmad.lo.u64 %rd88, %rd20, %rd83, %rd50;\n\tshl.b64 %rd88, %rd88, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.u32 [%rd88], %r74;\n";
+    s += &format!(
+        "\t@!%p32 bra $L_{label}_nou;\n\tadd.u64 %rd89, %rd85, 3;\n\tshr.u64 %rd89, %rd89, 2;\n{}$L_{label}_nou:\n",
+        strided(&format!("{label}u"), "%rd19", "%rd89", 0, &pk)
+    );
+    s += &format!("$L_{label}_static:\n");
+    // (b): the scale of the unit into f46
+    let unit_scale = |l: &str| -> String {
+        format!(
+            "\tmov.f32 %f46, %f44;\n\t@%p36 mov.f32 %f46, %f45;\n\t@!%p31 bra $L_{l}_sd;\n{}\tld.shared.u32 %r73, [%r72];\n{}\tmov.f32 %f46, %f47;\n$L_{l}_sd:\n",
+            fp8_group_slot(f),
+            fp8_scale(&format!("{l}s"), "%r73")
+        )
+    };
+    let q_at = format!(
+        "\tshr.u64 %rd88, %rd51, {e};\n\tadd.u64 %rd88, %rd88, %rd80;\n\tshr.u64 %rd86, %rd21, {e};\n\tadd.u64 %rd88, %rd88, %rd86;\n",
+        e = f.es_log2()
+    );
+    let mut vb = format!("\t@%p26 bra $L_{label}_bv_have;\n");
+    vb += &y_vec(&format!("{label}bv"), false);
+    vb += &unpack(f, 1);
+    vb += &format!("$L_{label}_bv_have:\n");
+    vb += &unit_scale(&format!("{label}bv"));
+    for i in 1..=n {
+        vb += &format!("\tdiv.rn.f32 %f{i}, %f{i}, %f46;\n");
+    }
+    for k in 0..n / 2 {
+        vb += &format!(
+            "\tcvt.rn.satfinite.e4m3x2.f32 %h{}, %f{}, %f{};\n",
+            k + 1,
+            2 * k + 2,
+            2 * k + 1
+        );
+    }
+    vb += &q_at;
+    if n == 8 {
+        vb += "\tmov.b32 %r74, {%h1, %h2};\n\tmov.b32 %r75, {%h3, %h4};\n\tst.global.v2.b32 [%rd88], {%r74, %r75};\n";
+    } else {
+        vb += "\tmov.b32 %r74, {%h1, %h2};\n\tst.global.b32 [%rd88], %r74;\n";
+    }
+    let mut sb = format!("\t@%p26 bra $L_{label}_bs_have;\n");
+    sb += &y_sc();
+    if f.half() {
+        sb += &format!("\t{} %f1, %h1;\n", f.cvt_in());
+    }
+    sb += &format!("$L_{label}_bs_have:\n");
+    sb += &unit_scale(&format!("{label}bs"));
+    sb += "\tdiv.rn.f32 %f1, %f1, %f46;\n\tmov.f32 %f43, 0f00000000;\n\tcvt.rn.satfinite.e4m3x2.f32 %h1, %f43, %f1;\n";
+    sb += &q_at;
+    sb += "\tst.global.b8 [%rd88], %h1;\n";
+    s += "\t// ---- FP8 pass 2b: y / scale to e4m3\n";
+    s += &vector_or_scalar(&format!("{label}b"), f, &vb, &sb);
+    s
+}
+
 /// Poll the (flag, word) pairs at %rd26 (`pairs`: 1, or 4 for a 16-byte unit as two 16-byte
 /// loads) until every flag is this call's (%rd70: the flag in the high word), into %rd71..;
 /// gives up when the error word is set, sets `ERR_MISMATCH` when the first pair shows that its
@@ -653,8 +945,14 @@ $L_{label}_kend:
 /// The low-latency one-shot (see [`NormKernel::OneShotLl`]): the barrier one-shot's launch
 /// shape, units and arithmetic, with x sent as (flag, word) pairs and polled instead of a
 /// barrier.
-fn one_shot_ll(f: &Flavor, split: bool) -> String {
-    let mut s = one_shot_prologue(NormKernel::OneShotLl, NormKernel::OneShotLlSplit, f, split);
+fn one_shot_ll(f: &Flavor, split: bool, fp8: bool) -> String {
+    let mut s = one_shot_prologue(
+        NormKernel::OneShotLl,
+        NormKernel::OneShotLlSplit,
+        f,
+        split,
+        fp8,
+    );
     s += &parity_slots(OFF_LL_SLOT, OFF_LL_STAGES);
     s += r#"	// the flag in the high word of rd70; a slot row is 2 * row bytes (rd65)
 "#;
@@ -699,9 +997,16 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
     // (in block_rstd), every store to out follows it.
     s += "\t// ---- poll my slots [parity][k], reduce, add r, normalise: local memory only\n";
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tmul.lo.u64 %rd52, %rd50, %rd65;\n\tadd.u64 %rd52, %rd52, %rd33;\n".to_string();
+    if fp8 {
+        body += &fp8_row_start();
+    }
     body += &pass1("p1", f, Sum::Ll("%rd52", "%rd30"), None);
     body += &block_rstd("br", split);
-    body += &pass2("p2", f, None);
+    body += &if fp8 {
+        pass2_fp8("q2", f)
+    } else {
+        pass2("p2", f, None)
+    };
     s += &rows("pb", "%rd6", &body);
     // Every warp has read the block's counter before thread 0 overwrites it (a block without
     // rows passes no other bar.sync).
@@ -710,8 +1015,8 @@ fn one_shot_ll(f: &Flavor, split: bool) -> String {
     s
 }
 
-fn one_shot(f: &Flavor, split: bool) -> String {
-    let mut s = one_shot_prologue(NormKernel::OneShot, NormKernel::OneShotSplit, f, split);
+fn one_shot(f: &Flavor, split: bool, fp8: bool) -> String {
+    let mut s = one_shot_prologue(NormKernel::OneShot, NormKernel::OneShotSplit, f, split, fp8);
     s += &parity_slots(OFF_STAGE_HALF, OFF_STAGES);
     // phase A: my rows of x into slot [parity][rank] of every rank's staging, at row * row bytes
     s += "\t// ---- push: rows j = b, b + G, ... of x into my slot of every rank's staging\n";
@@ -727,9 +1032,16 @@ fn one_shot(f: &Flavor, split: bool) -> String {
     s += "\t// ---- reduce, add r, normalise: my slots [parity][k], local memory only\n";
     let mut body =
         "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tadd.u64 %rd52, %rd33, %rd51;\n".to_string();
+    if fp8 {
+        body += &fp8_row_start();
+    }
     body += &pass1("p1", f, Sum::Slots("%rd52", "%rd30"), None);
     body += &block_rstd("br", split);
-    body += &pass2("p2", f, None);
+    body += &if fp8 {
+        pass2_fp8("q2", f)
+    } else {
+        pass2("p2", f, None)
+    };
     s += &rows("pb", "%rd6", &body);
     s += "\tadd.u32 %r9, %r7, 2;\n";
     s += &epilogue_to("%r9");
@@ -805,12 +1117,23 @@ fn two_shot(f: &Flavor) -> String {
 }
 
 /// The unfused baseline: rows j = b, b + G, ... of an already reduced x.
-fn unfused(f: &Flavor) -> String {
-    let mut s = prologue(&unfused_entry(f.dtype), f, false);
+fn unfused(f: &Flavor, fp8: bool) -> String {
+    let mut s = if fp8 {
+        prologue_with(&fp8_unfused_entry(f.dtype), f, false, "", true)
+    } else {
+        prologue(&unfused_entry(f.dtype), f, false)
+    };
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n".to_string();
+    if fp8 {
+        body += &fp8_row_start();
+    }
     body += &pass1("p1", f, Sum::Reduced, None);
     body += &block_rstd("br", false);
-    body += &pass2("p2", f, None);
+    body += &if fp8 {
+        pass2_fp8("q2", f)
+    } else {
+        pass2("p2", f, None)
+    };
     s += &rows("pb", "%rd6", &body);
     s += "$L_exit:\n\tret;\n}\n";
     s
@@ -821,12 +1144,15 @@ pub fn generate() -> String {
     let mut s = HEADER.to_string();
     for dtype in DType::ALL {
         let f = Flavor { dtype, op: Op::Sum };
-        s += &one_shot(&f, false);
-        s += &one_shot(&f, true);
+        s += &one_shot(&f, false, false);
+        s += &one_shot(&f, true, false);
         s += &two_shot(&f);
-        s += &one_shot_ll(&f, false);
-        s += &one_shot_ll(&f, true);
-        s += &unfused(&f);
+        s += &one_shot_ll(&f, false, false);
+        s += &one_shot_ll(&f, true, false);
+        s += &unfused(&f, false);
+        s += &one_shot(&f, false, true);
+        s += &one_shot_ll(&f, false, true);
+        s += &unfused(&f, true);
     }
     s
 }

@@ -151,6 +151,7 @@ mod hostile_buffers;
 mod hostile_collectives;
 mod multimem;
 mod norm;
+mod norm_fp8;
 mod shared;
 mod smoke;
 mod table;

@@ -196,6 +196,7 @@ impl Communicator {
             sym_out: sym,
             sym_addrs: 0,
             norm: None,
+            quant: None,
             a2a: None,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
@@ -227,6 +228,7 @@ impl Communicator {
             sym_out: sym,
             sym_addrs: 0,
             norm: None,
+            quant: None,
             a2a: Some(A2aFacts {
                 mode: if counts {
                     crate::kernels::alltoall::MODE_HOST
@@ -253,6 +255,31 @@ impl Communicator {
         tokens: usize,
         hidden: usize,
     ) -> Result<Choice> {
+        self.norm_choice(dtype, tokens, hidden, None)
+    }
+
+    /// What [`RankHandle::all_reduce_add_rms_norm_fp8`] runs for `tokens` rows of `hidden`
+    /// elements of `dtype` with an FP8 output of `scaling`: the form chosen as for the plain norm
+    /// among the unsplit one-shots (the low-latency one-shot where the plain norm runs it or its
+    /// split form; else the barrier one-shot, also where the plain norm would run the
+    /// two-shot), and the launch shape of its first launch. It asks the planner the call asks.
+    pub fn add_rms_norm_fp8_choice(
+        &self,
+        dtype: DType,
+        tokens: usize,
+        hidden: usize,
+        scaling: crate::types::Fp8Scaling,
+    ) -> Result<Choice> {
+        self.norm_choice(dtype, tokens, hidden, Some(scaling))
+    }
+
+    fn norm_choice(
+        &self,
+        dtype: DType,
+        tokens: usize,
+        hidden: usize,
+        quant: Option<crate::types::Fp8Scaling>,
+    ) -> Result<Choice> {
         let row_bytes = hidden
             .checked_mul(dtype.size())
             .filter(|_| hidden > 0 && hidden <= MAX_HIDDEN)
@@ -277,6 +304,7 @@ impl Communicator {
                 eps: 0.0,
             }),
             a2a: None,
+            quant,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }

@@ -4,7 +4,8 @@
 use cuda_multimem::{CallStream, Device, DeviceRepr, Error, IntoStream, Result};
 
 use super::Communicator;
-use crate::call::{A2aCounts, Arg, Call, Kind, NormArgs};
+use crate::call::{A2aCounts, Arg, Call, Kind, NormArgs, QuantArgs};
+use crate::fp8::{Fp8Out, Fp8Scales};
 use crate::operand::{Dst, IntoDst, IntoSrc, Src};
 use crate::team::Local;
 use crate::types::{Choice, DType, Element, ReduceOp};
@@ -530,22 +531,141 @@ impl<'a> RankHandle<'a> {
         self.run(ops.call(Kind::LocalNorm, hidden, eps), on.stream())
             .map(drop)
     }
+
+    /// [`RankHandle::all_reduce_add_rms_norm`] writing the normalised rows as FP8 e4m3 for the
+    /// next FP8 GEMM: `out` says where the e4m3 rows go (`tokens × hidden`), how they are
+    /// scaled — a static per-tensor scale, dynamic per-token scales (`amax / 448`), or
+    /// per-group-of-128 scales as f32 or packed UE8M0 (DeepGEMM's layout) — and, with
+    /// [`Fp8Out::with_unquantised`], the `T` rows beside them. residual is written as by the
+    /// plain norm. Every quantised element is `e4m3(y / scale)`, `y` the plain norm's `T`
+    /// output (so the FP8 rows are what a separate quantisation of that output gives, bit for
+    /// bit): `docs/design/rmsnorm.md` ("FP8 outputs") says where it rounds and what NaN, ±∞
+    /// and all-zero rows give ([`crate::add_rms_norm_fp8_reference`] computes it on the host).
+    ///
+    /// Checked besides the plain norm's checks, before any launch: `out` of `tokens × hidden`,
+    /// `scales` of [`crate::Fp8Scaling::scales_len`] elements, `unquantised` of `tokens × hidden`,
+    /// a static `scale` finite and > 0, `hidden` a multiple of 128 (at most 65536) for the
+    /// grouped scales, `x`, `residual`, `weight` and `unquantised` 4-byte aligned, no overlaps
+    /// (but `unquantised` may be `x` itself). The form is chosen as for the plain norm among the
+    /// unsplit one-shots (the two-shot's and the split forms' FP8 entries are not written yet):
+    /// [`Communicator::add_rms_norm_fp8_choice`] reports it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_add_rms_norm_fp8<'s, 'r, 'w, 'o, 'x, T: Element>(
+        &self,
+        x: impl IntoSrc<'s, T>,
+        residual: impl IntoDst<'r, T>,
+        weight: impl IntoSrc<'w, T>,
+        out: Fp8Out<'o, T>,
+        hidden: usize,
+        eps: f32,
+        stream: impl IntoStream<'x>,
+    ) -> Result<Choice> {
+        let on = stream.into_stream(self.device())?;
+        let ops = NormOperands::new(x, residual, weight, out.out, &on)?;
+        let q = Fp8Operands::new(out.scales, out.unquantised, &on)?;
+        self.run(q.call(ops.call(Kind::Norm, hidden, eps)), on.stream())
+    }
+
+    /// The local (unfused) [`RankHandle::add_rms_norm`] with the FP8 output of
+    /// [`RankHandle::all_reduce_add_rms_norm_fp8`]: the same rounding points, scales and
+    /// checks, on this rank's device only.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_fp8<'s, 'r, 'w, 'o, 'x, T: Element>(
+        &self,
+        x: impl IntoSrc<'s, T>,
+        residual: impl IntoDst<'r, T>,
+        weight: impl IntoSrc<'w, T>,
+        out: Fp8Out<'o, T>,
+        hidden: usize,
+        eps: f32,
+        stream: impl IntoStream<'x>,
+    ) -> Result<()> {
+        let on = stream.into_stream(self.device())?;
+        let ops = NormOperands::new(x, residual, weight, out.out, &on)?;
+        let q = Fp8Operands::new(out.scales, out.unquantised, &on)?;
+        self.run(q.call(ops.call(Kind::LocalNorm, hidden, eps)), on.stream())
+            .map(drop)
+    }
+}
+
+/// An FP8 norm call's own operands, converted for the call's stream.
+struct Fp8Operands<'g, T> {
+    scaling: crate::types::Fp8Scaling,
+    scale: f32,
+    scales: Option<ScalesDst<'g>>,
+    unquantised: Option<Dst<'g, T>>,
+}
+
+/// The scales buffer: f32 or UE8M0 packs.
+enum ScalesDst<'g> {
+    F32(Dst<'g, f32>),
+    U32(Dst<'g, u32>),
+}
+
+impl<'g, T: Element> Fp8Operands<'g, T> {
+    fn new<'o>(
+        scales: Fp8Scales<'o>,
+        unquantised: Option<Dst<'o, T>>,
+        on: &CallStream<'g>,
+    ) -> Result<Self>
+    where
+        'o: 'g,
+    {
+        let scaling = scales.scaling();
+        let (scale, scales) = match scales {
+            Fp8Scales::Static(v) => (v, None),
+            Fp8Scales::PerToken(d) | Fp8Scales::PerGroup(d) => {
+                (0.0, Some(ScalesDst::F32(d.into_dst(on, "scales")?)))
+            }
+            Fp8Scales::PerGroupUe8m0(d) => (0.0, Some(ScalesDst::U32(d.into_dst(on, "scales")?))),
+        };
+        Ok(Fp8Operands {
+            scaling,
+            scale,
+            scales,
+            unquantised: unquantised
+                .map(|u| u.into_dst(on, "unquantised"))
+                .transpose()?,
+        })
+    }
+
+    /// `call` with this FP8 output.
+    fn call<'c>(&'c self, mut call: Call<'c>) -> Call<'c> {
+        call.quant = Some(QuantArgs {
+            scaling: self.scaling,
+            scale: self.scale,
+            scales: self.scales.as_ref().map(|s| {
+                Arg::new(
+                    match s {
+                        ScalesDst::F32(d) => d.operand(),
+                        ScalesDst::U32(d) => d.operand(),
+                    },
+                    "scales",
+                )
+            }),
+            unquantised: self
+                .unquantised
+                .as_ref()
+                .map(|u| Arg::new(u.operand(), "unquantised")),
+        });
+        call
+    }
 }
 
 /// A norm call's four operands, converted for the call's stream (held until it returns).
-struct NormOperands<'g, T> {
+struct NormOperands<'g, T, O = T> {
     x: Src<'g, T>,
     residual: Dst<'g, T>,
     weight: Src<'g, T>,
-    out: Dst<'g, T>,
+    out: Dst<'g, O>,
 }
 
-impl<'g, T: Element> NormOperands<'g, T> {
+impl<'g, T: Element, O> NormOperands<'g, T, O> {
     fn new<'s, 'r, 'w, 'o>(
         x: impl IntoSrc<'s, T>,
         residual: impl IntoDst<'r, T>,
         weight: impl IntoSrc<'w, T>,
-        out: impl IntoDst<'o, T>,
+        out: impl IntoDst<'o, O>,
         on: &CallStream<'g>,
     ) -> Result<Self>
     where
@@ -575,6 +695,7 @@ impl<'g, T: Element> NormOperands<'g, T> {
             weight: Some(Arg::new(self.weight.operand(), "weight")),
             norm: Some(NormArgs { hidden, eps }),
             a2a: None,
+            quant: None,
         }
     }
 }

@@ -5,11 +5,13 @@
 
 use cuda_multimem::{Error, Result, StreamRef};
 
-use crate::call::{A2aChecked, A2aCounts, Arg, Call, Checked, Kind, NormShape};
+use crate::call::{A2aChecked, A2aCounts, Arg, Call, Checked, Kind, NormShape, QuantChecked};
 use crate::kernels::alltoall::{MAX_BYTES, TABLE_WORDS};
+use crate::kernels::norm::MAX_FP8_GROUPS;
 use crate::kernels::MAX_RANKS;
 use crate::operand::{resolve, Owner, Resolved};
 use crate::team::{Local, Ranks};
+use crate::types::{Fp8Scaling, FP8_GROUP};
 
 /// Largest `hidden` of a norm (the row length is converted to f32 exactly by the kernels).
 pub const MAX_HIDDEN: usize = 1 << 24;
@@ -51,7 +53,24 @@ pub(crate) fn check<'o>(
     let input = call.input.as_ref().map(res).transpose()?;
     let residual = call.residual.as_ref().map(res).transpose()?;
     let weight = call.weight.as_ref().map(res).transpose()?;
-    let output = res(&call.output)?;
+    // an FP8 norm's output is e4m3 bytes; its scales f32 or u32 words
+    let output = match call.quant {
+        Some(_) => resolve(&call.output.op, &owner, call.output.name, 1)?,
+        None => res(&call.output)?,
+    };
+    let quant = match &call.quant {
+        Some(q) => Some(QuantChecked {
+            scaling: q.scaling,
+            scale: q.scale,
+            scales: q
+                .scales
+                .as_ref()
+                .map(|a| resolve(&a.op, &owner, a.name, 4))
+                .transpose()?,
+            unquantised: q.unquantised.as_ref().map(res).transpose()?,
+        }),
+        None => None,
+    };
     let names = [
         call.input.as_ref().map_or(call.output.name, |a| a.name),
         call.output.name,
@@ -143,12 +162,20 @@ pub(crate) fn check<'o>(
                 ));
             }
             let tokens = x.bytes / row_bytes;
+            // an FP8 output holds one byte per element
+            let out_want = if quant.is_some() {
+                x.bytes / es
+            } else {
+                x.bytes
+            };
+            let out_es = if quant.is_some() { 1 } else { es };
             for (arg, got, want) in [
                 ("residual", r.bytes, x.bytes),
-                ("out", output.bytes, x.bytes),
+                ("out", output.bytes, out_want),
                 ("weight", w.bytes, row_bytes),
             ] {
                 if got != want {
+                    let elems = |b: usize| if arg == "out" { b / out_es } else { b / es };
                     return Err(Error::invalid(
                         arg,
                         format!(
@@ -158,6 +185,9 @@ pub(crate) fn check<'o>(
                         ),
                     ));
                 }
+            }
+            if let Some(q) = &quant {
+                check_quant(q, [&x, &r, &w], tokens, hidden, es)?;
             }
             let shape = NormShape {
                 tokens,
@@ -232,6 +262,45 @@ pub(crate) fn check<'o>(
                 ));
             }
             same && input.bytes > 0
+        }
+        Kind::Norm | Kind::LocalNorm if quant.is_some() => {
+            let (r, w) = (residual.unwrap_or(output), weight.unwrap_or(output));
+            let q = quant.as_ref().expect("an FP8 norm");
+            // read: x, weight; written: residual, out, scales, unquantised. Only unquantised
+            // == x may coincide (as out == x for the plain norm).
+            let mut ops: Vec<(&str, &Resolved<'_>)> = vec![
+                ("x", &input),
+                ("residual", &r),
+                ("weight", &w),
+                ("out", &output),
+            ];
+            if let Some(s) = &q.scales {
+                ops.push(("scales", s));
+            }
+            if let Some(u) = &q.unquantised {
+                ops.push(("unquantised", u));
+            }
+            for a in 1..ops.len() {
+                for b in 0..a {
+                    let ((na, ra), (nb, rb)) = (ops[a], ops[b]);
+                    let reads_only = matches!((na, nb), ("weight", "x"));
+                    let same_x = na == "unquantised" && nb == "x" && ra.ptr == rb.ptr;
+                    if !reads_only && !same_x && ra.overlaps(rb) {
+                        return Err(Error::invalid(
+                            na,
+                            format!(
+                                "overlaps {nb}{}",
+                                if na == "unquantised" && nb == "x" {
+                                    " without being the same range (unquantised may be x itself)"
+                                } else {
+                                    ""
+                                }
+                            ),
+                        ));
+                    }
+                }
+            }
+            false
         }
         Kind::Norm | Kind::LocalNorm => {
             let (r, w) = (residual.unwrap_or(output), weight.unwrap_or(output));
@@ -320,6 +389,7 @@ pub(crate) fn check<'o>(
         weight,
         in_place,
         norm,
+        quant,
         names,
         a2a,
     })
@@ -457,6 +527,90 @@ fn a2a_counts<'o>(
             })
         }
     }
+}
+
+/// An FP8 norm's own arguments: the static scale, the group, the scales' length, the
+/// unquantised rows' length, and 4-byte aligned `T` operands (the low-latency form moves
+/// words, and an FP8 call does not stage misaligned operands through the scratch).
+fn check_quant(
+    q: &QuantChecked<'_>,
+    [x, r, w]: [&Resolved<'_>; 3],
+    tokens: usize,
+    hidden: usize,
+    es: usize,
+) -> Result<()> {
+    if q.scaling == Fp8Scaling::Static && !(q.scale.is_finite() && q.scale > 0.0) {
+        return Err(Error::invalid(
+            "scale",
+            format!("{}; a static FP8 scale must be finite and > 0", q.scale),
+        ));
+    }
+    if q.scaling.grouped() {
+        if hidden % FP8_GROUP != 0 {
+            return Err(Error::invalid(
+                "hidden",
+                format!(
+                    "{hidden}; per-group FP8 scales need a multiple of the group of {FP8_GROUP}"
+                ),
+            ));
+        }
+        if hidden / FP8_GROUP > MAX_FP8_GROUPS {
+            return Err(Error::invalid(
+                "hidden",
+                format!(
+                    "{hidden}; per-group FP8 scales take at most {} elements per row ({MAX_FP8_GROUPS} groups)",
+                    MAX_FP8_GROUPS * FP8_GROUP
+                ),
+            ));
+        }
+    }
+    let want = q.scaling.scales_len(tokens, hidden);
+    match &q.scales {
+        Some(s) if s.bytes / 4 != want => {
+            return Err(Error::invalid(
+                "scales",
+                format!(
+                    "{} elements; {:?} scales of {tokens} tokens × hidden {hidden} take {want}",
+                    s.bytes / 4,
+                    q.scaling
+                ),
+            ))
+        }
+        None if q.scaling != Fp8Scaling::Static => {
+            return Err(Error::invalid(
+                "scales",
+                "dynamic FP8 scales without a buffer",
+            ))
+        }
+        _ => {}
+    }
+    if let Some(u) = &q.unquantised {
+        if u.bytes != x.bytes {
+            return Err(Error::invalid(
+                "unquantised",
+                format!(
+                    "{} elements; expected {} ({tokens} tokens × hidden {hidden})",
+                    u.bytes / es,
+                    x.bytes / es
+                ),
+            ));
+        }
+    }
+    let u = q.unquantised.as_ref().map_or(0, |u| u.ptr);
+    for (arg, p) in [
+        ("x", x.ptr),
+        ("residual", r.ptr),
+        ("weight", w.ptr),
+        ("unquantised", u),
+    ] {
+        if p % 4 != 0 {
+            return Err(Error::invalid(
+                arg,
+                format!("address {p:#x}; the FP8 norm needs 4-byte aligned operands"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Bytes of one chunk of an in-place buffer: a whole number of elements per rank.

@@ -223,6 +223,8 @@ pub(crate) struct NormLaunch {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct NormPlan {
     pub(crate) kernel: NormKernel,
+    /// The FP8 output's scaling, for an FP8 call (its entries: [`NormKernel::fp8_entry`]).
+    pub(crate) quant: Option<crate::types::Fp8Scaling>,
     rows: Pieces,
     row_bytes: usize,
     es: usize,
@@ -638,10 +640,17 @@ fn norm(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
     // as 4-byte aligned: a rank whose operands are not stages them locally.
     let ll = rb % 4 == 0 && bytes <= c.norm_ll_max_bytes.min(t.ll_slot / 2);
     let k = norm_form(t, c, bytes, ll);
-    let k = norm_split(t, c, k, s.tokens, rb);
+    let k = match f.quant {
+        // an FP8 output has the unsplit one-shots (nk::FP8_KERNELS): the barrier one-shot
+        // where the plain norm would run the two-shot
+        Some(_) if k == NormKernel::TwoShot => NormKernel::OneShot,
+        Some(_) => k,
+        None => norm_split(t, c, k, s.tokens, rb),
+    };
     let cap = norm_rows_per_launch(t, k, s.tokens, rb)?;
     let plan = NormPlan {
         kernel: k,
+        quant: f.quant,
         rows: Pieces::new(s.tokens, cap),
         row_bytes: rb,
         es,

@@ -7,7 +7,7 @@
 //! weight γ (`hidden`), `out`, rows of this launch, `hidden`, the call header, the timeout in
 //! nanoseconds, and ε as the bits of an f32 in the low 32 bits.
 
-use crate::types::DType;
+use crate::types::{DType, Fp8Scaling};
 
 /// The kernel file of this family.
 pub const FILE: &str = "norm.ptx";
@@ -130,4 +130,46 @@ pub fn ll_row_bytes(row_bytes: u64) -> u64 {
 /// Rows `[rank * P, ...)` of a two-shot launch of `rows`: P = ceil(rows / n).
 pub fn part_rows(rows: u64, n: u64) -> u64 {
     rows.div_ceil(n)
+}
+
+/// The forms that have an FP8 output entry ([`NormKernel::fp8_entry`]): the unsplit one-shots.
+/// An FP8 call runs one of them where the plain norm would run its split form or the two-shot
+/// (`docs/design/rmsnorm.md`, "FP8 outputs").
+pub const FP8_KERNELS: [NormKernel; 2] = [NormKernel::OneShot, NormKernel::OneShotLl];
+
+/// Most groups of 128 elements per row of the per-group FP8 outputs (their amax slots live in
+/// shared memory): rows of at most `MAX_FP8_GROUPS × 128` elements.
+pub const MAX_FP8_GROUPS: usize = 512;
+
+/// Parameters of every fused FP8 entry: the ten of the plain entry (with `out` the unquantised
+/// rows of `T`, 0 for none), then the e4m3 rows, the scales (0 for a static scale), the mode
+/// word ([`fp8_mode`]) and the UE8M0 packs' stride in words (`align(tokens, 4)` of the call).
+pub const FP8_PARAMS: usize = 14;
+
+/// Parameters of the local FP8 entry ([`fp8_unfused_entry`]): the plain local entry's seven
+/// (out: the unquantised rows or 0), then the four FP8 parameters of the fused entries.
+pub const FP8_UNFUSED_PARAMS: usize = 11;
+
+impl NormKernel {
+    /// The FP8 output entry of this form for `dtype` (forms of [`FP8_KERNELS`]).
+    pub fn fp8_entry(self, dtype: DType) -> String {
+        format!("cmm_norm_fp8_{}_{}", self.tag(), dtype.name())
+    }
+
+    /// The code of this form with an FP8 output of `scaling` in the call header: ranks that
+    /// ask for different outputs are reported as disagreeing.
+    pub fn fp8_header_code(self, scaling: Fp8Scaling) -> u64 {
+        self.header_code() | ((1 + scaling.code()) << 8)
+    }
+}
+
+/// The local add + RMSNorm with an FP8 output.
+pub fn fp8_unfused_entry(dtype: DType) -> String {
+    format!("cmm_add_rms_norm_fp8_{}", dtype.name())
+}
+
+/// The FP8 mode parameter: the scaling's code in the low byte, the static scale's f32 bits in
+/// the high 32 bits.
+pub fn fp8_mode(scaling: Fp8Scaling, scale: f32) -> u64 {
+    scaling.code() | ((scale.to_bits() as u64) << 32)
 }

@@ -10,17 +10,23 @@ use std::sync::atomic::Ordering;
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
 use super::{ld, set_counters, st, u32_at, u64_at, Ctx};
-use crate::kernels::norm::{ll_row_bytes, part_rows, unfused_entry, NormKernel, SPLIT};
+use crate::kernels::norm::{
+    fp8_unfused_entry, ll_row_bytes, part_rows, unfused_entry, NormKernel, FP8_KERNELS, SPLIT,
+};
 use crate::kernels::*;
-use crate::types::DType;
+use crate::types::{DType, Fp8Scaling, FP8_GROUP};
 
 /// Register the norm kernels' equivalents (called by [`super::install`]).
 pub(super) fn register() {
     for d in DType::ALL {
         for k in NormKernel::ALL {
-            register_kernel(&k.entry(d), move |a| run(k, d, a));
+            register_kernel(&k.entry(d), move |a| run(k, d, a, false));
         }
-        register_kernel(&unfused_entry(d), move |a| run_unfused(d, a));
+        for k in FP8_KERNELS {
+            register_kernel(&k.fp8_entry(d), move |a| run(k, d, a, true));
+        }
+        register_kernel(&unfused_entry(d), move |a| run_unfused(d, a, false));
+        register_kernel(&fp8_unfused_entry(d), move |a| run_unfused(d, a, true));
     }
 }
 
@@ -50,6 +56,120 @@ struct Row {
     /// Bytes per slice of the split forms (each slice a block of the row's cluster, whose
     /// partial sums of squares add in slice order); the whole row otherwise.
     slice_bytes: usize,
+    /// The FP8 output of an FP8 entry.
+    fp8: Option<Fp8>,
+}
+
+/// An FP8 entry's output parameters (kernels::norm::FP8_PARAMS): e4m3 rows, scales, scaling,
+/// static scale, UE8M0 stride in words.
+#[derive(Clone, Copy)]
+struct Fp8 {
+    q: usize,
+    sc: usize,
+    scaling: Fp8Scaling,
+    scale: f32,
+    stride: usize,
+}
+
+impl Fp8 {
+    /// The four FP8 parameters from `first` on.
+    fn from_args(a: &LaunchArgs, first: usize) -> Result<Fp8, KernelError> {
+        let mode = a.u64(first + 2)?;
+        let scaling = Fp8Scaling::ALL
+            .into_iter()
+            .find(|s| s.code() == mode & 0xff)
+            .ok_or_else(|| KernelError::Failed(format!("FP8 mode {mode:#x}")))?;
+        Ok(Fp8 {
+            q: a.u64(first)? as usize,
+            sc: a.u64(first + 1)? as usize,
+            scaling,
+            scale: f32::from_bits((mode >> 32) as u32),
+            stride: a.u64(first + 3)? as usize,
+        })
+    }
+
+    /// Quantise row `j` (of this launch) `y` (the `T` values as f32) step by step as the PTX
+    /// does (its own code, not the reference's): amax as the max of the `u32` bits with the
+    /// sign cleared, per row (slot 0) or per group of 128; the scale `amax / 448`, 1 for 0,
+    /// UE8M0 by exponent bits; each element `div` by its scale, then `cvt.rn.satfinite`.
+    fn write(&self, a: &LaunchArgs, j: usize, y: &[f32]) -> Result<(), KernelError> {
+        let h = y.len();
+        let groups = h / FP8_GROUP;
+        let ue = self.scaling == Fp8Scaling::PerGroupUe8m0;
+        let slots = if self.scaling.grouped() { groups } else { 1 };
+        let mut amax = vec![0u32; slots];
+        for (e, v) in y.iter().enumerate() {
+            let g = if self.scaling.grouped() {
+                e / FP8_GROUP
+            } else {
+                0
+            };
+            amax[g] = amax[g].max(v.to_bits() & 0x7fff_ffff);
+        }
+        // (scale, UE8M0 byte) of a slot, as the PTX's fp8_scale
+        let scale_of = |bits: u32| -> (f32, u32) {
+            let mut s = f32::from_bits(bits) / 448.0;
+            if s == 0.0 {
+                s = 1.0;
+            }
+            if !ue {
+                return (s, 0);
+            }
+            let b = s.to_bits();
+            let byte = (((b >> 23) & 255) + ((b & 0x7f_ffff) != 0) as u32).min(255);
+            let p = if byte == 255 {
+                f32::from_bits(0x7fff_ffff)
+            } else {
+                f32::from_bits(byte << 23)
+            };
+            (p, byte)
+        };
+        let sc: Vec<(f32, u32)> = amax.iter().map(|&m| scale_of(m)).collect();
+        let q: Vec<u8> = y
+            .iter()
+            .enumerate()
+            .map(|(e, v)| {
+                let s = match self.scaling {
+                    Fp8Scaling::Static => self.scale,
+                    Fp8Scaling::PerToken => sc[0].0,
+                    _ => sc[e / FP8_GROUP].0,
+                };
+                float8::F8E4M3::from_f32(v / s).to_bits()
+            })
+            .collect();
+        a.check(self.q + j * h, h, true)?;
+        for (e, v) in q.iter().enumerate() {
+            // SAFETY: checked above.
+            unsafe { std::ptr::write_volatile((self.q + j * h + e) as *mut u8, *v) };
+        }
+        let put = |at: usize, bits: u32| -> Result<(), KernelError> {
+            a.check(at, 4, true)?;
+            // SAFETY: checked above; 4-byte aligned (checked by the call).
+            unsafe { std::ptr::write_volatile(at as *mut u32, bits) };
+            Ok(())
+        };
+        match self.scaling {
+            Fp8Scaling::Static => {}
+            Fp8Scaling::PerToken => put(self.sc + 4 * j, sc[0].0.to_bits())?,
+            Fp8Scaling::PerGroup => {
+                for (g, s) in sc.iter().enumerate() {
+                    put(self.sc + 4 * (j * groups + g), s.0.to_bits())?;
+                }
+            }
+            Fp8Scaling::PerGroupUe8m0 => {
+                for p in 0..groups.div_ceil(4) {
+                    let mut w = 0u32;
+                    for i in 0..4 {
+                        if let Some(s) = sc.get(4 * p + i) {
+                            w |= s.1 << (8 * i);
+                        }
+                    }
+                    put(self.sc + 4 * (p * self.stride + j), w)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Where the reduced value of a row's elements comes from.
@@ -73,9 +193,18 @@ fn word_elem(d: DType, words: &[u32], e: usize) -> f32 {
 }
 
 impl Row {
-    fn new(a: &LaunchArgs, d: DType, ptrs: [usize; 4], hidden: usize, eps: f32) -> Row {
+    fn new(
+        a: &LaunchArgs,
+        d: DType,
+        ptrs: [usize; 4],
+        hidden: usize,
+        eps: f32,
+        fp8: Option<Fp8>,
+    ) -> Row {
         let rb = hidden * d.size();
-        let vector = (ptrs.iter().fold(rb, |acc, p| acc | p)) % 16 == 0;
+        // the FP8 entries: the e4m3 rows 8-byte aligned too (their vector stores)
+        let q = fp8.map_or(0, |f| f.q << 1);
+        let vector = (ptrs.iter().fold(rb | q, |acc, p| acc | p)) % 16 == 0;
         let per_unit = if vector { 16 / d.size() } else { 1 };
         Row {
             d,
@@ -84,6 +213,7 @@ impl Row {
             per_unit,
             eps,
             slice_bytes: (hidden * d.size()).max(1),
+            fp8,
         }
     }
 
@@ -96,7 +226,9 @@ impl Row {
 
     /// One row: pass 1 (sum, + r, round, store residual_out, squares per thread), the block's
     /// sum of squares, pass 2 (out); `push`: every rank's staging address for the row's
-    /// residual_out (its out follows one row later).
+    /// residual_out (its out follows one row later); `j`: the row's index in the launch (the
+    /// FP8 output's row).
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         a: &LaunchArgs,
@@ -105,6 +237,7 @@ impl Row {
         w: usize,
         out: usize,
         push: &[usize],
+        j: usize,
     ) -> Result<(), KernelError> {
         let (d, h) = (self.d, self.hidden);
         let rb = h * d.size();
@@ -114,7 +247,11 @@ impl Row {
             Sum::Words(_) => {}
         }
         a.check(res, rb, true)?;
-        a.check(out, rb, true)?;
+        // an FP8 entry's unquantised rows are optional (0: none)
+        let out_on = self.fp8.is_none() || out != 0;
+        if out_on {
+            a.check(out, rb, true)?;
+        }
         a.check(w, rb, false)?;
         for &p in push {
             a.check(p, 2 * rb, true)?;
@@ -146,13 +283,22 @@ impl Row {
             .iter()
             .fold(block_sum(&ss[0]), |acc, s| acc + block_sum(s));
         let rstd = crate::rms_scale(total, h, self.eps);
+        let mut y = Vec::with_capacity(if self.fp8.is_some() { h } else { 0 });
         for e in 0..h {
             let v = ld(d, res, e as u64);
             let o = v * rstd * ld(d, w, e as u64);
-            st(d, out, e as u64, o);
+            if out_on {
+                st(d, out, e as u64, o);
+            }
             for &p in push {
                 st(d, p + rb, e as u64, o);
             }
+            if self.fp8.is_some() {
+                y.push(d.decode(d.encode(o)));
+            }
+        }
+        if let Some(f) = &self.fp8 {
+            f.write(a, j, &y)?;
         }
         Ok(())
     }
@@ -176,7 +322,7 @@ fn block_sum(per_thread: &[f32]) -> f32 {
     )
 }
 
-fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
+fn run(k: NormKernel, d: DType, a: &LaunchArgs, fp8: bool) -> Result<(), KernelError> {
     let pad = a.u64(0)? as usize;
     let (x, res, w, out) = (
         a.u64(1)? as usize,
@@ -192,7 +338,12 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     if g > MAX_BLOCKS {
         return Err(KernelError::Failed(format!("grid of {g} blocks")));
     }
-    let mut row = Row::new(a, d, [x, res, w, out], hidden, eps);
+    let fp8 = if fp8 {
+        Some(Fp8::from_args(a, 10)?)
+    } else {
+        None
+    };
+    let mut row = Row::new(a, d, [x, res, w, out], hidden, eps, fp8);
     // the split form: a row per cluster of SPLIT blocks (the grid must be whole clusters, as
     // `.reqnctapercluster` makes the hardware refuse other grids); each cluster's rows are run
     // by its first block here, the others only advance their counters
@@ -240,7 +391,8 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                 cx.barrier(a, bb, c.wrapping_add(1), Some(p as u32));
                 for j in (b..rows).step_by(g) {
                     let srcs: Vec<usize> = (0..n).map(|s| slot(rank, p, s) + j * rb).collect();
-                    row.run(a, Sum::Slots(&srcs), res + j * rb, w, out + j * rb, &[])?;
+                    let o = if out == 0 { 0 } else { out + j * rb };
+                    row.run(a, Sum::Slots(&srcs), res + j * rb, w, o, &[], j)?;
                 }
             }
             NormKernel::TwoShot => {
@@ -257,7 +409,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                     let push: Vec<usize> =
                         (0..n).map(|t| slot(t, 1 - p, rank) + j * 2 * rb).collect();
                     let at = (f0 + j) * rb;
-                    row.run(a, Sum::Slots(&srcs), res + at, w, out + at, &push)?;
+                    row.run(a, Sum::Slots(&srcs), res + at, w, out + at, &push, f0 + j)?;
                 }
                 cx.barrier(a, b, c.wrapping_add(2), None);
                 for t in (0..n).filter(|&t| t != rank) {
@@ -304,7 +456,8 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
                                 .collect::<Vec<u32>>(),
                         );
                     }
-                    row.run(a, Sum::Words(&got), res + j * rb, w, out + j * rb, &[])?;
+                    let o = if out == 0 { 0 } else { out + j * rb };
+                    row.run(a, Sum::Words(&got), res + j * rb, w, o, &[], j)?;
                 }
             }
         }
@@ -320,7 +473,7 @@ fn poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u32 {
     super::ll_poll(cx, at, flag, c) as u32
 }
 
-fn run_unfused(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
+fn run_unfused(d: DType, a: &LaunchArgs, fp8: bool) -> Result<(), KernelError> {
     let (x, res, w, out) = (
         a.u64(0)? as usize,
         a.u64(1)? as usize,
@@ -329,19 +482,18 @@ fn run_unfused(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
     );
     let (rows, hidden) = (a.u64(4)? as usize, a.u64(5)? as usize);
     let eps = f32::from_bits(a.u64(6)? as u32);
-    let row = Row::new(a, d, [x, res, w, out], hidden, eps);
+    let fp8 = if fp8 {
+        Some(Fp8::from_args(a, 7)?)
+    } else {
+        None
+    };
+    let row = Row::new(a, d, [x, res, w, out], hidden, eps, fp8);
     let rb = hidden * d.size();
     let g = a.grid.0 as usize;
     for b in 0..g {
         for j in (b..rows).step_by(g) {
-            row.run(
-                a,
-                Sum::Reduced(x + j * rb),
-                res + j * rb,
-                w,
-                out + j * rb,
-                &[],
-            )?;
+            let o = if out == 0 { 0 } else { out + j * rb };
+            row.run(a, Sum::Reduced(x + j * rb), res + j * rb, w, o, &[], j)?;
         }
     }
     Ok(())

@@ -19,6 +19,9 @@ use crate::types::DType;
 pub(crate) struct Kernels {
     fused: HashMap<(NormKernel, DType), Function>,
     unfused: HashMap<DType, Function>,
+    /// The FP8 output entries of the forms of `nk::FP8_KERNELS`, and the local one.
+    fp8: HashMap<(NormKernel, DType), Function>,
+    fp8_unfused: HashMap<DType, Function>,
 }
 
 impl Kernels {
@@ -33,19 +36,32 @@ impl Kernels {
                 )
             })
             .chain(self.unfused.values().map(|f| (f, false)))
+            .chain(self.fp8.values().map(|f| (f, false)))
+            .chain(self.fp8_unfused.values().map(|f| (f, false)))
     }
 
     pub(super) fn load(device: &Device) -> Result<Kernels> {
         let m = load_module(device, nk::FILE, nk::PTX)?;
         let mut fused = HashMap::new();
         let mut unfused = HashMap::new();
+        let mut fp8 = HashMap::new();
+        let mut fp8_unfused = HashMap::new();
         for dt in DType::ALL {
             for k in NormKernel::ALL {
                 fused.insert((k, dt), m.function(&k.entry(dt))?);
             }
+            for k in nk::FP8_KERNELS {
+                fp8.insert((k, dt), m.function(&k.fp8_entry(dt))?);
+            }
             unfused.insert(dt, m.function(&nk::unfused_entry(dt))?);
+            fp8_unfused.insert(dt, m.function(&nk::fp8_unfused_entry(dt))?);
         }
-        Ok(Kernels { fused, unfused })
+        Ok(Kernels {
+            fused,
+            unfused,
+            fp8,
+            fp8_unfused,
+        })
     }
 }
 
@@ -81,6 +97,9 @@ pub(crate) fn run(
         _ => return Err(Error::invalid("residual", "a norm call without residual")),
     };
     let ll = matches!(kernel, NormKernel::OneShotLl | NormKernel::OneShotLlSplit);
+    if let (Some(scaling), Some(q)) = (plan.quant, call.quant) {
+        return run_fp8(p, c, t, l, call, plan, scaling, &q, stream).map(|()| false);
+    }
     let aligned = (x.ptr | r.ptr | w.ptr | out.ptr) % 4 == 0;
     let f = p
         .kernels(l)
@@ -156,6 +175,105 @@ pub(crate) fn run(
     Ok(staged)
 }
 
+/// The FP8 output launches of [`run`]: the same rows per launch, header and parameters as the
+/// plain entries (out: the unquantised rows or 0), then the e4m3 rows, the scales, the mode word
+/// and the UE8M0 stride (kernels::norm::FP8_PARAMS). The operands are 4-byte aligned (checked):
+/// nothing is staged.
+#[allow(clippy::too_many_arguments)]
+fn run_fp8(
+    p: &P2p,
+    c: &CommConfig,
+    t: &TeamFacts,
+    l: &Local,
+    call: &Checked<'_>,
+    plan: &NormPlan,
+    scaling: crate::types::Fp8Scaling,
+    q: &crate::call::QuantChecked<'_>,
+    stream: StreamRef<'_>,
+) -> Result<()> {
+    let kernel = plan.kernel;
+    let s = call
+        .norm
+        .ok_or_else(|| Error::invalid("hidden", "a norm call without its shape"))?;
+    let (x, out) = (call.input, call.output);
+    let (r, w) = match (call.residual, call.weight) {
+        (Some(r), Some(w)) => (r, w),
+        _ => return Err(Error::invalid("residual", "a norm call without residual")),
+    };
+    let f = p
+        .kernels(l)
+        .norm
+        .fp8
+        .get(&(kernel, call.dtype))
+        .ok_or_else(|| {
+            Error::invalid(
+                "dtype",
+                format!("no {kernel:?} FP8 norm kernel for {}", call.dtype),
+            )
+        })?;
+    let pad = p.pad(l);
+    let rb = s.row_bytes;
+    let unq = q.unquantised.map_or(0, |u| u.ptr);
+    let sc = q.scales.map_or(0, |s| s.ptr);
+    let stride = s.tokens.next_multiple_of(4) as u64;
+    for k in 0..plan.count() {
+        let launch = plan.launch(t, c, k);
+        let row0 = launch.row0;
+        let at = (row0 * rb) as u64;
+        let sh = launch.shape;
+        let sig = call_header(&[
+            kernel.fp8_header_code(scaling),
+            launch.rows as u64,
+            s.hidden as u64,
+            call.dtype.code(),
+            s.eps.to_bits() as u64,
+            sh.blocks as u64,
+            sh.threads as u64,
+            t.n as u64,
+        ]);
+        let sc_at = sc + fp8_scales_offset(scaling, row0, s.hidden) as u64;
+        // SAFETY: a function of this device's norm module whose entry takes these fourteen
+        // .u64 parameters (kernels::norm::FP8_PARAMS); x, residual, the unquantised rows (or
+        // 0) hold `tokens × hidden` elements, out `tokens × hidden` bytes, the scales what the
+        // scaling writes for every token (checked); this launch touches rows [row0, row0 +
+        // rows) of them (its scales from sc_at); pad and staging as for the plain entries.
+        unsafe {
+            f.launch_u64(
+                &LaunchConfig::linear(sh.blocks, sh.threads),
+                stream,
+                &[
+                    pad,
+                    x.ptr + at,
+                    r.ptr + at,
+                    w.ptr,
+                    if unq == 0 { 0 } else { unq + at },
+                    launch.rows as u64,
+                    s.hidden as u64,
+                    sig,
+                    c.timeout_ns(),
+                    s.eps.to_bits() as u64,
+                    out.ptr + (row0 * s.hidden) as u64,
+                    if sc == 0 { 0 } else { sc_at },
+                    nk::fp8_mode(scaling, q.scale),
+                    stride,
+                ],
+            )
+        }?;
+    }
+    Ok(())
+}
+
+/// Byte offset of row `row0`'s scales: f32 per token, f32 per group row-major, or the token's
+/// column of the UE8M0 packs.
+fn fp8_scales_offset(scaling: crate::types::Fp8Scaling, row0: usize, hidden: usize) -> usize {
+    use crate::types::{Fp8Scaling, FP8_GROUP};
+    match scaling {
+        Fp8Scaling::Static => 0,
+        Fp8Scaling::PerToken | Fp8Scaling::PerGroupUe8m0 => 4 * row0,
+        Fp8Scaling::PerGroup => 4 * row0 * (hidden / FP8_GROUP),
+    }
+}
+
 /// Copy x, residual and weight into this rank's scratch (16-byte aligned places, out after
 /// them), for a low-latency launch on operands that are not 4-byte aligned.
 fn stage_in(
@@ -222,6 +340,41 @@ pub(crate) fn run_local(
         (Some(r), Some(w)) => (r, w),
         _ => return Err(Error::invalid("residual", "a norm call without residual")),
     };
+    if let Some(q) = call.quant {
+        let f = p
+            .kernels(l)
+            .norm
+            .fp8_unfused
+            .get(&call.dtype)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "dtype",
+                    format!("no FP8 add_rms_norm kernel for {}", call.dtype),
+                )
+            })?;
+        // SAFETY: a function of this device's norm module taking these eleven .u64 parameters
+        // (kernels::norm::FP8_UNFUSED_PARAMS); the operands hold what the call's shape needs
+        // (checked, as for run_fp8); a live stream of this device (checked).
+        return unsafe {
+            f.launch_u64(
+                &LaunchConfig::linear(shape.blocks, shape.threads),
+                stream,
+                &[
+                    call.input.ptr,
+                    r.ptr,
+                    w.ptr,
+                    q.unquantised.map_or(0, |u| u.ptr),
+                    s.tokens as u64,
+                    s.hidden as u64,
+                    s.eps.to_bits() as u64,
+                    call.output.ptr,
+                    q.scales.map_or(0, |s| s.ptr),
+                    nk::fp8_mode(q.scaling, q.scale),
+                    s.tokens.next_multiple_of(4) as u64,
+                ],
+            )
+        };
+    }
     let f = p.kernels(l).norm.unfused.get(&call.dtype).ok_or_else(|| {
         Error::invalid(
             "dtype",

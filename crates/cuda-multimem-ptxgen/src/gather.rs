@@ -747,9 +747,9 @@ $L_{label}_spin:
 {report}$L_{label}_got:
 	cvt.u32.u64 %r30, %rd46;
 "#,
-        mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p20", "%p23"),
-        peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p20", "%p23"),
-        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p20")
+        mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p24", "%p25"),
+        peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p24", "%p25"),
+        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p24")
     )
 }
 

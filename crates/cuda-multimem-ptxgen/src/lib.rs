@@ -242,10 +242,10 @@ fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
 }
 
 /// Register declarations of every kernel here (and the multimem ones).
-pub(crate) const REGS: &str = "\t.reg .pred %p<24>;
+pub(crate) const REGS: &str = "\t.reg .pred %p<26>;
 \t.reg .b16 %h<4>;
 \t.reg .b32 %r<64>;
-\t.reg .b64 %rd<84>;
+\t.reg .b64 %rd<92>;
 \t.reg .f32 %f<24>;
 ";
 
@@ -758,14 +758,14 @@ pub(crate) fn ll_flag(dst: &str) -> String {
 /// A polled low-latency cell (`cell`, 64-bit, its flag in the high word) that is not this
 /// call's (`flag`, high word) but carries this call's counter: its sender called with another
 /// shape (size, type, operator, collective, root, norm shape, operands) — to `{l}_mm`
-/// ([`ll_report`]). As `kernels::ll_disagrees` on the host. Uses %rd80; `pa`, `pb` scratch.
+/// ([`ll_report`]). As `kernels::ll_disagrees` on the host. Uses %rd90; `pa`, `pb` scratch.
 pub(crate) fn ll_mismatch(l: &str, cell: &str, flag: &str, pa: &str, pb: &str) -> String {
     format!(
-        "\tand.b64 %rd80, {cell}, -4294967296;
-\txor.b64 %rd80, %rd80, {flag};
-\tsetp.ne.u64 {pa}, %rd80, 0;
-\tshr.u64 %rd80, %rd80, 48;
-\tsetp.eq.and.u64 {pb}, %rd80, 0, {pa};
+        "\tand.b64 %rd90, {cell}, -4294967296;
+\txor.b64 %rd90, %rd90, {flag};
+\tsetp.ne.u64 {pa}, %rd90, 0;
+\tshr.u64 %rd90, %rd90, 48;
+\tsetp.eq.and.u64 {pb}, %rd90, 0, {pa};
 \t@{pb} bra {l}_mm;
 "
     )
@@ -774,7 +774,7 @@ pub(crate) fn ll_mismatch(l: &str, cell: &str, flag: &str, pa: &str, pb: &str) -
 /// A low-latency poll that has waited `elapsed` (u64 ns) past `LL_PEEK_NS`: a peer whose
 /// block 0 signalled this rank's first barrier slot at this call's first barrier value (c + 1)
 /// is in a barrier kernel at this call — it called another collective or size — to `{l}_mm`
-/// ([`ll_report`]). As the simulator's `ll_poll`. Uses %r44, %r45, %r46, %rd80; `pa`, `pb`
+/// ([`ll_report`]). As the simulator's `ll_poll`. Uses %r44, %r45, %r46, %rd90; `pa`, `pb`
 /// scratch.
 pub(crate) fn ll_barrier_peek(l: &str, elapsed: &str, pa: &str, pb: &str) -> String {
     format!(
@@ -783,9 +783,9 @@ pub(crate) fn ll_barrier_peek(l: &str, elapsed: &str, pa: &str, pb: &str) -> Str
 \tadd.u32 %r46, %r7, 1;
 \tmov.u32 %r44, 0;
 {l}_peek:
-\tmul.wide.u32 %rd80, %r44, 4;
-\tadd.u64 %rd80, %rd1, %rd80;
-\tld.relaxed.sys.global.u32 %r45, [%rd80+{OFF_SIG}];
+\tmul.wide.u32 %rd90, %r44, 4;
+\tadd.u64 %rd90, %rd1, %rd90;
+\tld.relaxed.sys.global.u32 %r45, [%rd90+{OFF_SIG}];
 \tsetp.eq.u32 {pb}, %r45, %r46;
 \t@{pb} bra {l}_mm;
 \tadd.u32 %r44, %r44, 1;
@@ -799,17 +799,17 @@ pub(crate) fn ll_barrier_peek(l: &str, elapsed: &str, pa: &str, pb: &str) -> Str
 /// The end of a low-latency poll's wait (placed after its timeout, before `got`): a poll that
 /// found a disagreement (`{l}_mm`) sets `ERR_MISMATCH` in the error word of every rank (its
 /// own and its peers', which end their waits at it, so every rank reports the disagreement
-/// and none waits for the timeout) and ends at `got`. Uses %r44, %r46, %rd80; `pa` scratch.
+/// and none waits for the timeout) and ends at `got`. Uses %r44, %r46, %rd90; `pa` scratch.
 pub(crate) fn ll_report(l: &str, got: &str, pa: &str) -> String {
     format!(
         "\tbra.uni {got};
 {l}_mm:
 \tmov.u32 %r44, 0;
 {l}_mmk:
-\tmul.wide.u32 %rd80, %r44, 8;
-\tadd.u64 %rd80, %rd1, %rd80;
-\tld.global.u64 %rd80, [%rd80+{OFF_PADS}];
-\tatom.relaxed.sys.global.cas.b32 %r46, [%rd80+{OFF_ERR}], 0, {ERR_MISMATCH};
+\tmul.wide.u32 %rd90, %r44, 8;
+\tadd.u64 %rd90, %rd1, %rd90;
+\tld.global.u64 %rd90, [%rd90+{OFF_PADS}];
+\tatom.relaxed.sys.global.cas.b32 %r46, [%rd90+{OFF_ERR}], 0, {ERR_MISMATCH};
 \tadd.u32 %r44, %r44, 1;
 \tsetp.lt.u32 {pa}, %r44, %r6;
 \t@{pa} bra {l}_mmk;
@@ -910,9 +910,9 @@ $L_{label}_spin:
 {report}$L_{label}_got:
 	cvt.u32.u64 %r31, %rd46;
 "#,
-            mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p22", "%p23"),
-            peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p22", "%p23"),
-            report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p22")
+            mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p24", "%p25"),
+            peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p24", "%p25"),
+            report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p24")
         )
     };
     let mine = Addr::Stride("%rd33", "%rd30");

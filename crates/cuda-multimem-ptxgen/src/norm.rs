@@ -36,10 +36,10 @@ const HEADER: &str = "//
 .shared .align 4 .u32 cmm_norm_amax[1024];
 ";
 
-const REGS: &str = "\t.reg .pred %p<40>;
+const REGS: &str = "\t.reg .pred %p<42>;
 \t.reg .b16 %h<8>;
 \t.reg .b32 %r<80>;
-\t.reg .b64 %rd<90>;
+\t.reg .b64 %rd<92>;
 \t.reg .f32 %f<48>;
 ";
 
@@ -865,9 +865,9 @@ fn poll(label: &str, pairs: usize) -> String {
 	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
 {report}$L_{label}_got:
 "#,
-        mismatch = ll_mismatch(&format!("$L_{label}"), "%rd71", "%rd70", "%p30", "%p31"),
-        peek = ll_barrier_peek(&format!("$L_{label}"), "%rd46", "%p30", "%p31"),
-        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p30")
+        mismatch = ll_mismatch(&format!("$L_{label}"), "%rd71", "%rd70", "%p40", "%p41"),
+        peek = ll_barrier_peek(&format!("$L_{label}"), "%rd46", "%p40", "%p41"),
+        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p40")
     );
     s
 }

@@ -32,7 +32,8 @@ fn configs() -> [CommConfig; 3] {
         },
         CommConfig {
             gather_ll_max_bytes: 0,
-            scratch_bytes: 3 << 20,
+            // regions of 2 MiB: the real driver's largest own or in-place outputs (1.6 MB)
+            scratch_bytes: 6 << 20,
             push_threads: 64,
             ..CommConfig::default()
         },

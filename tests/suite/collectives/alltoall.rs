@@ -32,8 +32,8 @@ fn configs() -> [CommConfig; 3] {
         },
         CommConfig {
             gather_ll_max_bytes: 0,
-            // regions of 2 MiB: the real driver's largest own or in-place outputs (1.6 MB)
-            scratch_bytes: 6 << 20,
+            // regions of 4 MiB: the real driver's largest own or in-place outputs (2.4 MB)
+            scratch_bytes: 12 << 20,
             push_threads: 64,
             ..CommConfig::default()
         },

@@ -32,8 +32,9 @@ fn configs() -> [CommConfig; 3] {
         },
         CommConfig {
             gather_ll_max_bytes: 0,
-            // regions of 4 MiB: the real driver's largest own or in-place outputs (2.4 MB)
-            scratch_bytes: 12 << 20,
+            // regions of 8 MiB: the real driver's largest own or in-place outputs (8 ranks of
+            // 100000 8-byte elements: 6.4 MB)
+            scratch_bytes: 24 << 20,
             push_threads: 64,
             ..CommConfig::default()
         },

@@ -352,3 +352,39 @@ fn ranks_sharing_a_device_that_disagree_are_reported_not_waited_for() {
         comm.recover().unwrap();
     }
 }
+
+/// Ranks of one process on one GPU each through a bootstrap of its own (threads) are refused on
+/// every rank, naming the way that works (one Communicator over a device list with repeats): on
+/// the simulator such teams ran their calls out of step.
+#[test]
+fn threads_of_one_process_on_one_device_with_bootstraps_of_their_own_are_refused() {
+    use cuda_multimem_collectives::UnixBootstrap;
+    let e = sim(SimConfig::new(1, 13050));
+    let n = 3usize;
+    let path = std::env::temp_dir().join(format!("cmm-shared-threads-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let driver = e.driver.clone();
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let device = driver.device(0).unwrap();
+                let boot = UnixBootstrap::new(&path, rank, n, Duration::from_secs(60)).unwrap();
+                Communicator::builder_with_bootstrap(&device, Box::new(boot))
+                    .allow_shared_devices(true)
+                    .multicast(MulticastPolicy::Never)
+                    .build()
+                    .map(|_| ())
+            })
+        })
+        .collect();
+    for h in handles {
+        match h.join().unwrap() {
+            Err(Error::InvalidArgument { arg, reason }) => {
+                assert_eq!(arg, "device");
+                assert!(reason.contains("allow_shared_devices"), "{reason}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+}

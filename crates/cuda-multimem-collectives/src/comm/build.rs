@@ -283,7 +283,19 @@ fn build_process(
     let keys: Vec<u64> = all.iter().map(|b| key(b, 0)).collect();
     let contexts: Vec<u64> = all.iter().map(|b| key(b, 8)).collect();
     let (per_device, pair) = busiest(&keys);
-    let (per_context, _) = busiest(&contexts);
+    let (per_context, same_context) = busiest(&contexts);
+    if let Some((a, b)) = same_context {
+        // Several ranks of one process on one GPU, each through a bootstrap of its own (threads):
+        // on the simulator such teams ran calls out of step (timeouts, and wrong results in a
+        // hierarchical team); refused until that is understood. One Communicator over a device
+        // list with repeats serves ranks of one process sharing a GPU.
+        return Err(Error::invalid(
+            "device",
+            format!(
+                "ranks {a} and {b} are in one process on the same GPU, each with a bootstrap of its own: not supported; for ranks of one process sharing a GPU build one Communicator over a device list with repeats (Communicator::builder(&devices).allow_shared_devices(true))"
+            ),
+        ));
+    }
     if let (Some((a, b)), false) = (pair, shared) {
         return Err(Error::invalid(
             "device",

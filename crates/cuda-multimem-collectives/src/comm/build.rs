@@ -60,7 +60,8 @@ impl CommunicatorBuilder {
 
     /// Let several ranks of the team use one device (default: refused, naming the device):
     /// in one process a device list with repeats, across processes several processes on one
-    /// GPU. The real kernels then run at any team size on any GPU — a tensor-parallel engine
+    /// GPU (ranks of one process on one GPU that each come through a bootstrap of their own,
+    /// e.g. threads, are refused: build one communicator over a device list for them). The real kernels then run at any team size on any GPU — a tensor-parallel engine
     /// of 8 ranks tested on one GPU — with each rank's grid capped to its share of the device
     /// (the kernels' occupancy, `cuOccupancyMaxActiveBlocksPerMultiprocessor`, over the ranks
     /// on the busiest device), so that every rank's spin-waiting blocks are resident at once.

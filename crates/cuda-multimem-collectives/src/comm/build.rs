@@ -284,7 +284,7 @@ fn build_process(
     let keys: Vec<u64> = all.iter().map(|b| key(b, 0)).collect();
     let contexts: Vec<u64> = all.iter().map(|b| key(b, 8)).collect();
     let (per_device, pair) = busiest(&keys);
-    let (per_context, same_context) = busiest(&contexts);
+    let (_, same_context) = busiest(&contexts);
     if let Some((a, b)) = same_context {
         // Several ranks of one process on one GPU, each through a bootstrap of its own (threads):
         // on the simulator such teams ran calls out of step (timeouts, and wrong results in a
@@ -311,11 +311,9 @@ fn build_process(
             "Always: multicast teams across processes are not supported yet (use Never or WhenItPaysOff)",
         ));
     }
-    check_queues(per_context, hardware_queues())?;
+    // (one rank per process and device from here: each keeps its queues, `one_stream` stays off)
     let p2p = P2p::new(id, &ranks, &config)?;
-    let mut caps = co_residency(&p2p, &config, per_device, fewest, Some(&ranks))?;
-    // ranks of one process on one device (threads, each with its own bootstrap rank)
-    caps.one_stream = per_context > 1;
+    let caps = co_residency(&p2p, &config, per_device, fewest, Some(&ranks))?;
     Ok(communicator(Inner::new(
         id,
         ranks,

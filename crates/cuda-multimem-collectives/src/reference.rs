@@ -13,10 +13,12 @@ pub fn next_random(state: &mut u64) -> f32 {
     ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-/// `count` random elements in [-1, 1) from the generator whose state is `state`.
+/// `count` random elements from the generator whose state is `state`: floats in [-1, 1)
+/// (rounded to the type), integers uniform over the type's whole range
+/// ([`DType::random_bits`]).
 pub fn random_input<T: Element>(count: usize, state: &mut u64) -> Vec<T> {
     (0..count)
-        .map(|_| T::from_f32(next_random(state)))
+        .map(|_| T::from_bits64(T::DTYPE.random_bits(state)))
         .collect()
 }
 
@@ -29,13 +31,15 @@ pub fn random_input<T: Element>(count: usize, state: &mut u64) -> Vec<T> {
 pub fn random_bytes(dtype: DType, count: usize, state: &mut u64) -> Vec<u8> {
     let mut v = Vec::with_capacity(count.saturating_mul(dtype.size()));
     for _ in 0..count {
-        dtype.store(&mut v, next_random(state));
+        dtype.store_bits(&mut v, dtype.random_bits(state));
     }
     v
 }
 
-/// Reduce `inputs` (one slice per rank, equal lengths) in rank order, accumulating in f32 and
-/// rounding once, as the peer-to-peer kernels do: the host reference for tests and examples.
+/// Reduce `inputs` (one slice per rank, equal lengths) in rank order, in the type's accumulator
+/// (f32 for the floats of 32 bits and fewer, rounded once; f64; integers wrapping in their own
+/// width: see [`DType`]), as the peer-to-peer kernels do: the host reference for tests and
+/// examples.
 /// The length is the first input's; longer inputs are read up to it.
 ///
 /// # Panics
@@ -43,12 +47,7 @@ pub fn random_bytes(dtype: DType, count: usize, state: &mut u64) -> Vec<u8> {
 pub fn reference<T: Element>(op: ReduceOp, inputs: &[&[T]]) -> Vec<T> {
     let n = inputs.first().map_or(0, |i| i.len());
     (0..n)
-        .map(|e| {
-            let acc = inputs[1..]
-                .iter()
-                .fold(inputs[0][e].to_f32(), |acc, x| op.apply(acc, x[e].to_f32()));
-            T::from_f32(op.finish(acc, inputs.len()))
-        })
+        .map(|e| T::from_bits64(T::DTYPE.reduce_bits(op, inputs.iter().map(|x| x[e].to_bits64()))))
         .collect()
 }
 
@@ -94,10 +93,8 @@ pub fn reference_bytes(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> 
     let n = inputs.first().map_or(0, |i| i.len() / dtype.size());
     let mut out = Vec::with_capacity(n * dtype.size());
     for e in 0..n {
-        let acc = inputs[1..].iter().fold(dtype.load(inputs[0], e), |acc, x| {
-            op.apply(acc, dtype.load(x, e))
-        });
-        dtype.store(&mut out, op.finish(acc, inputs.len()));
+        let r = dtype.reduce_bits(op, inputs.iter().map(|x| dtype.load_bits(x, e)));
+        dtype.store_bits(&mut out, r);
     }
     out
 }
@@ -169,9 +166,10 @@ pub fn rms_norm_within_tolerance<T: Element>(got: T, want: T) -> bool {
         return g.is_nan() && w.is_nan();
     }
     let step = match T::DTYPE {
-        DType::F32 | DType::U8 => 0.0,
         DType::F16 => w.abs().max(6.1e-5) / 1024.0,
         DType::Bf16 => w.abs().max(1e-30) / 128.0,
+        // f32 (the norm takes no other type)
+        _ => 0.0,
     };
     (g - w).abs() <= step + w.abs() / 65536.0 + f32::MIN_POSITIVE
 }

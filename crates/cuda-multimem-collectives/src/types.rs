@@ -1,17 +1,28 @@
 //! The vocabulary of the collectives: element types, reduction operators, paths, algorithms and
 //! the choice a call reports.
 
+use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 
 /// Element types, for engines that know theirs only at run time ([`crate::RankHandle::all_reduce_dyn`]).
 ///
-/// What takes which type:
+/// What takes which type, and how each reduction accumulates and rounds (every path, every
+/// form; the multimem path only for the types and operators it has, see below):
 ///
 /// | collective | types | operators |
 /// | --- | --- | --- |
-/// | allreduce, reduce-scatter (and `_dyn`) | f32, f16, bf16 (accumulated in f32 in rank order, rounded once to nearest even) | every [`ReduceOp`] |
-/// | fused norm | f32, f16, bf16 | — |
+/// | allreduce, reduce-scatter (and `_dyn`) | f32, f16, bf16, FP8 e4m3 and e5m2: converted to f32 (exactly), accumulated in f32 in rank order, rounded once to the type (nearest even; FP8 saturating to its finite range) | every [`ReduceOp`] |
+/// | | f64: accumulated in f64 in rank order (bit-identical on every rank and to the reference) | every [`ReduceOp`] |
+/// | | i8, u8, i32, u32, i64, u64: in their own width; sum and product wrap (two's complement, as NCCL); min and max signed or unsigned by the type; average: the wrapped sum divided by the team size, truncated toward zero (as NCCL for integers) | every [`ReduceOp`] |
+/// | fused norm | f32, f16, bf16 (other types refused naming `dtype`) | — |
+/// | multimem (`multimem.ld_reduce`) | f32 (sum), f16 and bf16 (sum, min, max); the other types run peer-to-peer | — |
 /// | all-gather, broadcast | any [`cuda_multimem::DeviceRepr`] type (integers, f64, FP8, records), moved as bits in words of its [`DType::carrier`] | — |
+///
+/// FP8 NaN and infinity: a NaN input makes a NaN result of a sum, product and average (its bits
+/// are the type's NaN, `0x7f` on the host and simulator, the sign not specified on a GPU); min
+/// and max drop a NaN operand (as `min.f32`: the other operand wins). An e5m2 infinity input
+/// converts to an f32 infinity and the result, out of the finite range, saturates to ±57344
+/// (`cvt.rn.satfinite`): no result is ever an FP8 infinity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit float.
@@ -20,15 +31,65 @@ pub enum DType {
     F16,
     /// bfloat16 (accumulated in f32).
     Bf16,
-    /// 8-bit unsigned integer. Moved by all-gather and broadcast (it carries every element
-    /// type whose size or alignment is odd: see [`DType::carrier`]); not reduced.
+    /// 8-bit unsigned integer: reduced in 8 bits (wrapping), and the carrier all-gather and
+    /// broadcast move every element type whose size or alignment is odd as (see
+    /// [`DType::carrier`]).
     U8,
+    /// 64-bit float (accumulated in f64).
+    F64,
+    /// 32-bit signed integer (wrapping).
+    I32,
+    /// 32-bit unsigned integer (wrapping).
+    U32,
+    /// 64-bit signed integer (wrapping).
+    I64,
+    /// 64-bit unsigned integer (wrapping).
+    U64,
+    /// 8-bit signed integer (wrapping).
+    I8,
+    /// FP8 e4m3 ([`float8::F8E4M3`], accumulated in f32, saturating to ±448).
+    F8E4M3,
+    /// FP8 e5m2 ([`float8::F8E5M2`], accumulated in f32, saturating to ±57344).
+    F8E5M2,
+}
+
+/// A value in a reduction's accumulator (the host's model of the kernels' registers): f32 for
+/// the floats of 32 bits and fewer, f64, or the integer in its own width (sign- or
+/// zero-extended to 64 bits).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Acc {
+    /// f32, f16, bf16, e4m3, e5m2.
+    F32(f32),
+    /// f64.
+    F64(f64),
+    /// A signed integer, wrapped to its type's width and sign-extended.
+    Int(i64),
+    /// An unsigned integer, wrapped to its type's width.
+    UInt(u64),
 }
 
 impl DType {
     /// The types every collective takes, the reductions and the fused norm included: f32,
-    /// f16 and bf16. ([`DType::U8`] is moved by all-gather and broadcast only.)
+    /// f16 and bf16 (also the types with multimem kernels). The reductions take more:
+    /// [`DType::REDUCED`].
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+    /// Every type the reductions (allreduce, reduce-scatter, their `_dyn` forms, the
+    /// hierarchical communicator) take: every [`DType`].
+    pub const REDUCED: [DType; 12] = [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::F64,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+        DType::I8,
+        DType::U8,
+        DType::F8E4M3,
+        DType::F8E5M2,
+    ];
 
     /// The kernel types the bit-moving collectives (all-gather, broadcast) run any element
     /// type as ([`DType::carrier`]): 4-byte, 2-byte and 1-byte words.
@@ -58,69 +119,292 @@ impl DType {
         DType::carrier(std::mem::size_of::<T>(), std::mem::align_of::<T>())
     }
 
-    /// Whether the reductions (allreduce, reduce-scatter) and the fused norm take this type.
+    /// Whether the reductions (allreduce, reduce-scatter) take this type: every type
+    /// ([`DType::REDUCED`]).
     pub fn reduces(self) -> bool {
+        DType::REDUCED.contains(&self)
+    }
+
+    /// Whether the fused norm takes this type (f32, f16, bf16: [`DType::ALL`]).
+    pub fn norms(self) -> bool {
         DType::ALL.contains(&self)
     }
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::Bf16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
         }
     }
 
-    /// Short name (`f32`, `f16`, `bf16`, `u8`).
+    /// Short name (`f32`, `f16`, `bf16`, `f64`, `i32`, `u32`, `i64`, `u64`, `i8`, `u8`,
+    /// `e4m3`, `e5m2`).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
             DType::U8 => "u8",
+            DType::F64 => "f64",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+            DType::I64 => "i64",
+            DType::U64 => "u64",
+            DType::I8 => "i8",
+            DType::F8E4M3 => "e4m3",
+            DType::F8E5M2 => "e5m2",
         }
     }
 
-    /// The value of `bits` (the element's little-endian bits in the low bytes) as f32.
+    /// Whether this is an integer type.
+    pub fn is_integer(self) -> bool {
+        matches!(
+            self,
+            DType::I8 | DType::U8 | DType::I32 | DType::U32 | DType::I64 | DType::U64
+        )
+    }
+
+    /// The value of `bits` (the element's little-endian bits in the low bytes) as f32 — exact
+    /// for the floats of 32 bits and fewer, rounded for f64 and the integers above 24 bits
+    /// (reductions compute with [`DType::acc`] instead, in the type's own accumulator). The
+    /// 64-bit types take their value from the 32 low bits only: use [`DType::acc`].
     pub fn decode(self, bits: u32) -> f32 {
-        match self {
-            DType::F32 => f32::from_bits(bits),
-            DType::F16 => f16::from_bits(bits as u16).to_f32(),
-            DType::Bf16 => bf16::from_bits(bits as u16).to_f32(),
-            DType::U8 => (bits as u8) as f32,
-        }
+        self.acc(bits as u64).to_f32()
     }
 
-    /// `v` rounded to this type (round to nearest even, as `cvt.rn`; u8: truncated toward zero
-    /// and saturated, NaN 0), as bits.
+    /// `v` rounded to this type (round to nearest even, as `cvt.rn`; FP8 saturating to its
+    /// finite range; integers truncated toward zero and saturated, NaN 0), as bits (the low 32
+    /// bits of a 64-bit type's).
     pub fn encode(self, v: f32) -> u32 {
+        self.from_f64(v as f64) as u32
+    }
+
+    /// The bits of `v` (f64) converted to this type as [`DType::encode`] does (f64 exact;
+    /// the 32-bit-and-smaller floats through f32).
+    fn from_f64(self, v: f64) -> u64 {
         match self {
-            DType::F32 => v.to_bits(),
-            DType::F16 => f16::from_f32(v).to_bits() as u32,
-            DType::Bf16 => bf16::from_f32(v).to_bits() as u32,
-            DType::U8 => v as u8 as u32,
+            DType::F64 => v.to_bits(),
+            DType::I8 => v as i8 as u8 as u64,
+            DType::U8 => v as u8 as u64,
+            DType::I32 => v as i32 as u32 as u64,
+            DType::U32 => v as u32 as u64,
+            DType::I64 => v as i64 as u64,
+            DType::U64 => v as u64,
+            _ => self.round(Acc::F32(v as f32)),
         }
     }
 
-    /// Element `i` of raw little-endian `data`, as f32.
+    /// The accumulator value of one element's `bits` (little-endian, in the low bytes): what
+    /// the kernels widen an element to before they reduce (FP8 and 16-bit floats exactly to
+    /// f32; integers sign- or zero-extended).
+    pub fn acc(self, bits: u64) -> Acc {
+        match self {
+            DType::F32 => Acc::F32(f32::from_bits(bits as u32)),
+            DType::F16 => Acc::F32(f16::from_bits(bits as u16).to_f32()),
+            DType::Bf16 => Acc::F32(bf16::from_bits(bits as u16).to_f32()),
+            DType::F8E4M3 => Acc::F32(F8E4M3::from_bits(bits as u8).to_f32()),
+            DType::F8E5M2 => Acc::F32(F8E5M2::from_bits(bits as u8).to_f32()),
+            DType::F64 => Acc::F64(f64::from_bits(bits)),
+            DType::I8 => Acc::Int(bits as u8 as i8 as i64),
+            DType::I32 => Acc::Int(bits as u32 as i32 as i64),
+            DType::I64 => Acc::Int(bits as i64),
+            DType::U8 => Acc::UInt(bits as u8 as u64),
+            DType::U32 => Acc::UInt(bits as u32 as u64),
+            DType::U64 => Acc::UInt(bits),
+        }
+    }
+
+    /// An accumulator rounded (floats: once, to nearest even; FP8 saturating to the finite
+    /// range, a NaN to `0x7f`) or wrapped (integers) to this type, as bits. An accumulator of
+    /// another class is converted first (as `as` converts).
+    pub fn round(self, a: Acc) -> u64 {
+        match self {
+            DType::F32 => (a.to_f32()).to_bits() as u64,
+            DType::F16 => f16::from_f32(a.to_f32()).to_bits() as u64,
+            DType::Bf16 => bf16::from_f32(a.to_f32()).to_bits() as u64,
+            DType::F8E4M3 => fp8_bits(F8E4M3::from_f32(a.to_f32()).to_bits(), a.to_f32()),
+            DType::F8E5M2 => fp8_bits(F8E5M2::from_f32(a.to_f32()).to_bits(), a.to_f32()),
+            DType::F64 => match a {
+                Acc::F64(v) => v.to_bits(),
+                _ => (a.to_f32() as f64).to_bits(),
+            },
+            _ => {
+                let v = match a {
+                    Acc::Int(v) => v as u64,
+                    Acc::UInt(v) => v,
+                    Acc::F32(v) => return self.from_f64(v as f64),
+                    Acc::F64(v) => return self.from_f64(v),
+                };
+                v & self.mask()
+            }
+        }
+    }
+
+    /// The bits of one element, all ones.
+    fn mask(self) -> u64 {
+        match self.size() {
+            8 => u64::MAX,
+            s => (1u64 << (8 * s)) - 1,
+        }
+    }
+
+    /// An integer accumulator value `v` (any 64-bit value) wrapped to this type's width
+    /// (two's complement), in the accumulator's form; floats as they are.
+    fn wrap(self, a: Acc) -> Acc {
+        match a {
+            Acc::Int(v) => self.acc(v as u64 & self.mask()),
+            Acc::UInt(v) => self.acc(v & self.mask()),
+            f => f,
+        }
+    }
+
+    /// Element `i` of raw little-endian `data`, as its bits (in the low bytes).
+    ///
+    /// # Panics
+    /// If `data` holds fewer than `i + 1` elements.
+    pub fn load_bits(self, data: &[u8], i: usize) -> u64 {
+        let s = self.size();
+        let mut b = [0u8; 8];
+        b[..s].copy_from_slice(&data[i * s..i * s + s]);
+        u64::from_le_bytes(b)
+    }
+
+    /// Append one element's `bits` (the low bytes) to raw little-endian `out`.
+    pub fn store_bits(self, out: &mut Vec<u8>, bits: u64) {
+        out.extend_from_slice(&bits.to_le_bytes()[..self.size()]);
+    }
+
+    /// Element `i` of raw little-endian `data`, as f32 (lossy for f64 and the integers above
+    /// 24 bits: [`DType::load_bits`] and [`DType::acc`] are exact).
     ///
     /// # Panics
     /// If `data` holds fewer than `i + 1` elements.
     pub fn load(self, data: &[u8], i: usize) -> f32 {
-        let s = self.size();
-        let mut b = [0u8; 4];
-        b[..s].copy_from_slice(&data[i * s..i * s + s]);
-        self.decode(u32::from_le_bytes(b))
+        self.acc(self.load_bits(data, i)).to_f32()
     }
 
-    /// Append `v`, rounded to this type, to raw little-endian `out`.
+    /// Append `v`, rounded to this type (as [`DType::encode`]), to raw little-endian `out`.
     pub fn store(self, out: &mut Vec<u8>, v: f32) {
-        out.extend_from_slice(&self.encode(v).to_le_bytes()[..self.size()]);
+        self.store_bits(out, self.from_f64(v as f64));
+    }
+
+    /// One random element from the tests' generator whose state is `state` (it advances), as
+    /// bits: floats in [-1, 1) ([`crate::reference::next_random`], rounded to the type; f64
+    /// with 53 random bits), integers uniform over the type's whole range (so sums and products
+    /// wrap).
+    pub fn random_bits(self, state: &mut u64) -> u64 {
+        match self {
+            DType::F64 => {
+                crate::reference::next_random(state);
+                let m = (*state >> 11) as f64 / (1u64 << 53) as f64;
+                (m * 2.0 - 1.0).to_bits()
+            }
+            d if d.is_integer() => {
+                crate::reference::next_random(state);
+                state.wrapping_mul(0x2545_f491_4f6c_dd1d) & d.mask()
+            }
+            d => d.from_f64(crate::reference::next_random(state) as f64),
+        }
+    }
+
+    /// `a` combined with `b` by `op` in this type's accumulator, exactly as the kernels do:
+    /// floats as [`ReduceOp::apply`] (f64 likewise, in f64); integers with wrapping sum and
+    /// product in the type's width and signed or unsigned min and max (an average sums).
+    pub fn combine(self, op: ReduceOp, a: Acc, b: Acc) -> Acc {
+        match (a, b) {
+            (Acc::F32(a), Acc::F32(b)) => Acc::F32(op.apply(a, b)),
+            (Acc::F64(a), Acc::F64(b)) => Acc::F64(match op {
+                ReduceOp::Sum | ReduceOp::Avg => a + b,
+                ReduceOp::Prod => a * b,
+                ReduceOp::Min => fmin(a, b),
+                ReduceOp::Max => -fmin(-a, -b),
+            }),
+            (Acc::Int(a), Acc::Int(b)) => self.wrap(Acc::Int(match op {
+                ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                ReduceOp::Prod => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+            })),
+            (Acc::UInt(a), Acc::UInt(b)) => self.wrap(Acc::UInt(match op {
+                ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                ReduceOp::Prod => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+            })),
+            // accumulators of two classes: not made by one type
+            (a, _) => a,
+        }
+    }
+
+    /// The combined accumulator of a team of `n` before it is rounded to the type: an average
+    /// divides (f32: `div.rn.f32`; f64: `div.rn.f64`; integers: the wrapped sum divided by `n`,
+    /// truncated toward zero, as `div.s`/`div.u`); the other operators leave it.
+    pub fn finish(self, op: ReduceOp, a: Acc, n: usize) -> Acc {
+        if op != ReduceOp::Avg {
+            return a;
+        }
+        match a {
+            Acc::F32(v) => Acc::F32(op.finish(v, n)),
+            Acc::F64(v) => Acc::F64(v / n as f64),
+            Acc::Int(v) => Acc::Int(v / n as i64),
+            Acc::UInt(v) => Acc::UInt(v / n as u64),
+        }
+    }
+
+    /// One element of a reduction over `bits` (every rank's element, rank order) by `op`: the
+    /// element's bits, as every peer-to-peer kernel computes it.
+    pub fn reduce_bits(self, op: ReduceOp, bits: impl IntoIterator<Item = u64>) -> u64 {
+        let mut n = 0;
+        let mut acc = None;
+        for b in bits {
+            let x = self.acc(b);
+            acc = Some(match acc {
+                None => x,
+                Some(a) => self.combine(op, a, x),
+            });
+            n += 1;
+        }
+        acc.map_or(0, |a| self.round(self.finish(op, a, n)))
     }
 
     pub(crate) fn code(self) -> u64 {
         self as u64
+    }
+}
+
+/// `min.f64`: a NaN operand yields the other; -0 is below +0.
+fn fmin(a: f64, b: f64) -> f64 {
+    if a.is_nan() {
+        b
+    } else if b.is_nan() || a < b || (a == b && a.is_sign_negative()) {
+        a
+    } else {
+        b
+    }
+}
+
+/// An FP8 conversion's bits with a NaN made the type's NaN `0x7f` (the float8 crate keeps the
+/// sign and, for e5m2, the mantissa of a NaN; the kernels' sign is not specified).
+fn fp8_bits(bits: u8, v: f32) -> u64 {
+    if v.is_nan() {
+        0x7f
+    } else {
+        bits as u64
+    }
+}
+
+impl Acc {
+    /// The value as f32 (rounded for f64 and the wide integers).
+    pub fn to_f32(self) -> f32 {
+        match self {
+            Acc::F32(v) => v,
+            Acc::F64(v) => v as f32,
+            Acc::Int(v) => v as f32,
+            Acc::UInt(v) => v as f32,
+        }
     }
 }
 
@@ -135,50 +419,70 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for f64 {}
+    impl Sealed for i32 {}
+    impl Sealed for u32 {}
+    impl Sealed for i64 {}
+    impl Sealed for u64 {}
+    impl Sealed for i8 {}
+    impl Sealed for u8 {}
+    impl Sealed for float8::F8E4M3 {}
+    impl Sealed for float8::F8E5M2 {}
 }
 
-/// An element type the collectives reduce: `f32`, [`half::f16`] or [`half::bf16`] (16-bit types
-/// are converted to f32, reduced, and rounded once to nearest even).
+/// An element type the collectives reduce: `f32`, [`half::f16`], [`half::bf16`], `f64`,
+/// `i32`, `u32`, `i64`, `u64`, `i8`, `u8`, [`float8::F8E4M3`], [`float8::F8E5M2`] (how each
+/// accumulates and rounds: [`DType`]). The fused norm takes f32, f16 and bf16 only.
 pub trait Element:
     cuda_multimem::DeviceRepr + sealed::Sealed + PartialEq + std::fmt::Debug
 {
     /// The run-time type.
     const DTYPE: DType;
-    /// The value as f32.
+    /// The value as f32 (exact for the floats of 32 bits and fewer; rounded for f64 and the
+    /// integers above 24 bits).
     fn to_f32(self) -> f32;
-    /// `v` rounded to this type (round to nearest even).
+    /// `v` rounded to this type (round to nearest even; FP8 saturating; integers truncated
+    /// toward zero and saturated, NaN 0).
     fn from_f32(v: f32) -> Self;
+    /// The element's bits (little-endian value in the low bytes).
+    fn to_bits64(self) -> u64;
+    /// The element of `bits` (the low bytes).
+    fn from_bits64(bits: u64) -> Self;
 }
 
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32(v: f32) -> Self {
-        v
-    }
+macro_rules! element {
+    ($t:ty, $d:expr, |$x:ident| $to:expr, |$b:ident| $from:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn to_f32(self) -> f32 {
+                $d.acc(self.to_bits64()).to_f32()
+            }
+            fn from_f32(v: f32) -> Self {
+                Self::from_bits64($d.from_f64(v as f64))
+            }
+            fn to_bits64(self) -> u64 {
+                let $x = self;
+                $to
+            }
+            fn from_bits64($b: u64) -> Self {
+                $from
+            }
+        }
+    };
 }
 
-impl Element for f16 {
-    const DTYPE: DType = DType::F16;
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-
-impl Element for bf16 {
-    const DTYPE: DType = DType::Bf16;
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
+element!(f32, DType::F32, |x| x.to_bits() as u64, |b| f32::from_bits(b as u32));
+element!(f16, DType::F16, |x| x.to_bits() as u64, |b| f16::from_bits(b as u16));
+element!(bf16, DType::Bf16, |x| x.to_bits() as u64, |b| bf16::from_bits(b as u16));
+element!(f64, DType::F64, |x| x.to_bits(), |b| f64::from_bits(b));
+element!(i32, DType::I32, |x| x as u32 as u64, |b| b as u32 as i32);
+element!(u32, DType::U32, |x| x as u64, |b| b as u32);
+element!(i64, DType::I64, |x| x as u64, |b| b as i64);
+element!(u64, DType::U64, |x| x, |b| b);
+element!(i8, DType::I8, |x| x as u8 as u64, |b| b as u8 as i8);
+element!(u8, DType::U8, |x| x as u64, |b| b as u8);
+element!(F8E4M3, DType::F8E4M3, |x| x.to_bits() as u64, |b| F8E4M3::from_bits(b as u8));
+element!(F8E5M2, DType::F8E5M2, |x| x.to_bits() as u64, |b| F8E5M2::from_bits(b as u8));
 
 /// Reduction operators.
 ///

@@ -137,6 +137,15 @@ pub(crate) fn check<'o>(
             }
         },
         Kind::Norm | Kind::LocalNorm => {
+            if !call.dtype.norms() {
+                return Err(Error::invalid(
+                    "dtype",
+                    format!(
+                        "{}: the fused norm takes f32, f16 and bf16 (the reductions take every type)",
+                        call.dtype
+                    ),
+                ));
+            }
             let args = call
                 .norm
                 .ok_or_else(|| Error::invalid("hidden", "a norm call without its shape"))?;

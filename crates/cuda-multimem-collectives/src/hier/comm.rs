@@ -717,10 +717,15 @@ fn rs_in_place_dyn(
         DType::F32 => h.reduce_scatter_in_place(Dst::<f32>::new(o), op, s),
         DType::F16 => h.reduce_scatter_in_place(Dst::<half::f16>::new(o), op, s),
         DType::Bf16 => h.reduce_scatter_in_place(Dst::<half::bf16>::new(o), op, s),
-        d => Err(cuda_multimem::Error::invalid(
-            "dtype",
-            format!("{d} is not reduced (reductions take f32, f16 and bf16)"),
-        )),
+        DType::F64 => h.reduce_scatter_in_place(Dst::<f64>::new(o), op, s),
+        DType::I32 => h.reduce_scatter_in_place(Dst::<i32>::new(o), op, s),
+        DType::U32 => h.reduce_scatter_in_place(Dst::<u32>::new(o), op, s),
+        DType::I64 => h.reduce_scatter_in_place(Dst::<i64>::new(o), op, s),
+        DType::U64 => h.reduce_scatter_in_place(Dst::<u64>::new(o), op, s),
+        DType::I8 => h.reduce_scatter_in_place(Dst::<i8>::new(o), op, s),
+        DType::U8 => h.reduce_scatter_in_place(Dst::<u8>::new(o), op, s),
+        DType::F8E4M3 => h.reduce_scatter_in_place(Dst::<float8::F8E4M3>::new(o), op, s),
+        DType::F8E5M2 => h.reduce_scatter_in_place(Dst::<float8::F8E5M2>::new(o), op, s),
     }
     .map(drop)
 }
@@ -736,7 +741,12 @@ fn ag_in_place_dyn(
         DType::F32 => h.all_gather_in_place(Dst::<f32>::new(o), s),
         DType::F16 => h.all_gather_in_place(Dst::<half::f16>::new(o), s),
         DType::Bf16 => h.all_gather_in_place(Dst::<half::bf16>::new(o), s),
-        DType::U8 => h.all_gather_in_place(Dst::<u8>::new(o), s),
+        // every other type moves as bits: as words of its size
+        d => match d.size() {
+            8 => h.all_gather_in_place(Dst::<u64>::new(o), s),
+            4 => h.all_gather_in_place(Dst::<u32>::new(o), s),
+            _ => h.all_gather_in_place(Dst::<u8>::new(o), s),
+        },
     }
     .map(drop)
 }

@@ -119,12 +119,12 @@ impl Collective {
         }
     }
 
-    /// The kernel types it has entries for: [`DType::ALL`] for reduce-scatter, the carriers
+    /// The kernel types it has entries for: [`DType::REDUCED`] for reduce-scatter, the carriers
     /// ([`DType::CARRIERS`]: every element type moves as one of them) for the collectives
     /// that move bits.
     pub fn dtypes(self) -> &'static [DType] {
         if self.reduces() {
-            &DType::ALL
+            &DType::REDUCED
         } else {
             &DType::CARRIERS
         }

@@ -115,9 +115,9 @@ pub fn slot_bytes(chunk_bytes: u64) -> u64 {
     chunk_bytes.next_multiple_of(16)
 }
 
-/// Whether `multimem.ld_reduce` has this type and operator (add, min and max; f32 has only
-/// `add`; the kernels
-/// exist for f32, f16 and bf16 only).
+/// Whether the multimem reductions have this type and operator (`multimem.ld_reduce`'s add,
+/// min and max; f32 has only `add`; the kernels exist for f32, f16 and bf16 only: every other
+/// type reduces peer-to-peer, and the planner never chooses multimem for it).
 pub fn supported(dtype: DType, op: Op) -> bool {
     DType::ALL.contains(&dtype)
         && matches!(op, Op::Sum | Op::Min | Op::Max)

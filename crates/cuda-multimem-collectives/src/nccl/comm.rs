@@ -306,6 +306,7 @@ impl NcclComm {
         stream: &StreamRef<'_>,
     ) -> Result<()> {
         self.check_stream(stream)?;
+        let ty = nccl_type(dtype, self.nccl.version)?;
         let raw = *self.raw.lock();
         // SAFETY: as the caller promises; a live communicator and stream.
         let r = unsafe {
@@ -313,7 +314,7 @@ impl NcclComm {
                 send as *const c_void,
                 recv as *mut c_void,
                 count,
-                nccl_type(dtype),
+                ty,
                 nccl_op(op),
                 raw,
                 stream.raw(),
@@ -337,6 +338,7 @@ impl NcclComm {
         stream: &StreamRef<'_>,
     ) -> Result<()> {
         self.check_stream(stream)?;
+        let ty = nccl_type(dtype, self.nccl.version)?;
         let raw = *self.raw.lock();
         // SAFETY: as the caller promises.
         let r = unsafe {
@@ -344,7 +346,7 @@ impl NcclComm {
                 send as *const c_void,
                 recv as *mut c_void,
                 recv_count,
-                nccl_type(dtype),
+                ty,
                 nccl_op(op),
                 raw,
                 stream.raw(),
@@ -366,6 +368,7 @@ impl NcclComm {
         stream: &StreamRef<'_>,
     ) -> Result<()> {
         self.check_stream(stream)?;
+        let ty = nccl_type(dtype, self.nccl.version)?;
         let raw = *self.raw.lock();
         // SAFETY: as the caller promises.
         let r = unsafe {
@@ -373,7 +376,7 @@ impl NcclComm {
                 send as *const c_void,
                 recv as *mut c_void,
                 send_count,
-                nccl_type(dtype),
+                ty,
                 raw,
                 stream.raw(),
             )

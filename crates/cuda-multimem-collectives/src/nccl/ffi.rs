@@ -138,14 +138,39 @@ pub(super) unsafe fn cstr(p: *const c_char) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// `ncclDataType_t` of an element type.
-pub(super) fn nccl_type(d: DType) -> c_int {
-    match d {
+/// The first NCCL (`NCCL_VERSION_CODE`) with the FP8 types `ncclFloat8e4m3` (10) and
+/// `ncclFloat8e5m2` (11): 2.24.
+pub(super) const NCCL_FP8_VERSION: i32 = 22400;
+
+/// `ncclDataType_t` of an element type, for the NCCL of `version` (`NCCL_VERSION_CODE`): FP8
+/// only from 2.24 ([`NCCL_FP8_VERSION`]); an older NCCL's refusal names the type and the
+/// version.
+pub(super) fn nccl_type(d: DType, version: i32) -> cuda_multimem::Result<c_int> {
+    Ok(match d {
+        DType::I8 => 0,
+        DType::U8 => 1,
+        DType::I32 => 2,
+        DType::U32 => 3,
+        DType::I64 => 4,
+        DType::U64 => 5,
         DType::F16 => 6,
         DType::F32 => 7,
+        DType::F64 => 8,
         DType::Bf16 => 9,
-        DType::U8 => 1,
-    }
+        DType::F8E4M3 | DType::F8E5M2 if version < NCCL_FP8_VERSION => {
+            return Err(cuda_multimem::Error::invalid(
+                "dtype",
+                format!(
+                    "{d}: the NCCL loaded ({}.{}.{}) has no FP8 types (ncclFloat8e4m3 and ncclFloat8e5m2 came with NCCL 2.24)",
+                    version / 10000,
+                    (version / 100) % 100,
+                    version % 100
+                ),
+            ))
+        }
+        DType::F8E4M3 => 10,
+        DType::F8E5M2 => 11,
+    })
 }
 
 /// `ncclRedOp_t` of an operator.

@@ -235,7 +235,7 @@ fn load_word(d: DType, base: usize, w: u64, whole: u64, chunk: u64) -> u32 {
     // SAFETY: inside a range checked with `check_words`; volatile, as `ld` (other devices
     // write device memory concurrently).
     unsafe {
-        if d.size() == 4 || (at % 4 == 0 && w < whole) {
+        if d.size() >= 4 || (at % 4 == 0 && w < whole) {
             std::ptr::read_volatile(at as *const u32)
         } else if d.size() == 1 {
             let left = (chunk - 4 * w).min(4) as usize;
@@ -260,7 +260,7 @@ fn store_word(d: DType, base: usize, w: u64, whole: u64, chunk: u64, x: u32) {
     let at = base + 4 * w as usize;
     // SAFETY: inside a range checked writable with `check_words`.
     unsafe {
-        if d.size() == 4 || (at % 4 == 0 && w < whole) {
+        if d.size() >= 4 || (at % 4 == 0 && w < whole) {
             std::ptr::write_volatile(at as *mut u32, x);
         } else if d.size() == 1 {
             let left = (chunk - 4 * w).min(4) as usize;
@@ -327,7 +327,9 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
             "{words} words do not fit a {slot}-byte low-latency slot"
         )));
     }
-    let per = words.div_ceil(g);
+    // 8-byte elements: whole pairs of words per block (a reduction needs both halves)
+    let wpu = d.size().div_ceil(4) as u64;
+    let per = words.div_ceil(g).next_multiple_of(wpu);
     // my own chunk: reduce-scatter's input chunk r, all-gather's output chunk r, broadcast's
     // output
     let own = match c {
@@ -341,7 +343,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
         Collective::Broadcast => inp == out,
     };
     let is_root = rank == root;
-    let halves = if d.size() == 4 { 1 } else { 2 };
+    let epu = (4 / d.size()).max(1);
     for b in 0..g {
         let cnt = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
         let flag = (ll_flag(cnt, cx.sig) as u64) << 32;
@@ -406,31 +408,24 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
                 for k in (0..n).filter(|&k| k != rank) {
                     cells(mine(k))?;
                 }
-                for w in lo..hi {
-                    let mut acc = [0f32; 2];
+                for u in (lo..hi).step_by(wpu as usize) {
+                    let mut acc = [None; 4];
                     for k in 0..n {
-                        let x = if k == rank {
-                            load_word(d, own, w, whole, chunk)
-                        } else {
-                            poll(&cx, mine(k) + 8 * w as usize, flag, cnt)
-                        };
-                        for (h, acc) in acc.iter_mut().enumerate().take(halves) {
-                            let bits = if halves == 1 {
-                                x
+                        let mut word = 0u64;
+                        for h in 0..wpu {
+                            let x = if k == rank {
+                                load_word(d, own, u + h, whole, chunk)
                             } else {
-                                (x >> (16 * h)) & 0xffff
+                                poll(&cx, mine(k) + 8 * (u + h) as usize, flag, cnt)
                             };
-                            let v = d.decode(bits);
-                            *acc = if k == 0 { v } else { op.apply(*acc, v) };
+                            word |= (x as u64) << (32 * h);
                         }
+                        super::combine_word(d, op, &mut acc[..epu], word);
                     }
-                    let acc = acc.map(|x| op.finish(x, n));
-                    let x = if halves == 1 {
-                        d.encode(acc[0])
-                    } else {
-                        d.encode(acc[0]) | d.encode(acc[1]) << 16
-                    };
-                    store_word(d, out, w, whole, chunk, x);
+                    let word = super::finish_word(d, op, &acc[..epu], n);
+                    for h in 0..wpu {
+                        store_word(d, out, u + h, whole, chunk, (word >> (32 * h)) as u32);
+                    }
                 }
             }
             Collective::AllGather => {

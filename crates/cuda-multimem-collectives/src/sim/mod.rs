@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
 use crate::kernels::*;
-use crate::types::{DType, ReduceOp as Op};
+use crate::types::{Acc, DType, ReduceOp as Op};
 
 mod norm;
 
@@ -37,7 +37,7 @@ pub fn install() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         for k in Kernel::ALL {
-            for d in DType::ALL {
+            for d in DType::REDUCED {
                 for o in Op::ALL.into_iter().filter(|&o| k.has(o)) {
                     register_kernel(&k.entry(d, o), move |a| run(k, d, o, a));
                 }
@@ -73,30 +73,79 @@ fn u64_at(addr: usize) -> &'static AtomicU64 {
     unsafe { &*(addr as *const AtomicU64) }
 }
 
-/// Read element `i` at `base`.
+/// Read element `i` at `base`, as f32 (the f32, f16 and bf16 kernels: multimem, norm).
 fn ld(d: DType, base: usize, i: u64) -> f32 {
+    decode(d, ld_bits(d, base, i) as u32)
+}
+
+/// Store `v` rounded to `d` as element `i` at `base` (f32, f16, bf16).
+fn st(d: DType, base: usize, i: u64, v: f32) {
+    st_bits(d, base, i, encode(d, v) as u64);
+}
+
+/// The bits of element `i` at `base` (any type).
+fn ld_bits(d: DType, base: usize, i: u64) -> u64 {
     let a = base + i as usize * d.size();
     // SAFETY: the range was checked with `LaunchArgs::check`; volatile, because other devices'
     // threads write device memory concurrently (ordered by the protocol's acquire/release).
-    let bits = unsafe {
-        match d.size() {
-            4 => std::ptr::read_volatile(a as *const u32),
-            _ => std::ptr::read_volatile(a as *const u16) as u32,
-        }
-    };
-    decode(d, bits)
-}
-
-fn st(d: DType, base: usize, i: u64, v: f32) {
-    let a = base + i as usize * d.size();
-    let bits = encode(d, v);
-    // SAFETY: as `ld`, checked writable.
     unsafe {
         match d.size() {
-            4 => std::ptr::write_volatile(a as *mut u32, bits),
-            _ => std::ptr::write_volatile(a as *mut u16, bits as u16),
+            8 => std::ptr::read_volatile(a as *const u64),
+            4 => std::ptr::read_volatile(a as *const u32) as u64,
+            2 => std::ptr::read_volatile(a as *const u16) as u64,
+            _ => std::ptr::read_volatile(a as *const u8) as u64,
         }
     }
+}
+
+/// Store the low bytes of `bits` as element `i` at `base` (any type).
+fn st_bits(d: DType, base: usize, i: u64, bits: u64) {
+    let a = base + i as usize * d.size();
+    // SAFETY: as `ld_bits`, checked writable.
+    unsafe {
+        match d.size() {
+            8 => std::ptr::write_volatile(a as *mut u64, bits),
+            4 => std::ptr::write_volatile(a as *mut u32, bits as u32),
+            2 => std::ptr::write_volatile(a as *mut u16, bits as u16),
+            _ => std::ptr::write_volatile(a as *mut u8, bits as u8),
+        }
+    }
+}
+
+/// Element `i` at `base` in `d`'s accumulator.
+fn ld_acc(d: DType, base: usize, i: u64) -> Acc {
+    d.acc(ld_bits(d, base, i))
+}
+
+/// A reduction over the elements of `bits` (a word of packed elements of `d`, `per` of them,
+/// or one 8-byte element) with the accumulators `acc` (first: rank 0's).
+fn combine_word(d: DType, op: Op, acc: &mut [Option<Acc>], word: u64) {
+    let es = d.size();
+    for (e, a) in acc.iter_mut().enumerate() {
+        let bits = if es == 8 {
+            word
+        } else {
+            (word >> (8 * es * e)) & ((1u64 << (8 * es)) - 1)
+        };
+        let x = d.acc(bits);
+        *a = Some(match *a {
+            None => x,
+            Some(a) => d.combine(op, a, x),
+        });
+    }
+}
+
+/// The finished accumulators of [`combine_word`] (a team of `n`) packed back into a word.
+fn finish_word(d: DType, op: Op, acc: &[Option<Acc>], n: usize) -> u64 {
+    let es = d.size();
+    acc.iter().enumerate().fold(0u64, |w, (e, a)| {
+        let r = a.map_or(0, |a| d.round(d.finish(op, a, n)));
+        if es == 8 {
+            r
+        } else {
+            w | r << (8 * es * e)
+        }
+    })
 }
 
 /// Elements [lo, hi): reduce every source in rank order — source (x, base) holds element i at
@@ -119,13 +168,13 @@ fn reduce_into(
         a.check(o + (lo * es) as usize, len, true)?;
     }
     for i in lo..hi {
-        let mut acc = ld(d, srcs[0].0, i - srcs[0].1);
+        let mut acc = ld_acc(d, srcs[0].0, i - srcs[0].1);
         for &(x, base) in &srcs[1..] {
-            acc = op.apply(acc, ld(d, x, i - base));
+            acc = d.combine(op, acc, ld_acc(d, x, i - base));
         }
-        let acc = op.finish(acc, srcs.len());
+        let bits = d.round(d.finish(op, acc, srcs.len()));
         for o in outs {
-            st(d, *o, i, acc);
+            st_bits(d, *o, i, bits);
         }
     }
     Ok(())
@@ -310,9 +359,9 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                         a.check(p + off, len, true)?;
                     }
                     for i in lo..hi {
-                        let x = ld(d, inp, i);
+                        let x = ld_bits(d, inp, i);
                         for p in &push {
-                            st(d, *p, i, x);
+                            st_bits(d, *p, i, x);
                         }
                     }
                 }
@@ -380,7 +429,7 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
                         a.check(inp + (ps * 16) as usize, len, false)?;
                         a.check(dst, len, true)?;
                         for i in ps * ub..pe * ub {
-                            st(d, dst, i - ps * ub, ld(d, inp, i));
+                            st_bits(d, dst, i - ps * ub, ld_bits(d, inp, i));
                         }
                     }
                     let lo = (cp_lo + j * cp_slice).min(cp_hi);
@@ -539,14 +588,19 @@ fn run_ll(
     let (pad, rank, n) = (cx.pad, cx.rank, cx.n);
     let slot = u64_at(pad + OFF_LL_SLOT).load(Ordering::Relaxed) as usize;
     let stage = |t: usize| u64_at(pad + OFF_LL_STAGES + 8 * t).load(Ordering::Relaxed) as usize;
-    let words = count * d.size() as u64 / 4;
-    let per = words.div_ceil(g);
-    let per_word = if d.size() == 4 { 1 } else { 2 };
+    // units of max(element, 4 bytes): one word of 4 / size elements, or two words of one
+    // 8-byte element; the blocks split the units
+    let es = d.size() as u64;
+    let wpu = es.div_ceil(4);
+    let units = count * es / (4 * wpu);
+    let per = units.div_ceil(g);
+    let epu = (4 / es).max(1) as usize;
     for b in 0..g {
         let c = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
         let flag = (ll_flag(c, cx.sig) as u64) << 32;
         let parity = ((c >> 1) & 1) as usize;
-        let (lo, hi) = ((b * per).min(words), ((b + 1) * per).min(words));
+        let (lo, hi) = ((b * per).min(units), ((b + 1) * per).min(units));
+        let (lo, hi) = (lo * wpu, hi * wpu);
         if hi > lo {
             let len = ((hi - lo) * 8) as usize;
             a.check(inp + 4 * lo as usize, (hi - lo) as usize * 4, false)?;
@@ -571,29 +625,26 @@ fn run_ll(
                 a.check(m + 8 * lo as usize, len, false)?;
             }
             a.check(out + 4 * lo as usize, (hi - lo) as usize * 4, true)?;
-            for w in lo..hi {
-                let mut acc = [0f32; 2];
-                for (k, m) in mine.iter().enumerate() {
-                    let v = ll_poll(cx, m + 8 * w as usize, flag, c);
-                    let word = v as u32;
-                    for (h, acc) in acc.iter_mut().enumerate().take(per_word) {
-                        let bits = if per_word == 1 {
-                            word
-                        } else {
-                            (word >> (16 * h)) & 0xffff
-                        };
-                        let x = decode(d, bits);
-                        *acc = if k == 0 { x } else { op.apply(*acc, x) };
+            for u in (lo..hi).step_by(wpu as usize) {
+                let mut acc = [None; 4];
+                for m in &mine {
+                    let mut word = 0u64;
+                    for h in 0..wpu {
+                        let v = ll_poll(cx, m + 8 * (u + h) as usize, flag, c);
+                        word |= (v as u32 as u64) << (32 * h);
                     }
+                    combine_word(d, op, &mut acc[..epu], word);
                 }
-                let acc = acc.map(|x| op.finish(x, n));
-                let word = if per_word == 1 {
-                    encode(d, acc[0])
-                } else {
-                    encode(d, acc[0]) | (encode(d, acc[1]) << 16)
-                };
-                // SAFETY: checked above.
-                unsafe { std::ptr::write_volatile((out + 4 * w as usize) as *mut u32, word) };
+                let word = finish_word(d, op, &acc[..epu], n);
+                for h in 0..wpu {
+                    // SAFETY: checked above.
+                    unsafe {
+                        std::ptr::write_volatile(
+                            (out + 4 * (u + h) as usize) as *mut u32,
+                            (word >> (32 * h)) as u32,
+                        )
+                    };
+                }
             }
         }
         set_counters(pad, b as usize, g as usize, c.wrapping_add(2));

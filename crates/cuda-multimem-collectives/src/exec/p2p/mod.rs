@@ -74,7 +74,7 @@ impl RankKernels {
         let mut allreduce = HashMap::new();
         for k in Kernel::ALL {
             let m = load_module(device, k.file(), k.ptx())?;
-            for dt in DType::ALL {
+            for dt in DType::REDUCED {
                 for op in ReduceOp::ALL.into_iter().filter(|&op| k.has(op)) {
                     allreduce.insert((k, dt, op), m.function(&k.entry(dt, op))?);
                 }

@@ -46,37 +46,161 @@ pub fn committed(file: &str) -> Option<&'static str> {
         .or((file == alltoall::FILE).then_some(alltoall::PTX))
 }
 
-/// Per-dtype/op PTX snippets.
+/// Per-dtype/op PTX snippets. f32, f16 and bf16 keep the registers they always had (%f
+/// accumulators, %h halves); the other types accumulate in registers of their class, declared
+/// by [`Flavor::regs`]: f32 for FP8 (%f, 16 per vector), f64 (%fd), 32-bit integers for i32,
+/// u32, i8 and u8 (%ia, 16 per vector for the bytes), 64-bit integers (%la); %xw, %xh and %xq
+/// are their scratch words.
 struct Flavor {
     dtype: DType,
     op: Op,
 }
 
+/// The register class a type accumulates in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    F32,
+    F64,
+    I32,
+    I64,
+}
+
 impl Flavor {
-    fn opi(&self) -> &'static str {
-        match self.op {
-            Op::Sum | Op::Avg => "add.rn.f32",
-            Op::Min => "min.f32",
-            Op::Max => "max.f32",
-            Op::Prod => "mul.rn.f32",
+    fn class(&self) -> Class {
+        match self.dtype {
+            DType::F64 => Class::F64,
+            DType::I64 | DType::U64 => Class::I64,
+            DType::I32 | DType::U32 | DType::I8 | DType::U8 => Class::I32,
+            _ => Class::F32,
         }
     }
-    /// What turns the combined accumulators %f{regs} into the result before it is rounded to
-    /// the type: an average divides them by the team size (%r6) in f32 (`div.rn.f32`, into
-    /// %f23); nothing for the other operators.
+    /// f32, f16, bf16: the code these kernels always had.
+    fn legacy(&self) -> bool {
+        DType::ALL.contains(&self.dtype)
+    }
+    /// The FP8 format's PTX name.
+    fn fp8(&self) -> Option<&'static str> {
+        match self.dtype {
+            DType::F8E4M3 => Some("e4m3"),
+            DType::F8E5M2 => Some("e5m2"),
+            _ => None,
+        }
+    }
+    fn signed(&self) -> bool {
+        matches!(self.dtype, DType::I8 | DType::I32 | DType::I64)
+    }
+    /// The extra register declarations of the types beyond f32, f16 and bf16.
+    fn regs(&self) -> &'static str {
+        if self.legacy() {
+            return "";
+        }
+        match self.class() {
+            Class::F32 => "\t.reg .b32 %xw<4>;\n\t.reg .b16 %xh<4>;\n\t.reg .b64 %xq<2>;\n",
+            Class::F64 => {
+                "\t.reg .b32 %xw<4>;\n\t.reg .b16 %xh<4>;\n\t.reg .b64 %xq<2>;\n\t.reg .f64 %fd<6>;\n"
+            }
+            Class::I32 => {
+                "\t.reg .b32 %xw<4>;\n\t.reg .b16 %xh<4>;\n\t.reg .b64 %xq<2>;\n\t.reg .b32 %ia<20>;\n"
+            }
+            Class::I64 => {
+                "\t.reg .b32 %xw<4>;\n\t.reg .b16 %xh<4>;\n\t.reg .b64 %xq<2>;\n\t.reg .b64 %la<6>;\n"
+            }
+        }
+    }
+    /// Accumulator register `i` (1-based).
+    fn acc(&self, i: usize) -> String {
+        match self.class() {
+            Class::F32 => format!("%f{i}"),
+            Class::F64 => format!("%fd{i}"),
+            Class::I32 => format!("%ia{i}"),
+            Class::I64 => format!("%la{i}"),
+        }
+    }
+    /// The scratch registers an element is loaded into before it is combined (two: FP8 comes
+    /// in pairs).
+    fn tmp(&self, j: usize) -> String {
+        match self.class() {
+            Class::F32 => format!("%f{}", 17 + j),
+            Class::F64 => format!("%fd{}", 3 + j),
+            Class::I32 => format!("%ia{}", 17 + j),
+            Class::I64 => format!("%la{}", 3 + j),
+        }
+    }
+    /// The integer type of the integer classes' instructions.
+    fn ity(&self) -> &'static str {
+        match (self.class(), self.signed()) {
+            (Class::I64, true) => "s64",
+            (Class::I64, false) => "u64",
+            (_, true) => "s32",
+            _ => "u32",
+        }
+    }
+    fn opi(&self) -> String {
+        match self.class() {
+            Class::F32 => match self.op {
+                Op::Sum | Op::Avg => "add.rn.f32",
+                Op::Min => "min.f32",
+                Op::Max => "max.f32",
+                Op::Prod => "mul.rn.f32",
+            }
+            .to_string(),
+            Class::F64 => match self.op {
+                Op::Sum | Op::Avg => "add.rn.f64",
+                Op::Min => "min.f64",
+                Op::Max => "max.f64",
+                Op::Prod => "mul.rn.f64",
+            }
+            .to_string(),
+            // two's complement: add and mul.lo wrap in the register; bytes are sign- or
+            // zero-extended, so min and max compare their values and the store keeps the low
+            // byte of a sum or product (the wrapped one)
+            _ => {
+                let t = self.ity();
+                match self.op {
+                    Op::Sum | Op::Avg => format!("add.{t}"),
+                    Op::Min => format!("min.{t}"),
+                    Op::Max => format!("max.{t}"),
+                    Op::Prod => format!("mul.lo.{t}"),
+                }
+            }
+        }
+    }
+    /// What turns the combined accumulators (registers `regs`) into the result before it is
+    /// rounded to the type: an average divides them by the team size (%r6): f32 in f32
+    /// (`div.rn.f32`, the size in %f23), f64 in f64, integers the sum wrapped to the type's
+    /// width divided truncating toward zero (`div.s`/`div.u`); nothing for the other
+    /// operators.
     fn finish(&self, regs: &[usize]) -> String {
         if self.op != Op::Avg {
             return String::new();
         }
-        let mut s = "	// average: the sum divided by the team size
+        let mut s = match self.class() {
+            Class::F32 => "	// average: the sum divided by the team size
 	cvt.rn.f32.u32 %f23, %r6;
 "
-        .to_string();
-        for r in regs {
-            s += &format!(
-                "	div.rn.f32 %f{r}, %f{r}, %f23;
+            .to_string(),
+            Class::F64 => "\t// average: the sum divided by the team size, in f64\n\tcvt.rn.f64.u32 %fd5, %r6;\n".to_string(),
+            Class::I64 => "\t// average: the wrapped sum divided by the team size, toward zero\n\tcvt.u64.u32 %la5, %r6;\n".to_string(),
+            Class::I32 => "\t// average: the wrapped sum divided by the team size, toward zero\n".to_string(),
+        };
+        for &r in regs {
+            let a = self.acc(r);
+            s += &match self.class() {
+                Class::F32 => format!(
+                    "	div.rn.f32 %f{r}, %f{r}, %f23;
 "
-            );
+                ),
+                Class::F64 => format!("\tdiv.rn.f64 {a}, {a}, %fd5;\n"),
+                Class::I64 => format!("\tdiv.{} {a}, {a}, %la5;\n", self.ity()),
+                Class::I32 => {
+                    let wrap = match self.dtype {
+                        DType::I8 => format!("\tbfe.s32 {a}, {a}, 0, 8;\n"),
+                        DType::U8 => format!("\tand.b32 {a}, {a}, 255;\n"),
+                        _ => String::new(),
+                    };
+                    format!("{wrap}\tdiv.{} {a}, {a}, %r6;\n", self.ity())
+                }
+            };
         }
         s
     }
@@ -102,8 +226,106 @@ impl Flavor {
             _ => "",
         }
     }
+    /// The elements of the words `words` (u32 registers, in order) into the accumulators
+    /// 1.. (`first`) or combined into them with the operator (the types beyond f32, f16 and
+    /// bf16).
+    fn elems_in(&self, words: &[String], first: bool) -> String {
+        let mut s = String::new();
+        let es = self.es() as usize;
+        let n = words.len() * 4 / es;
+        let op = self.opi();
+        let combine = |s: &mut String, e: usize, j: usize| {
+            if !first {
+                *s += &format!("\t{op} {a}, {a}, {t};\n", a = self.acc(e + 1), t = self.tmp(j));
+            }
+        };
+        let dst = |e: usize, j: usize| if first { self.acc(e + 1) } else { self.tmp(j) };
+        if let Some(f8) = self.fp8() {
+            // pairs of bytes: e4m3x2/e5m2x2 -> f16x2 (exact), each f16 -> f32 (exact)
+            for p in 0..n / 2 {
+                let (w, h) = (p / 2, p % 2);
+                s += &format!(
+                    "\tmov.b32 {{%xh0, %xh1}}, {};\n\tcvt.rn.f16x2.{f8}x2 %xw0, %xh{h};\n\tmov.b32 {{%xh2, %xh3}}, %xw0;\n\tcvt.f32.f16 {}, %xh2;\n\tcvt.f32.f16 {}, %xh3;\n",
+                    words[w],
+                    dst(2 * p, 0),
+                    dst(2 * p + 1, 1)
+                );
+                combine(&mut s, 2 * p, 0);
+                combine(&mut s, 2 * p + 1, 1);
+            }
+            return s;
+        }
+        for e in 0..n {
+            s += &match es {
+                8 => format!(
+                    "\tmov.b64 {}, {{{}, {}}};\n",
+                    dst(e, 0),
+                    words[2 * e],
+                    words[2 * e + 1]
+                ),
+                4 => format!("\tmov.b32 {}, {};\n", dst(e, 0), words[e]),
+                _ => format!(
+                    "\tbfe.{} {}, {}, {}, 8;\n",
+                    if self.signed() { "s32" } else { "u32" },
+                    dst(e, 0),
+                    words[e / 4],
+                    8 * (e % 4)
+                ),
+            };
+            combine(&mut s, e, 0);
+        }
+        s
+    }
+    /// The finished accumulators 1.. rounded (FP8: `cvt.rn.satfinite`, nearest even, to the
+    /// finite range) or wrapped (integers: their low bytes) into the words `words`.
+    fn elems_out(&self, words: &[String]) -> String {
+        let es = self.es() as usize;
+        let n = words.len() * 4 / es;
+        let regs: Vec<usize> = (1..=n).collect();
+        let mut s = self.finish(&regs);
+        for (w, word) in words.iter().enumerate() {
+            s += &if let Some(f8) = self.fp8() {
+                format!(
+                    "\tcvt.rn.satfinite.{f8}x2.f32 %xh0, {}, {};\n\tcvt.rn.satfinite.{f8}x2.f32 %xh1, {}, {};\n\tmov.b32 {word}, {{%xh0, %xh1}};\n",
+                    self.acc(4 * w + 2),
+                    self.acc(4 * w + 1),
+                    self.acc(4 * w + 4),
+                    self.acc(4 * w + 3)
+                )
+            } else {
+                match es {
+                    8 if w % 2 == 0 => format!(
+                        "\tmov.b64 {{{word}, {}}}, {};\n",
+                        words[w + 1],
+                        self.acc(w / 2 + 1)
+                    ),
+                    8 => String::new(),
+                    4 => format!("\tmov.b32 {word}, {};\n", self.acc(w + 1)),
+                    _ => {
+                        let mut b = format!("\tmov.b32 {word}, {};\n", self.acc(4 * w + 1));
+                        for j in 1..4 {
+                            b += &format!(
+                                "\tbfi.b32 {word}, {}, {word}, {}, 8;\n",
+                                self.acc(4 * w + j + 1),
+                                8 * j
+                            );
+                        }
+                        b
+                    }
+                }
+            };
+        }
+        s
+    }
+    /// The words of a 16-byte vector.
+    fn vec_words() -> Vec<String> {
+        (30..34).map(|r| format!("%r{r}")).collect()
+    }
     /// Words %r30..%r33 -> accumulators %f1.. (first = true) or combined into them.
     fn vec_in(&self, first: bool) -> String {
+        if !self.legacy() {
+            return self.elems_in(&Flavor::vec_words(), first);
+        }
         let mut s = String::new();
         let dst = |i: usize| if first { i + 1 } else { i + 11 };
         if self.half() {
@@ -131,6 +353,9 @@ impl Flavor {
     }
     /// Accumulators -> words %r30..%r33.
     fn vec_out(&self) -> String {
+        if !self.legacy() {
+            return self.elems_out(&Flavor::vec_words());
+        }
         let regs: Vec<usize> = (1..=if self.half() { 8 } else { 4 }).collect();
         let mut s = self.finish(&regs);
         for w in 0..4 {
@@ -144,8 +369,37 @@ impl Flavor {
         }
         s
     }
+    /// The elements of one 4-byte word `word` (a u32 register; types of up to 4 bytes) into
+    /// the accumulators (`first`) or combined into them — the low-latency forms' unit (the
+    /// types beyond f32, f16 and bf16).
+    fn word_in(&self, word: &str, first: bool) -> String {
+        self.elems_in(&[word.to_string()], first)
+    }
+    /// The finished accumulators of [`Flavor::word_in`] into `word`.
+    fn word_out(&self, word: &str) -> String {
+        self.elems_out(&[word.to_string()])
+    }
     /// Scalar load from [addr] into %f1 (first) or combined into it.
     fn sc_load(&self, addr: &str, first: bool, cache: &str) -> String {
+        if !self.legacy() {
+            let d = if first { self.acc(1) } else { self.tmp(0) };
+            let mut s = match (self.class(), self.fp8()) {
+                (_, Some(f8)) => format!(
+                    "\tld.global{cache}.u8 %xw1, [{addr}];\n\tcvt.u16.u32 %xh0, %xw1;\n\tcvt.rn.f16x2.{f8}x2 %xw0, %xh0;\n\tmov.b32 {{%xh2, %xh3}}, %xw0;\n\tcvt.f32.f16 {d}, %xh2;\n"
+                ),
+                (Class::F64, _) => format!("\tld.global{cache}.f64 {d}, [{addr}];\n"),
+                (Class::I64, _) => format!("\tld.global{cache}.b64 {d}, [{addr}];\n"),
+                _ if self.es() == 4 => format!("\tld.global{cache}.b32 {d}, [{addr}];\n"),
+                _ => format!(
+                    "\tld.global{cache}.{} {d}, [{addr}];\n",
+                    if self.signed() { "s8" } else { "u8" }
+                ),
+            };
+            if !first {
+                s += &format!("\t{} {a}, {a}, {d};\n", self.opi(), a = self.acc(1));
+            }
+            return s;
+        }
         let d = if first { 1 } else { 11 };
         let mut s = if self.half() {
             format!(
@@ -166,13 +420,54 @@ impl Flavor {
     }
     /// [`Flavor::sc_store`] of an already finished %f1.
     fn sc_store_raw(&self, addr: &str) -> String {
-        if self.half() {
-            format!(
-                "\t{} %h1, %f1;\n\tst.global.b16 [{addr}], %h1;\n",
-                self.cvt_out()
-            )
-        } else {
-            format!("\tst.global.f32 [{addr}], %f1;\n")
+        let (pre, st) = self.sc_out(addr);
+        pre + &st
+    }
+    /// The finished scalar accumulator rounded into a store register (`.0`), and its store to
+    /// [addr] (`.1`): the store can repeat for every rank.
+    fn sc_out(&self, addr: &str) -> (String, String) {
+        if self.legacy() {
+            return if self.half() {
+                (
+                    format!("\t{} %h1, %f1;\n", self.cvt_out()),
+                    format!("\tst.global.b16 [{addr}], %h1;\n"),
+                )
+            } else {
+                (String::new(), format!("\tst.global.f32 [{addr}], %f1;\n"))
+            };
+        }
+        let a = self.acc(1);
+        match (self.class(), self.fp8()) {
+            (_, Some(f8)) => (
+                format!("\tcvt.rn.satfinite.{f8}x2.f32 %xh0, {a}, {a};\n\tcvt.u32.u16 %xw1, %xh0;\n"),
+                format!("\tst.global.u8 [{addr}], %xw1;\n"),
+            ),
+            (Class::F64, _) => (String::new(), format!("\tst.global.f64 [{addr}], {a};\n")),
+            (Class::I64, _) => (String::new(), format!("\tst.global.b64 [{addr}], {a};\n")),
+            _ if self.es() == 4 => (String::new(), format!("\tst.global.b32 [{addr}], {a};\n")),
+            _ => (String::new(), format!("\tst.global.u8 [{addr}], {a};\n")),
+        }
+    }
+    /// One element's bits loaded from [%rd24] and stored to [%rd26] (copies, no conversion):
+    /// (load, store).
+    fn sc_bits(&self) -> (&'static str, &'static str) {
+        match self.es() {
+            8 => (
+                "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b64 %xq1, [%rd24];\n",
+                "\tst.global.b64 [%rd26], %xq1;\n",
+            ),
+            4 => (
+                "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b32 %r30, [%rd24];\n",
+                "\tst.global.b32 [%rd26], %r30;\n",
+            ),
+            2 => (
+                "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b16 %h1, [%rd24];\n",
+                "\tst.global.b16 [%rd26], %h1;\n",
+            ),
+            _ => (
+                "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.u8 %r30, [%rd24];\n",
+                "\tst.global.u8 [%rd26], %r30;\n",
+            ),
         }
     }
     fn es(&self) -> u32 {
@@ -219,8 +514,7 @@ fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
 	.param .u64 p_sig,
 	.param .u64 p_timeout{tail}
 {{
-{REGS}
-	ld.param.u64 %rd1, [p_ctx];
+{REGS}{xregs}	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd2, [p_in];
 	ld.param.u64 %rd3, [p_out];
 	ld.param.u64 %rd4, [p_count];
@@ -238,6 +532,7 @@ fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
 {BLOCK_RANGE}"#,
         v = 1u32 << f.v_log2(),
         vl = f.v_log2(),
+        xregs = f.regs(),
     )
 }
 
@@ -511,18 +806,8 @@ fn store_to_ranks(label: &str, f: &Flavor, at: Addr, vector: bool) -> String {
             "\tst.global.v4.b32 [%rd26], {%r30, %r31, %r32, %r33};\n".to_string(),
         )
     } else {
-        (
-            if f.half() {
-                format!("{}\t{} %h1, %f1;\n", f.finish_scalar(false), f.cvt_out())
-            } else {
-                f.finish_scalar(false)
-            },
-            if f.half() {
-                "\tst.global.b16 [%rd26], %h1;\n".to_string()
-            } else {
-                "\tst.global.f32 [%rd26], %f1;\n".to_string()
-            },
-        )
+        let (pre, st) = f.sc_out("%rd26");
+        (f.finish_scalar(false) + &pre, st)
     };
     format!("{pre}{}", store_loop(label, at, &st))
 }
@@ -637,17 +922,7 @@ fn one_shot(f: &Flavor) -> String {
     );
     s += &strided("cin_v", "%rd11", "%rd12", 4, &body);
     s += "\tbra.uni $L_cin_tail;\n$L_cin_sc:\n";
-    let (ld, st) = if f.half() {
-        (
-            "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b16 %h1, [%rd24];\n",
-            "\tst.global.b16 [%rd26], %h1;\n",
-        )
-    } else {
-        (
-            "\tadd.u64 %rd24, %rd2, %rd21;\n\tld.global.b32 %r30, [%rd24];\n",
-            "\tst.global.b32 [%rd26], %r30;\n",
-        )
-    };
+    let (ld, st) = f.sc_bits();
     s += &strided(
         "cin_s",
         "%rd11",
@@ -860,6 +1135,9 @@ fn one_shot_ll(f: &Flavor) -> String {
     s += &strided("snd", "%rd11", "%rd12", 3, &body);
     // receive: poll every rank's word, reduce in rank order, store
     let combine = |first: bool| -> String {
+        if !f.legacy() {
+            return f.word_in("%r31", first);
+        }
         let (d1, d2) = if first { (1, 2) } else { (11, 12) };
         let mut c = if f.half() {
             format!(
@@ -935,8 +1213,10 @@ $L_rk:
 	bra.uni $L_rk;
 $L_rkend:
 ";
-    body += &f.finish_scalar(f.half());
-    if f.half() {
+    if !f.legacy() {
+        body += &f.word_out("%r31");
+    } else if f.half() {
+        body += &f.finish_scalar(true);
         body += &format!(
             "	{c} %h1, %f1;
 	{c} %h2, %f2;
@@ -945,6 +1225,7 @@ $L_rkend:
             c = f.cvt_out()
         );
     } else {
+        body += &f.finish_scalar(false);
         body += "	mov.b32 %r31, %f1;
 ";
     }
@@ -1217,8 +1498,11 @@ fn part_of_chunk(k: &str) -> String {
 /// The PTX text of one kernel family, as the generator writes it.
 pub fn generate(kernel: Kernel) -> String {
     let mut s = HEADER.to_string();
-    for dtype in DType::ALL {
-        for op in Op::ALL.into_iter().filter(|&op| kernel.has(op)) {
+    for dtype in DType::REDUCED {
+        for op in Op::ALL
+            .into_iter()
+            .filter(|&op| kernel.has(op) && kernel.has_type(dtype))
+        {
             let f = Flavor { dtype, op };
             s += &match kernel {
                 Kernel::P2pOneShot => one_shot(&f),
@@ -1292,8 +1576,8 @@ mod tests {
     #[test]
     fn every_entry_is_declared() {
         for k in Kernel::ALL {
-            for d in DType::ALL {
-                for o in Op::ALL.into_iter().filter(|&o| k.has(o)) {
+            for d in DType::REDUCED {
+                for o in Op::ALL.into_iter().filter(|&o| k.has(o) && k.has_type(d)) {
                     let e = format!(".entry {}(", k.entry(d, o));
                     assert!(k.ptx().contains(&e), "{}: {e} missing", k.file());
                 }

@@ -119,6 +119,8 @@ pub(crate) struct ArPlan {
     sym_addrs: u64,
     /// The operator (the forms that have it).
     op: ReduceOp,
+    /// The element type (the low-latency form takes elements of up to 4 bytes).
+    dtype: DType,
 }
 
 impl ArPlan {
@@ -134,7 +136,8 @@ impl ArPlan {
             stage_in,
             out,
         };
-        let (sym_in, sym_out, addrs, op) = (self.sym_in, self.sym_out, self.sym_addrs, self.op);
+        let (sym_in, sym_out, addrs) = (self.sym_in, self.sym_out, self.sym_addrs);
+        let op = (self.op, self.dtype);
         let cannot = || Error::invalid("count", format!("{len} bytes cannot be staged"));
         // A piece a form serves directly (unstaged: the whole call; staged: e.g. a last chunk
         // one-shot serves) needs no scratch.
@@ -399,8 +402,9 @@ fn all_reduce(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         sym_out: f.sym_out,
         sym_addrs: f.sym_addrs,
         op: f.op,
+        dtype: f.dtype,
     };
-    if let Some(alg) = direct(t, c, f.op, f.sym_addrs, f.sym_in, f.sym_out, bytes)? {
+    if let Some(alg) = direct(t, c, (f.op, f.dtype), f.sym_addrs, f.sym_in, f.sym_out, bytes)? {
         if !own || region == 0 || bytes <= region {
             return Ok(Plan {
                 choice: p2p(alg).choice(Path::PeerToPeer, alg, 0),
@@ -449,11 +453,11 @@ fn preferred(t: &TeamFacts, c: &CommConfig, bytes: usize) -> Algorithm {
 /// together, are `addrs` (the alignments are powers of two; the caller's own memory counts as
 /// aligned), and which are symmetric or not: the preferred one, or its fallback where the
 /// alignment or the operand kinds do not allow it. `None`: nothing runs these operands
-/// directly (they must be staged).
+/// directly (they must be staged). `op` is the operator and the element type.
 fn direct(
     t: &TeamFacts,
     c: &CommConfig,
-    op: ReduceOp,
+    (op, dtype): (ReduceOp, DType),
     addrs: u64,
     sym_in: bool,
     sym_out: bool,
@@ -461,8 +465,14 @@ fn direct(
 ) -> Result<Option<Algorithm>> {
     let aligned = |a: u64| addrs % a == 0;
     let mut alg = preferred(t, c, bytes);
-    if alg == Algorithm::OneShotLl && (!aligned(4) || bytes % 4 != 0 || bytes > c.ll_max_bytes) {
-        // The low-latency protocol moves whole aligned 4-byte words.
+    if alg == Algorithm::OneShotLl
+        && (!aligned(4)
+            || bytes % 4 != 0
+            || bytes > c.ll_max_bytes
+            || !kernels::Kernel::P2pOneShotLl.has_type(dtype))
+    {
+        // The low-latency protocol moves whole aligned 4-byte words, of elements of up to 4
+        // bytes (8-byte types run the one-shot).
         alg = if bytes <= t.stage_half {
             Algorithm::OneShot
         } else {
@@ -576,7 +586,9 @@ fn gather(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
     } else {
         c.gather_ll_max_bytes
     };
-    let ll = total <= ll_max && ll_words(chunk as u64).saturating_mul(8) <= t.ll_slot as u64;
+    let ll = total <= ll_max
+        && ll_words(chunk as u64).saturating_mul(8) <= t.ll_slot as u64
+        && (!coll.reduces() || crate::kernels::gather::ll_reduces(f.dtype));
     // copy engines: all-gathers and broadcasts of large buffers into a symmetric output (an
     // empty call queues nothing, whatever the form); not where ranks of this process share devices,
     // since the form forks each rank onto a second stream, and ranks sharing a context need a

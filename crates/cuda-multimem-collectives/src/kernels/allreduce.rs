@@ -92,6 +92,13 @@ impl Kernel {
             )
     }
 
+    /// Whether the family has entries for `dtype`: every family every type
+    /// ([`DType::REDUCED`]) but the low-latency one-shot, whose 4-byte words carry elements of
+    /// up to 4 bytes (the planner runs 8-byte types one-shot instead).
+    pub fn has_type(self, dtype: DType) -> bool {
+        self != Kernel::P2pOneShotLl || dtype.size() <= 4
+    }
+
     /// The entry name of one variant.
     pub fn entry(self, dtype: DType, op: Op) -> String {
         format!("cmm_{}_{}_{}", self.tag(), dtype.name(), op.name())

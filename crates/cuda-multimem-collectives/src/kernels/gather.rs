@@ -130,6 +130,13 @@ impl Collective {
         }
     }
 
+    /// Whether the low-latency form has entries for `dtype` (the others have every type of
+    /// [`Collective::dtypes`]): the reduce-scatter's only for elements of up to 4 bytes (its
+    /// words are reduced one by one), the bit-moving ones for every carrier.
+    pub fn has_ll(self, dtype: DType) -> bool {
+        !self.reduces() || ll_reduces(dtype)
+    }
+
     /// The entry name of one variant (`op` is ignored where nothing is reduced).
     pub fn entry(self, dtype: DType, op: Op) -> String {
         match self {
@@ -187,4 +194,10 @@ pub fn staged_rounds(chunk_bytes: u64, blocks: u64, slot: u64) -> u64 {
 /// 16-bit element); each travels as 8 bytes, so a slot must hold `8 × words` bytes.
 pub fn ll_words(chunk_bytes: u64) -> u64 {
     chunk_bytes.div_ceil(4)
+}
+
+/// Whether the low-latency reduce-scatter takes `dtype`: elements of up to 4 bytes (its 4-byte
+/// words are reduced one by one; 8-byte types run [`crate::Algorithm::PushStaged`]).
+pub fn ll_reduces(dtype: DType) -> bool {
+    dtype.size() <= 4
 }

@@ -16,7 +16,9 @@ pub(super) fn register() {
         for &d in c.dtypes() {
             for &o in c.ops() {
                 register_kernel(&c.entry(d, o), move |a| run(c, d, o, a));
-                register_kernel(&c.ll_entry(d, o), move |a| run_ll(c, d, o, a));
+                if c.has_ll(d) {
+                    register_kernel(&c.ll_entry(d, o), move |a| run_ll(c, d, o, a));
+                }
             }
         }
     }

@@ -38,7 +38,7 @@ pub fn install() {
     ONCE.call_once(|| {
         for k in Kernel::ALL {
             for d in DType::REDUCED {
-                for o in Op::ALL.into_iter().filter(|&o| k.has(o)) {
+                for o in Op::ALL.into_iter().filter(|&o| k.has(o) && k.has_type(d)) {
                     register_kernel(&k.entry(d, o), move |a| run(k, d, o, a));
                 }
             }

@@ -39,7 +39,9 @@ impl Kernels {
             for &dt in c.dtypes() {
                 for &op in c.ops() {
                     main.insert((c, false, dt, op), m.function(&c.entry(dt, op))?);
-                    main.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
+                    if c.has_ll(dt) {
+                        main.insert((c, true, dt, op), m.function(&c.ll_entry(dt, op))?);
+                    }
                 }
             }
             if c == Collective::AllGather {

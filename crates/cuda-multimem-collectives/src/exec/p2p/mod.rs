@@ -75,7 +75,10 @@ impl RankKernels {
         for k in Kernel::ALL {
             let m = load_module(device, k.file(), k.ptx())?;
             for dt in DType::REDUCED {
-                for op in ReduceOp::ALL.into_iter().filter(|&op| k.has(op)) {
+                for op in ReduceOp::ALL
+                    .into_iter()
+                    .filter(|&op| k.has(op) && k.has_type(dt))
+                {
                     allreduce.insert((k, dt, op), m.function(&k.entry(dt, op))?);
                 }
             }

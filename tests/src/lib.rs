@@ -206,7 +206,7 @@ pub fn first_beyond_sum_tolerance(
         DType::F32 => f32::EPSILON,
         DType::F16 => 1.0 / 1024.0,
         DType::Bf16 => 1.0 / 128.0,
-        DType::U8 => 0.0,
+        _ => 0.0,
     };
     (0..want.len() / dtype.size()).find_map(|i| {
         let (g, w) = (dtype.load(got, i), dtype.load(want, i));

@@ -205,8 +205,9 @@ impl DType {
             DType::F32 => Acc::F32(f32::from_bits(bits as u32)),
             DType::F16 => Acc::F32(f16::from_bits(bits as u16).to_f32()),
             DType::Bf16 => Acc::F32(bf16::from_bits(bits as u16).to_f32()),
-            DType::F8E4M3 => Acc::F32(F8E4M3::from_bits(bits as u8).to_f32()),
-            DType::F8E5M2 => Acc::F32(F8E5M2::from_bits(bits as u8).to_f32()),
+            // the inherent conversions (exact), not `Element::to_f32` (which comes here)
+            DType::F8E4M3 => Acc::F32(F8E4M3::to_f32(&F8E4M3::from_bits(bits as u8))),
+            DType::F8E5M2 => Acc::F32(F8E5M2::to_f32(&F8E5M2::from_bits(bits as u8))),
             DType::F64 => Acc::F64(f64::from_bits(bits)),
             DType::I8 => Acc::Int(bits as u8 as i8 as i64),
             DType::I32 => Acc::Int(bits as u32 as i32 as i64),

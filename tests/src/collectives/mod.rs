@@ -745,7 +745,7 @@ impl<T: Elem> Queued<T> {
                     (Compare::Exact, Some(t)) if k == 0 && t[r][i] > 0.0 => {
                         (g[i].to_f32() - w[i].to_f32()).abs() > t[r][i]
                     }
-                    (Compare::Exact, _) => g[i].to_f32().to_bits() != w[i].to_f32().to_bits(),
+                    (Compare::Exact, _) => g[i].to_bits64() != w[i].to_bits64(),
                 });
                 if let Some(i) = bad {
                     let name = if k == 0 {
@@ -796,7 +796,7 @@ impl<T: Elem> Queued<T> {
             DType::F32 => f32::EPSILON,
             DType::F16 => 1.0 / 1024.0,
             DType::Bf16 => 1.0 / 128.0,
-            DType::U8 => 0.0,
+            _ => 0.0,
         };
         // the same collective over the inputs' magnitudes, in f32, rank order
         let f = collective::<f32>(self.coll.name);

@@ -71,7 +71,7 @@ fn first_mismatch<T: Element>(got: &[T], want: &[T]) -> Option<String> {
     assert_eq!(got.len(), want.len());
     got.iter()
         .zip(want)
-        .position(|(g, w)| g.to_f32().to_bits() != w.to_f32().to_bits())
+        .position(|(g, w)| g.to_bits64() != w.to_bits64())
         .map(|i| format!("element {i}: got {:?} want {:?}", got[i], want[i]))
 }
 
@@ -96,7 +96,7 @@ fn first_far<T: Element>(got: &[T], want: &[T], inputs: &[Vec<T>]) -> Option<Str
         DType::F32 => f32::EPSILON,
         DType::F16 => 1.0 / 1024.0,
         DType::Bf16 => 1.0 / 128.0,
-        DType::U8 => 0.0,
+        _ => 0.0,
     };
     (0..want.len())
         .find(|&i| {
@@ -155,3 +155,4 @@ mod norm_fp8;
 mod shared;
 mod smoke;
 mod table;
+mod types;

@@ -3,7 +3,8 @@
 //! team of 2 on the driver `CUDA_MULTIMEM_DRIVER` selects: cheap enough for `cargo xtask test`
 //! to run at every simulated driver version (and `test-hw` on real GPUs).
 
-use cuda_multimem_collectives::{CommConfig, MulticastPolicy};
+use cuda_multimem_collectives::float8::{F8E4M3, F8E5M2};
+use cuda_multimem_collectives::{CommConfig, MulticastPolicy, ReduceOp};
 use cuda_multimem_tests::collectives::{once, params_for, table, Call, Mem};
 use cuda_multimem_tests::{env, skip, team_on, Rng};
 
@@ -47,4 +48,49 @@ fn every_collective_in_every_form_gives_the_host_reference() {
         }
     }
     assert_eq!(ran, table::<f32>().len() * 8);
+}
+
+/// The allreduce and reduce-scatter sums of every type beyond f32 (f16, bf16, f64, the
+/// integers, FP8) once each, both operand kinds, in place and not.
+#[test]
+fn every_type_reduces_to_the_host_reference() {
+    let e = env();
+    if let Some(why) = cuda_multimem_tests::collectives_unsupported(&e.driver) {
+        return skip("collectives::smoke::every_type", why);
+    }
+    let devices = e.driver.devices();
+    if devices.len() < 2 || !devices[0].can_access_peer(&devices[1]).unwrap_or(false) {
+        return skip(
+            "collectives::smoke::every_type",
+            "needs 2 devices that can access each other",
+        );
+    }
+    let (comm, s) = team_on(&devices[..2], CommConfig::default(), MulticastPolicy::Never);
+    let mut rng = Rng::new(2);
+    fn sweep<T: cuda_multimem_tests::collectives::Elem>(
+        comm: &cuda_multimem_collectives::Communicator,
+        s: &[cuda_multimem::Stream],
+        rng: &mut Rng,
+    ) {
+        for name in ["all_reduce", "reduce_scatter"] {
+            let call = Call {
+                name,
+                params: cuda_multimem_tests::collectives::Params::op(ReduceOp::Sum),
+            };
+            for mem in Mem::KINDS {
+                for in_place in [false, true] {
+                    once::<T>(comm, s, call, 1000, mem, in_place, rng);
+                }
+            }
+        }
+    }
+    sweep::<f64>(&comm, &s, &mut rng);
+    sweep::<i32>(&comm, &s, &mut rng);
+    sweep::<u32>(&comm, &s, &mut rng);
+    sweep::<i64>(&comm, &s, &mut rng);
+    sweep::<u64>(&comm, &s, &mut rng);
+    sweep::<i8>(&comm, &s, &mut rng);
+    sweep::<u8>(&comm, &s, &mut rng);
+    sweep::<F8E4M3>(&comm, &s, &mut rng);
+    sweep::<F8E5M2>(&comm, &s, &mut rng);
 }

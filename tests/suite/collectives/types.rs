@@ -29,6 +29,10 @@ macro_rules! for_each_new_type {
 fn two(test: &str) -> Option<(Env, Vec<Device>)> {
     cuda_multimem_collectives::sim::install();
     let e = env();
+    if let Some(why) = cuda_multimem_tests::collectives_unsupported(&e.driver) {
+        skip(test, why);
+        return None;
+    }
     let d = e.driver.devices();
     if d.len() < 2 {
         skip(test, format!("needs 2 devices, the machine has {}", d.len()));

@@ -112,11 +112,12 @@ pub use reference::{
     rms_scale, ue8m0_byte, ue8m0_pack, Fp8NormReference,
 };
 pub use types::{
-    multimem_pays_off, Algorithm, Choice, DType, Element, Fp8Scaling, MulticastPolicy, Operands,
-    Path, ReduceOp, FP8_E4M3_MAX, FP8_GROUP,
+    multimem_pays_off, Acc, Algorithm, Choice, DType, Element, Fp8Scaling, MulticastPolicy,
+    Operands, Path, ReduceOp, FP8_E4M3_MAX, FP8_GROUP,
 };
 
-/// The FP8 types (the `float8` crate, which candle uses): moved by all-gather and broadcast.
+/// The FP8 types (the `float8` crate, which candle uses): reduced (accumulated in f32) and
+/// moved by every collective but the fused norm.
 pub use float8;
 /// The FP8 element type of the quantised norm outputs, re-exported from the `float8` crate.
 pub use float8::F8E4M3;

@@ -472,9 +472,15 @@ macro_rules! element {
     };
 }
 
-element!(f32, DType::F32, |x| x.to_bits() as u64, |b| f32::from_bits(b as u32));
-element!(f16, DType::F16, |x| x.to_bits() as u64, |b| f16::from_bits(b as u16));
-element!(bf16, DType::Bf16, |x| x.to_bits() as u64, |b| bf16::from_bits(b as u16));
+element!(f32, DType::F32, |x| x.to_bits() as u64, |b| f32::from_bits(
+    b as u32
+));
+element!(f16, DType::F16, |x| x.to_bits() as u64, |b| f16::from_bits(
+    b as u16
+));
+element!(bf16, DType::Bf16, |x| x.to_bits() as u64, |b| {
+    bf16::from_bits(b as u16)
+});
 element!(f64, DType::F64, |x| x.to_bits(), |b| f64::from_bits(b));
 element!(i32, DType::I32, |x| x as u32 as u64, |b| b as u32 as i32);
 element!(u32, DType::U32, |x| x as u64, |b| b as u32);
@@ -482,8 +488,12 @@ element!(i64, DType::I64, |x| x as u64, |b| b as i64);
 element!(u64, DType::U64, |x| x, |b| b);
 element!(i8, DType::I8, |x| x as u8 as u64, |b| b as u8 as i8);
 element!(u8, DType::U8, |x| x as u64, |b| b as u8);
-element!(F8E4M3, DType::F8E4M3, |x| x.to_bits() as u64, |b| F8E4M3::from_bits(b as u8));
-element!(F8E5M2, DType::F8E5M2, |x| x.to_bits() as u64, |b| F8E5M2::from_bits(b as u8));
+element!(F8E4M3, DType::F8E4M3, |x| x.to_bits() as u64, |b| {
+    F8E4M3::from_bits(b as u8)
+});
+element!(F8E5M2, DType::F8E5M2, |x| x.to_bits() as u64, |b| {
+    F8E5M2::from_bits(b as u8)
+});
 
 /// Reduction operators.
 ///
@@ -508,10 +518,13 @@ pub enum ReduceOp {
     Min,
     /// Maximum.
     Max,
-    /// Product (`mul.rn.f32` in rank order, as [`ReduceOp::Sum`] adds).
+    /// Product (`mul.rn.f32` in rank order, as [`ReduceOp::Sum`] adds; f64: `mul.rn.f64`;
+    /// integers: wrapping, `mul.lo`).
     Prod,
     /// Average: the sum in rank order (as [`ReduceOp::Sum`], accumulated in f32), divided by
-    /// the team size in f32 (`div.rn.f32`, correctly rounded), then rounded once to the type.
+    /// the team size in f32 (`div.rn.f32`, correctly rounded), then rounded once to the type
+    /// (f64: in f64; integers: the wrapped sum divided by the team size, truncated toward
+    /// zero, as NCCL).
     Avg,
 }
 

@@ -1022,7 +1022,12 @@ mod tests {
                 for o in Op::ALL {
                     for (e, has) in [(c.entry(d, o), true), (c.ll_entry(d, o), c.has_ll(d))] {
                         let e = format!(".entry {e}(");
-                        assert_eq!(text.matches(&e).count(), usize::from(has), "{}: {e}", c.file());
+                        assert_eq!(
+                            text.matches(&e).count(),
+                            usize::from(has),
+                            "{}: {e}",
+                            c.file()
+                        );
                     }
                 }
             }

@@ -236,7 +236,11 @@ impl Flavor {
         let op = self.opi();
         let combine = |s: &mut String, e: usize, j: usize| {
             if !first {
-                *s += &format!("\t{op} {a}, {a}, {t};\n", a = self.acc(e + 1), t = self.tmp(j));
+                *s += &format!(
+                    "\t{op} {a}, {a}, {t};\n",
+                    a = self.acc(e + 1),
+                    t = self.tmp(j)
+                );
             }
         };
         let dst = |e: usize, j: usize| if first { self.acc(e + 1) } else { self.tmp(j) };
@@ -439,7 +443,9 @@ impl Flavor {
         let a = self.acc(1);
         match (self.class(), self.fp8()) {
             (_, Some(f8)) => (
-                format!("\tcvt.rn.satfinite.{f8}x2.f32 %xh0, {a}, {a};\n\tcvt.u32.u16 %xw1, %xh0;\n"),
+                format!(
+                    "\tcvt.rn.satfinite.{f8}x2.f32 %xh0, {a}, {a};\n\tcvt.u32.u16 %xw1, %xh0;\n"
+                ),
                 format!("\tst.global.u8 [{addr}], %xw1;\n"),
             ),
             (Class::F64, _) => (String::new(), format!("\tst.global.f64 [{addr}], {a};\n")),

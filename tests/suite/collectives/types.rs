@@ -35,7 +35,10 @@ fn two(test: &str) -> Option<(Env, Vec<Device>)> {
     }
     let d = e.driver.devices();
     if d.len() < 2 {
-        skip(test, format!("needs 2 devices, the machine has {}", d.len()));
+        skip(
+            test,
+            format!("needs 2 devices, the machine has {}", d.len()),
+        );
         return None;
     }
     if !d[0].can_access_peer(&d[1]).unwrap_or(false) {
@@ -168,16 +171,44 @@ fn extremes(dtype: DType) -> [Vec<u64>; 2] {
             vec![0x01, 0x80, 0xff, 0xff, 0xff, 0x10],
         ],
         DType::I32 => [
-            vec![0x7fff_ffff, 0x8000_0000, 0xffff_ffff, 1, 0x8000_0000, 0x1_0000],
-            vec![1, 0x8000_0000, 0x7fff_ffff, 0xffff_ffff, 0x7fff_ffff, 0x1_0000],
+            vec![
+                0x7fff_ffff,
+                0x8000_0000,
+                0xffff_ffff,
+                1,
+                0x8000_0000,
+                0x1_0000,
+            ],
+            vec![
+                1,
+                0x8000_0000,
+                0x7fff_ffff,
+                0xffff_ffff,
+                0x7fff_ffff,
+                0x1_0000,
+            ],
         ],
         DType::U32 => [
             vec![0xffff_ffff, 0x8000_0000, 0, 1, 0xffff_ffff, 0x1_0000],
-            vec![1, 0x8000_0000, 0xffff_ffff, 0xffff_ffff, 0xffff_ffff, 0x1_0000],
+            vec![
+                1,
+                0x8000_0000,
+                0xffff_ffff,
+                0xffff_ffff,
+                0xffff_ffff,
+                0x1_0000,
+            ],
         ],
         DType::I64 | DType::U64 => [
             vec![i64::MAX as u64, 1 << 63, u64::MAX, 1, 1 << 63, 1 << 32],
-            vec![1, 1 << 63, i64::MAX as u64, u64::MAX, i64::MAX as u64, 1 << 32],
+            vec![
+                1,
+                1 << 63,
+                i64::MAX as u64,
+                u64::MAX,
+                i64::MAX as u64,
+                1 << 32,
+            ],
         ],
         DType::F64 => [
             vec![
@@ -214,11 +245,11 @@ fn the_dyn_forms_wrap_saturate_and_order_the_extremes_as_the_reference() {
     let (comm, s) = team_on(&devices, CommConfig::default(), MulticastPolicy::Never);
     let inp = comm.alloc::<u8>(256).unwrap();
     let mut out = comm.alloc::<u8>(256).unwrap();
-    for dtype in DType::REDUCED.into_iter().filter(|d| !DType::ALL.contains(d)) {
-        let inputs: Vec<Vec<u8>> = extremes(dtype)
-            .iter()
-            .map(|v| bytes_of(dtype, v))
-            .collect();
+    for dtype in DType::REDUCED
+        .into_iter()
+        .filter(|d| !DType::ALL.contains(d))
+    {
+        let inputs: Vec<Vec<u8>> = extremes(dtype).iter().map(|v| bytes_of(dtype, v)).collect();
         let len = inputs[0].len();
         for op in ReduceOp::ALL {
             let want = reference_bytes(dtype, op, &refs(&inputs));
@@ -267,9 +298,12 @@ fn the_reference_wraps_integers_saturates_fp8_and_orders_signed_and_unsigned() {
     assert_eq!(r(DType::U64, ReduceOp::Min, 1 << 63, 0), 0);
     // average: the wrapped sum divided, toward zero
     assert_eq!(r(DType::I8, ReduceOp::Avg, 0x7f, 0x7f), 0xff); // (127 + 127) wraps to -2: -1
-    assert_eq!(r(DType::I32, ReduceOp::Avg, (-3i32) as u32 as u64, 0), (-1i32) as u32 as u64);
+    assert_eq!(
+        r(DType::I32, ReduceOp::Avg, (-3i32) as u32 as u64, 0),
+        (-1i32) as u32 as u64
+    );
     assert_eq!(r(DType::U8, ReduceOp::Avg, 0xff, 0x03), 0x01); // 258 wraps to 2: 1
-    // FP8: saturation to the finite range, NaN, infinity
+                                                               // FP8: saturation to the finite range, NaN, infinity
     assert_eq!(r(DType::F8E4M3, ReduceOp::Sum, 0x7e, 0x7e), 0x7e); // 448 + 448 -> 448
     assert_eq!(r(DType::F8E4M3, ReduceOp::Sum, 0xfe, 0xfe), 0xfe);
     assert_eq!(r(DType::F8E5M2, ReduceOp::Sum, 0x7b, 0x7b), 0x7b); // 57344 twice -> 57344
@@ -277,10 +311,15 @@ fn the_reference_wraps_integers_saturates_fp8_and_orders_signed_and_unsigned() {
     assert_eq!(r(DType::F8E4M3, ReduceOp::Sum, 0x7f, 0x38), 0x7f); // NaN
     assert_eq!(r(DType::F8E4M3, ReduceOp::Min, 0x7f, 0x38), 0x38); // min drops the NaN
     assert_eq!(r(DType::F8E4M3, ReduceOp::Sum, 0x38, 0x38), 0x40); // 1 + 1 = 2
-    // e4m3: 1 + 1/16 is halfway between 1 and 1.125: to even (1)
+                                                                   // e4m3: 1 + 1/16 is halfway between 1 and 1.125: to even (1)
     assert_eq!(r(DType::F8E4M3, ReduceOp::Sum, 0x38, 0x18), 0x38);
     // f64 in rank order, in f64
-    let s = r(DType::F64, ReduceOp::Sum, 0.1f64.to_bits(), 0.2f64.to_bits());
+    let s = r(
+        DType::F64,
+        ReduceOp::Sum,
+        0.1f64.to_bits(),
+        0.2f64.to_bits(),
+    );
     assert_eq!(f64::from_bits(s), 0.1 + 0.2);
     // typed and byte references agree for the wide types
     let mut st = 9;
@@ -290,7 +329,10 @@ fn the_reference_wraps_integers_saturates_fp8_and_orders_signed_and_unsigned() {
     let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let rb = reference_bytes(DType::I64, ReduceOp::Sum, &[&bytes(&a), &bytes(&b)]);
     assert_eq!(bytes(&t), rb);
-    assert!(a.iter().zip(&b).any(|(x, y)| x.checked_add(*y).is_none()), "no overflow drawn");
+    assert!(
+        a.iter().zip(&b).any(|(x, y)| x.checked_add(*y).is_none()),
+        "no overflow drawn"
+    );
 }
 
 #[test]

@@ -404,7 +404,15 @@ fn all_reduce(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         op: f.op,
         dtype: f.dtype,
     };
-    if let Some(alg) = direct(t, c, (f.op, f.dtype), f.sym_addrs, f.sym_in, f.sym_out, bytes)? {
+    if let Some(alg) = direct(
+        t,
+        c,
+        (f.op, f.dtype),
+        f.sym_addrs,
+        f.sym_in,
+        f.sym_out,
+        bytes,
+    )? {
         if !own || region == 0 || bytes <= region {
             return Ok(Plan {
                 choice: p2p(alg).choice(Path::PeerToPeer, alg, 0),

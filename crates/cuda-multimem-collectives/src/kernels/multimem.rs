@@ -13,9 +13,9 @@
 //! | 3076 | `u32` rank |
 //! | 3080 | `u32` team size |
 //! | 3088 | `u64` capacity (bytes of the input region = bytes of the output region) |
-//! | 3584 | `u64[8]` every member's unicast address (for scalar tails and call headers) |
-//! | 4096 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender (as the peer-to-peer pad) |
-//! | 65536 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
+//! | 4096 | `u64[MAX_RANKS]` every member's unicast address (for scalar tails and call headers) |
+//! | 8192 | `u64[2][MAX_BLOCKS][MAX_RANKS]` call headers: parity, block, sender (as the peer-to-peer pad, [`super::hdr_slot`]) |
+//! | 327680 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
 
 use super::MAX_BLOCKS;
 use crate::types::{DType, ReduceOp as Op};
@@ -33,11 +33,11 @@ pub const MM_OFF_NRANKS: usize = 3080;
 /// Capacity.
 pub const MM_OFF_CAP: usize = 3088;
 /// Members' unicast addresses.
-pub const MM_OFF_PEERS: usize = 3584;
+pub const MM_OFF_PEERS: usize = 4096;
 /// Call headers.
-pub const MM_OFF_HDR: usize = 4096;
+pub const MM_OFF_HDR: usize = 8192;
 /// Start of the input region.
-pub const MM_DATA: usize = 65536;
+pub const MM_DATA: usize = 320 << 10;
 
 /// The multimem kernels: the allreduce's two algorithms, and reduce-scatter, all-gather and
 /// broadcast (`docs/design/collectives.md`, "Multimem forms").
@@ -138,6 +138,8 @@ pub const FILE: &str = "multimem.ptx";
 const _: () = assert!(
     MM_OFF_CTR + MAX_BLOCKS * 4 <= MM_OFF_SIG
         && MM_OFF_SIG + MAX_BLOCKS * 4 <= MM_OFF_ERR
+        && MM_OFF_CAP + 8 <= MM_OFF_PEERS
         && MM_OFF_PEERS + 8 * super::MAX_RANKS <= MM_OFF_HDR
         && MM_OFF_HDR + 2 * MAX_BLOCKS * super::MAX_RANKS * 8 <= MM_DATA
+        && MM_DATA % 16 == 0
 );

@@ -262,9 +262,9 @@ pub(crate) const IDS: &str = concat!(
     "\t// this block's barrier counter c (only this block writes it, after its last barrier)\n",
     "\tmul.wide.u32 %rd9, %r2, 4;\n",
     "\tadd.u64 %rd9, %rd1, %rd9;\n",
-    "\tld.global.u32 %r7, [%rd9+256];\n",
+    "\tld.global.u32 %r7, [%rd9+2048];\n",
 );
-const _: () = assert!(OFF_RANK == 0 && OFF_NRANKS == 4 && OFF_CTR == 256);
+const _: () = assert!(OFF_RANK == 0 && OFF_NRANKS == 4 && OFF_CTR == 2048);
 
 /// This block's units [rd11, rd12) of rd10 units: per = ceil(units / nblocks) rounded up to 8
 /// (rd14; with 16-byte vectors every block starts on a 128-byte line); rd13 = nblocks, rd15 =

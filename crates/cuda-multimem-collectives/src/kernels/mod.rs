@@ -10,6 +10,8 @@
 //! # Signal pad layout (per rank, device memory, zeroed once at creation)
 //! Every per-rank table and slot row has [`MAX_RANKS`] entries (72: one NVL72 domain), so the
 //! pad is 384 KiB (the call headers, `2 × MAX_BLOCKS × MAX_RANKS` `u64`, are most of it).
+//! What a team writes once (its size, the tables) comes before the counters; from the counters
+//! on, the pad is protocol state, zeroed by `Communicator::recover`.
 //!
 //! | offset | content |
 //! | --- | --- |
@@ -22,10 +24,10 @@
 //! | 32 | `u64` bytes of one landing slot (the copy-engine two-shot) |
 //! | 40 | `u64` this rank's landing area, as mapped on this rank |
 //! | 48 | reserved (the host-visible error mirror) |
-//! | 256 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
-//! | 1280 | `u64[MAX_RANKS]` every rank's pad, as mapped on this rank |
-//! | 1856 | `u64[MAX_RANKS]` every rank's staging area, as mapped on this rank |
-//! | 2432 | `u64[MAX_RANKS]` every rank's low-latency staging area, as mapped on this rank |
+//! | 64 | `u64[MAX_RANKS]` every rank's pad, as mapped on this rank |
+//! | 640 | `u64[MAX_RANKS]` every rank's staging area, as mapped on this rank |
+//! | 1216 | `u64[MAX_RANKS]` every rank's low-latency staging area, as mapped on this rank |
+//! | 2048 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
 //! | 4096 | `u32[MAX_BLOCKS][MAX_RANKS]` signal slots: block b, sender s |
 //! | 77824 | `u64[2][MAX_BLOCKS][MAX_RANKS]` call headers: parity, block, sender |
 //! | 372736 | end of the call headers ([`PAD_BYTES`] = 393216) |
@@ -73,19 +75,19 @@ pub const OFF_BOUNDS: usize = 12;
 /// Staging half size.
 pub const OFF_STAGE_HALF: usize = 16;
 /// Peer pads.
-pub const OFF_PADS: usize = 1280;
+pub const OFF_PADS: usize = 64;
 /// Peer staging areas.
-pub const OFF_STAGES: usize = 1856;
+pub const OFF_STAGES: usize = 640;
 /// Bytes of one low-latency slot (`u64`).
 pub const OFF_LL_SLOT: usize = 24;
 /// Peer low-latency staging areas.
-pub const OFF_LL_STAGES: usize = 2432;
+pub const OFF_LL_STAGES: usize = 1216;
 /// Bytes of one landing slot (`u64`).
 pub const OFF_LAND_SLOT: usize = 32;
 /// This rank's landing area (`u64`).
 pub const OFF_LAND: usize = 40;
 /// Block counters.
-pub const OFF_CTR: usize = 256;
+pub const OFF_CTR: usize = 2048;
 /// Signal slots.
 pub const OFF_SIG: usize = 4096;
 /// Call headers.
@@ -103,11 +105,11 @@ pub const fn hdr_slot(p: usize, b: usize, s: usize) -> usize {
 
 // The pad's regions in order, none overlapping another (the table above); 48..56 stays free.
 const _: () = {
-    assert!(OFF_LAND + 8 <= 48 && OFF_CTR >= 56);
-    assert!(OFF_CTR + 4 * MAX_BLOCKS <= OFF_PADS);
+    assert!(OFF_LAND + 8 <= 48 && OFF_PADS >= 56);
     assert!(OFF_PADS + 8 * MAX_RANKS <= OFF_STAGES);
     assert!(OFF_STAGES + 8 * MAX_RANKS <= OFF_LL_STAGES);
-    assert!(OFF_LL_STAGES + 8 * MAX_RANKS <= OFF_SIG);
+    assert!(OFF_LL_STAGES + 8 * MAX_RANKS <= OFF_CTR);
+    assert!(OFF_CTR + 4 * MAX_BLOCKS <= OFF_SIG);
     assert!(OFF_SIG + 4 * MAX_BLOCKS * MAX_RANKS <= OFF_HDR);
     assert!(OFF_HDR + 2 * MAX_BLOCKS * MAX_RANKS * 8 <= PAD_BYTES);
     assert!(OFF_HDR % 8 == 0 && OFF_SIG % 4 == 0);

@@ -58,7 +58,8 @@
 //! [`RankHandle::all_to_all_v`] with counts on the host, [`RankHandle::all_to_all_v_dev`] with
 //! counts on the device): `docs/design/alltoall.md`.
 //!
-//! Teams have 1 to 8 ranks (a team of one runs every collective as a local copy); several ranks
+//! Teams have 1 to [`kernels::MAX_RANKS`] = 72 ranks, one NVL72 domain (a team of one runs every
+//! collective as a local copy; where the size stops and why: the [`kernels`] module); several ranks
 //! may share a device ([`CommunicatorBuilder::allow_shared_devices`]); a rank's calls take any
 //! stream of its device (a call on another stream than the previous one waits for it on the
 //! GPU). A timeout or a disagreement makes the team unusable until every rank calls

@@ -21,13 +21,22 @@ const HEADER: &str = "//
 .address_size 64
 ";
 
-/// Shared memory of a block: every rank's row (`u32[MAX_RANKS][ROW_CELLS]`), my send offsets
-/// (`u64[MAX_RANKS]`), the parts I send and receive (`{ok, len, dst, _}` `u32` each, per rank).
-const SO: usize = 4 * MAX_RANKS * ROW_CELLS as usize;
+/// Shared memory of a block: every rank's send counts C (`u32[MAX_RANKS][MAX_RANKS]`, rank s's
+/// at row s), every rank k's D and E for me (`u32[MAX_RANKS]` each, index k: the only cells of
+/// a peer's row besides its C that this rank's parts use), my own D and E for every sender
+/// (`u32[MAX_RANKS]` each), my send offsets (`u64[MAX_RANKS]`), the parts I send and receive
+/// (`{ok, len, dst, _}` `u32` each, per rank). Quadratic in `MAX_RANKS` only through C:
+/// 24 768 bytes at 72 ranks, of the 48 KiB a block may declare statically.
+const CM_ROW: usize = 4 * MAX_RANKS;
+const PD: usize = CM_ROW * MAX_RANKS;
+const PE: usize = PD + 4 * MAX_RANKS;
+const MD: usize = PE + 4 * MAX_RANKS;
+const ME: usize = MD + 4 * MAX_RANKS;
+const SO: usize = ME + 4 * MAX_RANKS;
 const SND: usize = SO + 8 * MAX_RANKS;
 const RCV: usize = SND + 16 * MAX_RANKS;
 const SHARED: usize = RCV + 16 * MAX_RANKS;
-const ROW_BYTES: usize = 4 * ROW_CELLS as usize;
+const _: () = assert!(SHARED <= 48 << 10 && SO % 8 == 0);
 
 /// The file's text.
 pub fn generate() -> String {
@@ -172,14 +181,14 @@ const SHARE: &str = "\tcvt.u64.u32 %rd13, %r4;
 ";
 
 /// Part s → k (u32 registers `s`, `k`) of the matrix in shared memory (%rd36), as both ends
-/// compute it, stored as `{ok, len, dst}` at shared offset `at` + 16 × `j`: C = rows[s][k];
-/// device counts (%p5): D = the sum of the valid rows[t][k], t < s, E = ANY; else D =
-/// rows[k][MAX_RANKS + s], E = rows[k][2 MAX_RANKS + s]. ok = C valid, E valid, E any or C,
+/// compute it, stored as `{ok, len, dst}` at shared offset `at` + 16 × `j`: C = C[s][k];
+/// device counts (%p5): D = the sum of the valid C[t][k], t < s, E = ANY; else D, E = rank k's
+/// D and E of sender s, at index `j` of the shared arrays at `de` and `de` + 4 × MAX_RANKS
+/// ([`PD`] for my sends, k's for me; [`MD`] for my receives, mine for s). ok = C valid, E valid, E any or C,
 /// D + C within the output (%rd65), and C at most the capacity %rd37 unless s = k. Leaves ok in
 /// %p3, C in %r27 (and %rd67), D in %rd59. Scratch: r26, r28, r29, rd58, rd68, p4.
-fn pair(label: &str, s: &str, k: &str, at: usize, j: &str) -> String {
-    let m = MAX_RANKS;
-    let rc = ROW_CELLS;
+fn pair(label: &str, s: &str, k: &str, at: usize, j: &str, de: usize) -> String {
+    let rc = MAX_RANKS;
     format!(
         r#"	// ---- part {s} -> {k}
 	mad.lo.u32 %r26, {s}, {rc}, {k};
@@ -205,8 +214,7 @@ $L_{label}_pfd:
 	mov.u32 %r29, {ANY};
 	bra.uni $L_{label}_ok;
 $L_{label}_host:
-	mad.lo.u32 %r26, {k}, {rc}, {s};
-	mul.wide.u32 %rd58, %r26, 4;
+	mul.wide.u32 %rd58, {j}, 4;
 	add.u64 %rd58, %rd36, %rd58;
 	ld.shared.u32 %r28, [%rd58+{d_off}];
 	ld.shared.u32 %r29, [%rd58+{e_off}];
@@ -231,8 +239,8 @@ $L_{label}_ok:
 	cvt.u32.u64 %r28, %rd59;
 	st.shared.u32 [%rd58+{at8}], %r28;
 "#,
-        d_off = 4 * m,
-        e_off = 8 * m,
+        d_off = de,
+        e_off = de + 4 * MAX_RANKS,
         at4 = at + 4,
         at8 = at + 8,
     )
@@ -369,7 +377,7 @@ $L_row:
 	@!%p6 mov.u32 %r21, 1;
 	@%p6 add.u64 %rd40, %rd40, %rd42;
 	mul.lo.u64 %rd47, %rd43, %rd50;
-	mad.lo.u32 %r23, %r5, {rc}, %r20;
+	mad.lo.u32 %r23, %r5, {m}, %r20;
 	mul.wide.u32 %rd48, %r23, 4;
 	add.u64 %rd48, %rd36, %rd48;
 	st.shared.u32 [%rd48], %r22;
@@ -393,8 +401,14 @@ $L_row:
 	selp.u32 %r25, %r25, {INVALID}, %p7;
 	@%p5 mov.u32 %r24, {ANY};
 	@%p5 mov.u32 %r25, {ANY};
-	st.shared.u32 [%rd48+{d_off}], %r24;
-	st.shared.u32 [%rd48+{e_off}], %r25;
+	// my D and E of sender j (MD, ME); of my own part also PD, PE (k = me)
+	mul.wide.u32 %rd49, %r20, 4;
+	add.u64 %rd49, %rd36, %rd49;
+	st.shared.u32 [%rd49+{MD}], %r24;
+	st.shared.u32 [%rd49+{ME}], %r25;
+	setp.eq.u32 %p4, %r20, %r5;
+	@%p4 st.shared.u32 [%rd49+{PD}], %r24;
+	@%p4 st.shared.u32 [%rd49+{PE}], %r25;
 	add.u32 %r20, %r20, 1;
 	bra.uni $L_row;
 $L_row_end:
@@ -403,24 +417,27 @@ $L_row_end:
 	@%p2 atom.global.cas.b32 %r46, [%rd1+{OFF_BOUNDS}], 0, {ERR_BOUNDS};
 $L_rowd:
 	bar.sync 0;
-	// ---- block 0, thread t < n, t != rank: my row into peer t's slot [parity][rank]
+	// ---- block 0, thread t for peers p = t, t + ntid, ... < n, p != rank: my C cells and my
+	// D and E of p (cells MAX_RANKS + p, 2 MAX_RANKS + p) into peer p's slot [parity][rank]
 	setp.ne.u32 %p2, %r2, 0;
 	@%p2 bra $L_pushd;
-	setp.ge.u32 %p2, %r1, %r6;
+	mov.u32 %r22, %r1;
+$L_pp:
+	setp.ge.u32 %p2, %r22, %r6;
 	@%p2 bra $L_pushd;
-	setp.eq.u32 %p2, %r1, %r5;
-	@%p2 bra $L_pushd;
-	mul.wide.u32 %rd52, %r1, 8;
+	setp.eq.u32 %p2, %r22, %r5;
+	@%p2 bra $L_pp_next;
+	mul.wide.u32 %rd52, %r22, 8;
 	add.u64 %rd52, %rd34, %rd52;
 	ld.global.u64 %rd53, [%rd52];
 	add.u64 %rd53, %rd53, %rd31;
-	mul.lo.u32 %r23, %r5, {ROW_BYTES};
+	mul.lo.u32 %r23, %r5, {cm_row};
 	cvt.u64.u32 %rd54, %r23;
 	add.u64 %rd54, %rd36, %rd54;
 	mov.u32 %r24, 0;
 $L_pc:
-	setp.ge.u32 %p2, %r24, {rc};
-	@%p2 bra $L_pushd;
+	setp.ge.u32 %p2, %r24, %r6;
+	@%p2 bra $L_pcd;
 	mul.wide.u32 %rd55, %r24, 4;
 	add.u64 %rd55, %rd54, %rd55;
 	ld.shared.u32 %r25, [%rd55];
@@ -431,22 +448,41 @@ $L_pc:
 	st.relaxed.sys.global.u64 [%rd57], %rd56;
 	add.u32 %r24, %r24, 1;
 	bra.uni $L_pc;
+$L_pcd:
+	mul.wide.u32 %rd55, %r22, 4;
+	add.u64 %rd55, %rd36, %rd55;
+	mul.wide.u32 %rd57, %r22, 8;
+	add.u64 %rd57, %rd53, %rd57;
+	ld.shared.u32 %r25, [%rd55+{MD}];
+	cvt.u64.u32 %rd56, %r25;
+	or.b64 %rd56, %rd56, %rd17;
+	st.relaxed.sys.global.u64 [%rd57+{cell_d}], %rd56;
+	ld.shared.u32 %r25, [%rd55+{ME}];
+	cvt.u64.u32 %rd56, %r25;
+	or.b64 %rd56, %rd56, %rd17;
+	st.relaxed.sys.global.u64 [%rd57+{cell_e}], %rd56;
+$L_pp_next:
+	add.u32 %r22, %r22, %r3;
+	bra.uni $L_pp;
 $L_pushd:
-	// ---- every block, thread t < n, t != rank: peer t's row from my slot [parity][t] (a cell
-	// not heard of is INVALID)
-	setp.ge.u32 %p2, %r1, %r6;
-	@%p2 bra $L_polld;
-	setp.eq.u32 %p2, %r1, %r5;
-	@%p2 bra $L_polld;
-	cvt.u64.u32 %rd52, %r1;
+	// ---- every block, thread t for peers p = t, t + ntid, ... < n, p != rank: peer p's C cells
+	// and its D and E of me (cells MAX_RANKS + rank, 2 MAX_RANKS + rank) from my slot
+	// [parity][p] (a cell not heard of is INVALID)
+	mov.u32 %r22, %r1;
+$L_rq:
+	setp.ge.u32 %p2, %r22, %r6;
+	@%p2 bra $L_rqd;
+	setp.eq.u32 %p2, %r22, %r5;
+	@%p2 bra $L_rq_next;
+	cvt.u64.u32 %rd52, %r22;
 	mul.lo.u64 %rd52, %rd52, %rd30;
 	add.u64 %rd52, %rd33, %rd52;
-	mul.lo.u32 %r23, %r1, {ROW_BYTES};
+	mul.lo.u32 %r23, %r22, {cm_row};
 	cvt.u64.u32 %rd54, %r23;
 	add.u64 %rd54, %rd36, %rd54;
 	mov.u32 %r24, 0;
 $L_rp:
-	setp.ge.u32 %p2, %r24, {rc};
+	setp.ge.u32 %p2, %r24, %r6;
 	@%p2 bra $L_rpd;
 	mul.wide.u32 %rd55, %r24, 8;
 	add.u64 %rd26, %rd52, %rd55;
@@ -457,6 +493,20 @@ $L_rp:
 	add.u32 %r24, %r24, 1;
 	bra.uni $L_rp;
 $L_rpd:
+	mul.wide.u32 %rd55, %r5, 8;
+	add.u64 %rd26, %rd52, %rd55;
+	add.u64 %rd26, %rd26, {cell_d};
+	mul.wide.u32 %rd56, %r22, 4;
+	add.u64 %rd56, %rd36, %rd56;
+{poll_d}	selp.u32 %r30, %r30, {INVALID}, %p11;
+	st.shared.u32 [%rd56+{PD}], %r30;
+	add.u64 %rd26, %rd26, {cell_d};
+{poll_e}	selp.u32 %r30, %r30, {INVALID}, %p11;
+	st.shared.u32 [%rd56+{PE}], %r30;
+$L_rq_next:
+	add.u32 %r22, %r22, %r3;
+	bra.uni $L_rq;
+$L_rqd:
 	// the rows were read before any access they allow (peers' buffers, my slots' data)
 	fence.acq_rel.sys;
 $L_polld:
@@ -493,11 +543,15 @@ $L_pairsd:
         so_row = 8 * MAX_RANKS,
         rc_row = 16 * MAX_RANKS,
         ro_row = 24 * MAX_RANKS,
-        d_off = 4 * MAX_RANKS,
-        e_off = 8 * MAX_RANKS,
+        m = MAX_RANKS,
+        cm_row = CM_ROW,
+        cell_d = 8 * MAX_RANKS,
+        cell_e = 16 * MAX_RANKS,
         poll_row = poll("rowp"),
-        pair_send = pair("ps", "%r5", "%r20", SND, "%r20"),
-        pair_recv = pair("pr", "%r20", "%r5", RCV, "%r20"),
+        poll_d = poll("rowd"),
+        poll_e = poll("rowe"),
+        pair_send = pair("ps", "%r5", "%r20", SND, "%r20", PD),
+        pair_recv = pair("pr", "%r20", "%r5", RCV, "%r20", MD),
     );
     // my send offset of part k (%r20) + my input: %rd68
     let src = format!(

@@ -9,7 +9,7 @@
 
 pub use cuda_multimem_collectives::kernels::gather::*;
 use cuda_multimem_collectives::kernels::{
-    ERR_TIMEOUT, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
+    ERR_TIMEOUT, MAX_RANKS, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
     OFF_SIG, OFF_STAGES, OFF_STAGE_HALF,
 };
 
@@ -569,50 +569,57 @@ $L_pk_loop:
     s
 }
 
-/// The last warp's lanes t < n, t != rank, each for peer t; others branch to `$L_{label}_done`
-/// (predicate p10; lane in r51).
-fn last_warp_lanes(label: &str) -> String {
+/// The last warp's lanes: lane t (in r51) runs `body` for peers p = t, t + 32, ... < n, p !=
+/// rank (p in r51; up to `MAX_RANKS`); other threads and the lanes past the peers go to
+/// `$L_{label}_done` (predicate p10). `body` may branch to `$L_{label}_next` (the next peer).
+fn last_warp_lanes(label: &str, body: &str) -> String {
     format!(
-        "\tsub.u32 %r51, %r3, 32;\n\tsub.u32 %r51, %r1, %r51;\n\tsetp.ge.u32 %p10, %r51, %r6;\n\tsetp.eq.or.u32 %p10, %r51, %r5, %p10;\n\t@%p10 bra $L_{label}_done;\n"
+        "\tsub.u32 %r51, %r3, 32;\n\tsub.u32 %r51, %r1, %r51;\n\tsetp.ge.u32 %p10, %r51, 32;\n\t@%p10 bra $L_{label}_done;\n$L_{label}_lane:\n\tsetp.ge.u32 %p10, %r51, %r6;\n\t@%p10 bra $L_{label}_done;\n\tsetp.eq.u32 %p10, %r51, %r5;\n\t@%p10 bra $L_{label}_next;\n{body}$L_{label}_next:\n\tadd.u32 %r51, %r51, 32;\n\tbra.uni $L_{label}_lane;\n"
     )
 }
 
 /// The signal half of [`barrier`] at `val_reg` (no header): after every thread's pushes of
-/// this round and reads of the previous one (bar.sync), lane t of the last warp tells peer t
-/// with a release store. No wait: phase B's threads wait in the next step ([`wait_b`]) while
-/// phase A's push the next round.
+/// this round and reads of the previous one (bar.sync), lane t of the last warp tells peers t,
+/// t + 32, ... with a release store. No wait: phase B's threads wait in the next step
+/// ([`wait_b`]) while phase A's push the next round.
 fn arrive(label: &str, val_reg: &str) -> String {
-    format!(
-        r#"	// ---- arrive {label}: block b tells block b of every peer it is at value {val_reg}
-	bar.sync 0;
-{lanes}	mul.wide.u32 %rd40, %r51, 8;
+    let body = format!(
+        r#"	mul.wide.u32 %rd40, %r51, 8;
 	add.u64 %rd40, %rd1, %rd40;
 	ld.global.u64 %rd41, [%rd40+{OFF_PADS}];
-	mad.lo.u32 %r40, %r2, 8, %r5;
+	mad.lo.u32 %r40, %r2, {MAX_RANKS}, %r5;
 	mul.wide.u32 %rd43, %r40, 4;
 	add.u64 %rd43, %rd41, %rd43;
 	st.release.sys.global.u32 [%rd43+{OFF_SIG}], {val_reg};
-$L_{label}_done:
+"#
+    );
+    format!(
+        r#"	// ---- arrive {label}: block b tells block b of every peer it is at value {val_reg}
+	bar.sync 0;
+{lanes}$L_{label}_done:
 "#,
-        lanes = last_warp_lanes(label)
+        lanes = last_warp_lanes(label, &body)
     )
 }
 
 /// The wait half of [`barrier`] at `val_reg`, by phase B's threads only (r48 of them, the last
-/// warp among them): lane t of the last warp waits for peer t's arrival (acquire), bounded by
-/// the timeout (then `ERR_TIMEOUT`) or until the error word is set; then the phase's threads
-/// meet at named barrier 1.
+/// warp among them): lane t of the last warp waits for peers t, t + 32, ... (acquire), each
+/// bounded by the timeout (then `ERR_TIMEOUT`) or until the error word is set; then the
+/// phase's threads meet at named barrier 1.
 fn wait_b(label: &str, val_reg: &str) -> String {
-    format!(
-        r#"	// ---- wait {label}: phase B's threads wait until block b of every peer is at {val_reg}
-{lanes}	mad.lo.u32 %r42, %r2, 8, %r51;
+    let body = format!(
+        r#"	mad.lo.u32 %r42, %r2, {MAX_RANKS}, %r51;
 	mul.wide.u32 %rd44, %r42, 4;
 	add.u64 %rd44, %rd1, %rd44;
-{spin}$L_{label}_done:
+{spin}"#,
+        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)
+    );
+    format!(
+        r#"	// ---- wait {label}: phase B's threads wait until block b of every peer is at {val_reg}
+{lanes}$L_{label}_done:
 	bar.sync 1, %r48;
 "#,
-        lanes = last_warp_lanes(label),
-        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)
+        lanes = last_warp_lanes(label, &body),
     )
 }
 
@@ -922,18 +929,22 @@ fn ll_kernel(c: Collective, f: &Flavor) -> String {
             if c == Collective::Broadcast {
                 s += &format!(
                     r#"$L_snd_skip:
-	// presence (non-roots, block 0, thread t < n, t != rank): the flag as word 0 of my slot
-	// [parity][rank] on peer t
+	// presence (non-roots, block 0, thread t for peers p = t, t + ntid, ... < n, p != rank):
+	// the flag as word 0 of my slot [parity][rank] on peer p
 	@%p8 bra $L_pr_done;
 	setp.ne.u32 %p17, %r2, 0;
 	@%p17 bra $L_pr_done;
-	setp.ge.u32 %p17, %r1, %r6;
-	@%p17 bra $L_pr_done;
-	setp.eq.u32 %p17, %r1, %r5;
-	@%p17 bra $L_pr_done;
 	mov.u32 %r34, %r1;
 	mov.u64 %rd21, 0;
+$L_pr_k:
+	setp.ge.u32 %p17, %r34, %r6;
+	@%p17 bra $L_pr_done;
+	setp.eq.u32 %p17, %r34, %r5;
+	@%p17 bra $L_pr_next;
 {send}	st.relaxed.sys.global.u64 [%rd26], %rd17;
+$L_pr_next:
+	add.u32 %r34, %r34, %r3;
+	bra.uni $L_pr_k;
 $L_pr_done:
 "#
                 );
@@ -986,18 +997,23 @@ $L_pr_done:
             s += &strided("rcv", "%rd11", "%rd12", 3, &body);
             s += &format!(
                 r#"$L_rcv_skip:
-	// presence (block 0, thread t < n, t != rank, t != root): word 0 of my slot [parity][t]
+	// presence (block 0, thread t for peers p = t, t + ntid, ... < n, p != rank, p != root):
+	// word 0 of my slot [parity][p]
 	setp.ne.u32 %p17, %r2, 0;
-	@%p17 bra $L_pw_done;
-	setp.ge.u32 %p17, %r1, %r6;
-	@%p17 bra $L_pw_done;
-	setp.eq.u32 %p17, %r1, %r5;
-	@%p17 bra $L_pw_done;
-	setp.eq.u32 %p17, %r1, %r23;
 	@%p17 bra $L_pw_done;
 	mov.u32 %r34, %r1;
 	mov.u64 %rd21, 0;
-{mine}{}$L_pw_done:
+$L_pw_k:
+	setp.ge.u32 %p17, %r34, %r6;
+	@%p17 bra $L_pw_done;
+	setp.eq.u32 %p17, %r34, %r5;
+	@%p17 bra $L_pw_next;
+	setp.eq.u32 %p17, %r34, %r23;
+	@%p17 bra $L_pw_next;
+{mine}{}$L_pw_next:
+	add.u32 %r34, %r34, %r3;
+	bra.uni $L_pw_k;
+$L_pw_done:
 "#,
                 ll_poll("pw")
             );

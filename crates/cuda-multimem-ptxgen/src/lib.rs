@@ -542,10 +542,11 @@ fn prologue_with(name: &str, f: &Flavor, tail: &str) -> String {
     )
 }
 
-/// Register declarations of every kernel here (and the multimem ones).
+/// Register declarations of every kernel here (and the multimem ones); %r79 is the barrier's
+/// peer index ([`barrier_with`]).
 pub(crate) const REGS: &str = "\t.reg .pred %p<26>;
 \t.reg .b16 %h<4>;
-\t.reg .b32 %r<64>;
+\t.reg .b32 %r<80>;
 \t.reg .b64 %rd<92>;
 \t.reg .f32 %f<24>;
 ";
@@ -562,9 +563,9 @@ pub(crate) const IDS: &str = concat!(
     "\t// this block's barrier counter c (only this block writes it, after its last barrier)\n",
     "\tmul.wide.u32 %rd9, %r2, 4;\n",
     "\tadd.u64 %rd9, %rd1, %rd9;\n",
-    "\tld.global.u32 %r7, [%rd9+256];\n",
+    "\tld.global.u32 %r7, [%rd9+2048];\n",
 );
-const _: () = assert!(OFF_RANK == 0 && OFF_NRANKS == 4 && OFF_CTR == 256);
+const _: () = assert!(OFF_RANK == 0 && OFF_NRANKS == 4 && OFF_CTR == 2048);
 
 /// This block's units [rd11, rd12) of rd10 units: per = ceil(units / nblocks) rounded up to 8
 /// (rd14; with 16-byte vectors every block starts on a 128-byte line); rd13 = nblocks, rd15 =
@@ -591,9 +592,10 @@ fn barrier(label: &str, val_reg: &str, check_header: bool) -> String {
     barrier_with(label, val_reg, check_header, "")
 }
 
-/// [`barrier`] during which the threads of warps 1.. (never signalling: a team has at most 8
-/// ranks) run `side` (code that falls through at its end and may branch to `$L_{label}_done`)
-/// while warp 0 signals and waits; empty `side`: exactly [`barrier`].
+/// [`barrier`] during which the threads of warps 1.. (never signalling: warp 0's lane t meets
+/// peers t, t + 32, t + 64, up to `MAX_RANKS`) run `side` (code that falls through at its end and
+/// may branch to `$L_{label}_done`) while warp 0 signals and waits; empty `side`: exactly
+/// [`barrier`]. The peer index runs in %r79.
 fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> String {
     let (to_side, side) = if side.is_empty() {
         (String::new(), String::new())
@@ -602,14 +604,14 @@ fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> S
             format!(
                 "\t// warps 1.. do their side work while warp 0 meets the peers\n\tsetp.ge.u32 %p10, %r1, 32;\n\t@%p10 bra $L_{label}_side;\n"
             ),
-            format!("\tbra.uni $L_{label}_done;\n$L_{label}_side:\n{side}"),
+            format!("$L_{label}_side:\n{side}"),
         )
     };
     let hdr_store = if check_header {
         format!(
-            r#"	// header: [peer pad + HDR + 8*((parity*MAXB + b)*8 + rank)]
+            r#"	// header: [peer pad + HDR + 8*((parity*MAXB + b)*MAX_RANKS + rank)]
 	mad.lo.u32 %r41, %r8, {mb}, %r2;
-	mad.lo.u32 %r41, %r41, 8, %r5;
+	mad.lo.u32 %r41, %r41, {MAX_RANKS}, %r5;
 	mul.wide.u32 %rd42, %r41, 8;
 	add.u64 %rd42, %rd41, %rd42;
 	st.relaxed.sys.global.u64 [%rd42+{OFF_HDR}], %rd7;
@@ -622,12 +624,12 @@ fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> S
     let hdr_check = if check_header {
         format!(
             r#"	mad.lo.u32 %r45, %r8, {mb}, %r2;
-	mad.lo.u32 %r45, %r45, 8, %r1;
+	mad.lo.u32 %r45, %r45, {MAX_RANKS}, %r79;
 	mul.wide.u32 %rd48, %r45, 8;
 	add.u64 %rd48, %rd1, %rd48;
 	ld.relaxed.sys.global.u64 %rd49, [%rd48+{OFF_HDR}];
 	setp.eq.u64 %p14, %rd49, %rd7;
-	@%p14 bra $L_{label}_done;
+	@%p14 bra $L_{label}_wn;
 	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_MISMATCH};
 "#,
             mb = MAX_BLOCKS
@@ -638,22 +640,42 @@ fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> S
     format!(
         r#"	// ---- barrier {label}: block b meets block b of every peer at value {val_reg}
 	bar.sync 0;
-{to_side}	setp.ge.u32 %p10, %r1, %r6;
-	setp.eq.or.u32 %p10, %r1, %r5, %p10;
+{to_side}	setp.ge.u32 %p10, %r1, 32;
 	@%p10 bra $L_{label}_done;
-	// thread t signals peer t: [pad_t + SIG + 4*(b*8 + rank)] = val (release, system scope)
-	mul.wide.u32 %rd40, %r1, 8;
+	// lane t signals peers p = t, t + 32, ... < n, p != rank:
+	// [pad_p + SIG + 4*(b*MAX_RANKS + rank)] = val (release, system scope)
+	mov.u32 %r79, %r1;
+$L_{label}_sl:
+	setp.ge.u32 %p10, %r79, %r6;
+	@%p10 bra $L_{label}_sd;
+	setp.eq.u32 %p10, %r79, %r5;
+	@%p10 bra $L_{label}_sn;
+	mul.wide.u32 %rd40, %r79, 8;
 	add.u64 %rd40, %rd1, %rd40;
 	ld.global.u64 %rd41, [%rd40+{OFF_PADS}];
-{hdr_store}	mad.lo.u32 %r40, %r2, 8, %r5;
+{hdr_store}	mad.lo.u32 %r40, %r2, {MAX_RANKS}, %r5;
 	mul.wide.u32 %rd43, %r40, 4;
 	add.u64 %rd43, %rd41, %rd43;
 	st.release.sys.global.u32 [%rd43+{OFF_SIG}], {val_reg};
-	// and waits for peer t: [my pad + SIG + 4*(b*8 + t)] >= val (acquire), bounded by the timeout
-	mad.lo.u32 %r42, %r2, 8, %r1;
+$L_{label}_sn:
+	add.u32 %r79, %r79, 32;
+	bra.uni $L_{label}_sl;
+$L_{label}_sd:
+	// and waits for the same peers: [my pad + SIG + 4*(b*MAX_RANKS + p)] >= val (acquire),
+	// bounded by the timeout
+	mov.u32 %r79, %r1;
+$L_{label}_wl:
+	setp.ge.u32 %p10, %r79, %r6;
+	@%p10 bra $L_{label}_done;
+	setp.eq.u32 %p10, %r79, %r5;
+	@%p10 bra $L_{label}_wn;
+	mad.lo.u32 %r42, %r2, {MAX_RANKS}, %r79;
 	mul.wide.u32 %rd44, %r42, 4;
 	add.u64 %rd44, %rd1, %rd44;
-{spin}{hdr_check}{side}$L_{label}_done:
+{spin}{hdr_check}$L_{label}_wn:
+	add.u32 %r79, %r79, 32;
+	bra.uni $L_{label}_wl;
+{side}$L_{label}_done:
 	bar.sync 0;
 "#,
         spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)

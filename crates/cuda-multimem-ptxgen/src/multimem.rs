@@ -4,7 +4,7 @@
 //! The member layout: `cuda_multimem_collectives::kernels::multimem`.
 
 pub use cuda_multimem_collectives::kernels::multimem::*;
-use cuda_multimem_collectives::kernels::{ERR_MISMATCH, MAX_BLOCKS};
+use cuda_multimem_collectives::kernels::{ERR_MISMATCH, MAX_BLOCKS, MAX_RANKS};
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
 use super::{Flavor, HEADER};
@@ -51,9 +51,9 @@ fn barrier(label: &str, val: &str, check_header: bool) -> String {
     let (hdr_store, hdr_check) = if check_header {
         (
             format!(
-                r#"	// call header into [member k + HDR + 8*((parity*MAXB + b)*8 + rank)] for every k
+                r#"	// call header into [member k + HDR + 8*((parity*MAXB + b)*MAX_RANKS + rank)] for every k
 	mad.lo.u32 %r41, %r8, {mb}, %r2;
-	mad.lo.u32 %r41, %r41, 8, %r5;
+	mad.lo.u32 %r41, %r41, {MAX_RANKS}, %r5;
 	mul.wide.u32 %rd43, %r41, 8;
 	mov.u32 %r34, 0;
 $L_{label}_h:
@@ -75,7 +75,7 @@ $L_{label}_hend:
             format!(
                 r#"	// every member's header of this call, as stored in my memory, equals mine
 	mad.lo.u32 %r41, %r8, {mb}, %r2;
-	mul.lo.u32 %r41, %r41, 8;
+	mul.lo.u32 %r41, %r41, {MAX_RANKS};
 	mov.u32 %r34, 0;
 $L_{label}_c:
 	setp.ge.u32 %p14, %r34, %r6;

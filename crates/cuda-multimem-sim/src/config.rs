@@ -5,6 +5,9 @@ use std::fmt;
 /// Lowest and highest driver versions the simulator can pretend to be.
 pub const VERSION_RANGE: (i32, i32) = (12000, 13050);
 
+/// Most devices of one simulated machine: one NVL72 domain (the collectives' largest team).
+pub const MAX_DEVICES: usize = 72;
+
 /// One simulated device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SimDeviceConfig {
@@ -111,11 +114,12 @@ const KNOWN: &str = "devices, version, vmm, multicast, endpoints, fabric, posix_
 
 impl SimConfig {
     /// `devices` H200-like devices in one NVLink clique, at driver `version`. A machine has at
-    /// most 64 devices: a larger count describes 65 (without building a description per device
-    /// asked for), which [`SimConfig::validate`] and [`crate::Simulator::start`] refuse.
+    /// most [`MAX_DEVICES`] devices: a larger count describes one more (without building a
+    /// description per device asked for), which [`SimConfig::validate`] and
+    /// [`crate::Simulator::start`] refuse.
     pub fn new(devices: usize, version: i32) -> Self {
         SimConfig {
-            devices: (0..devices.min(65))
+            devices: (0..devices.min(MAX_DEVICES + 1))
                 .map(|_| SimDeviceConfig::h200())
                 .collect(),
             version,
@@ -139,8 +143,8 @@ impl SimConfig {
                 expected,
             })
         };
-        if self.devices.is_empty() || self.devices.len() > 64 {
-            return bad("devices", self.devices.len().to_string(), "1 to 64 devices");
+        if self.devices.is_empty() || self.devices.len() > MAX_DEVICES {
+            return bad("devices", self.devices.len().to_string(), "1 to 72 devices");
         }
         if !(VERSION_RANGE.0..=VERSION_RANGE.1).contains(&self.version) || self.version % 10 != 0 {
             return bad(
@@ -217,12 +221,12 @@ impl SimConfig {
         // The device count first: every other option applies to all devices. A repeated option
         // takes its last value, this one too.
         if let Some((k, v)) = pairs.iter().rev().find(|(k, _)| k == "devices") {
-            let n = int(k, v, "a device count from 1 to 64")?;
-            if !(1..=64).contains(&n) {
+            let n = int(k, v, "a device count from 1 to 72")?;
+            if !(1..=MAX_DEVICES as i64).contains(&n) {
                 return Err(ConfigError::InvalidValue {
                     key: k.clone(),
                     value: v.clone(),
-                    expected: "a device count from 1 to 64",
+                    expected: "a device count from 1 to 72",
                 });
             }
             cfg = SimConfig::new(n as usize, cfg.version);

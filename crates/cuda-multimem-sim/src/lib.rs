@@ -66,7 +66,7 @@ mod session;
 mod state;
 
 pub use api::table::implemented;
-pub use config::{ConfigError, SimConfig, SimDeviceConfig, VERSION_RANGE};
+pub use config::{ConfigError, SimConfig, SimDeviceConfig, MAX_DEVICES, VERSION_RANGE};
 pub use model::kernel::{
     kernel_registered, missing_kernel_message, register_kernel, register_kernel_with, KernelAttrs,
     KernelError, KernelFn, LaunchArgs,

@@ -12,6 +12,7 @@ use cuda_multimem::{CaptureMode, Device, DeviceBuffer, DeviceRepr, Stream};
 use cuda_multimem_collectives::{
     Algorithm, Choice, CommConfig, Communicator, MulticastPolicy, Operands, SymmetricBuffer,
 };
+use cuda_multimem_collectives::kernels::MAX_RANKS;
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{
     collectives_unsupported, env, invalid_arg_of, placed, sim, skip, sync_all, team_on, Rng,
@@ -760,6 +761,57 @@ fn all_to_all_on_one_simulated_device_shared_by_2_to_8_ranks() {
             }
         }
         assert_eq!(e.sim.as_ref().unwrap().residency_waits(), 0, "{n} ranks");
+    }
+}
+
+/// Teams of 16 and of `MAX_RANKS` (one NVL72 domain) on the simulator, small parts: equal parts,
+/// host counts and device counts (the count matrix every block holds, the pushes and polls of
+/// thread t for peers t, t + ntid, ...), in both forms.
+#[test]
+fn all_to_all_on_simulated_teams_of_16_and_max_ranks_equals_the_host_reference() {
+    for n in [16usize, MAX_RANKS] {
+        let e = sim(SimConfig::new(n, 13050));
+        let devices = e.driver.devices();
+        // every rank's staging and low-latency areas are 2 × N slots: small ones
+        let small = CommConfig {
+            ll_max_bytes: 4 << 10,
+            gather_ll_max_bytes: 8 << 10,
+            broadcast_ll_max_bytes: 4 << 10,
+            norm_ll_max_bytes: 4 << 10,
+            one_shot_max_bytes: Some(16 << 10),
+            stage_bytes: Some(16 << 10),
+            scratch_bytes: 3 << 20,
+            max_blocks: 2,
+            ..CommConfig::default()
+        };
+        let forms = [
+            (small.clone(), Algorithm::AllToAllLl),
+            (
+                CommConfig {
+                    gather_ll_max_bytes: 0,
+                    push_threads: 64,
+                    ..small
+                },
+                Algorithm::AllToAllDirect,
+            ),
+        ];
+        for (ci, (config, want)) in forms.into_iter().enumerate() {
+            let (comm, s) = team_on(&devices, config, MulticastPolicy::Never);
+            let mut rng = Rng::new(700 + n as u64 + ci as u64);
+            let c = equal_case::<u32>(&comm, &s, 3, true, false, &mut rng);
+            assert_eq!(c.algorithm, want, "{n} ranks: {c}");
+            equal_case::<u8>(&comm, &s, 5, false, true, &mut rng);
+            let c = host_counts_case::<u16>(&comm, &s, 9, true, &mut rng);
+            assert_eq!(c.algorithm, want, "{n} ranks: {c}");
+            let mut case = DevCase::<u16>::new(&comm, false, 6);
+            case.fill(&mut rng, 6, true);
+            for r in 0..n {
+                case.call(&comm, r, &s[r]);
+            }
+            sync_all(&s);
+            comm.check().unwrap();
+            case.verify(&format!("{n} ranks, device counts, {want:?}"));
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! collective replays from a captured graph with new inputs.
 
 use cuda_multimem::{CaptureMode, Device};
+use cuda_multimem_collectives::kernels::MAX_RANKS;
 use cuda_multimem_collectives::{CommConfig, MulticastPolicy};
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{
@@ -60,6 +61,51 @@ fn every_collective_equals_its_host_reference_on_simulated_teams_of_3_to_8() {
         let e = sim(SimConfig::new(n, 13000));
         let devices = e.driver.devices();
         cuda_multimem_tests::for_each_elem!(sweep(&devices, &[1, 7, 1000], &Mem::ALL, seed));
+    }
+}
+
+/// Small staging and low-latency areas for the largest teams on the simulator (every rank's are
+/// `2 × N` slots): 16 KiB one-shot staging, 8 KiB low-latency slots, few blocks of few threads.
+fn small_areas() -> CommConfig {
+    CommConfig {
+        ll_max_bytes: 4 << 10,
+        gather_ll_max_bytes: 8 << 10,
+        broadcast_ll_max_bytes: 4 << 10,
+        norm_ll_max_bytes: 4 << 10,
+        one_shot_max_bytes: Some(16 << 10),
+        stage_bytes: Some(16 << 10),
+        scratch_bytes: 3 << 20,
+        threads: 64,
+        push_threads: 64,
+        max_blocks: 2,
+        ..CommConfig::default()
+    }
+}
+
+/// One pass of the table (every collective, its first operator or root and its last root, f32,
+/// symmetric and own operands, one count in the low-latency forms and one above them) on
+/// simulated teams of 16 and of `MAX_RANKS` (one NVL72 domain): the team sizes the pad, the
+/// barrier's three rounds of warp 0 and the parts of fewer elements than ranks (7 elements on
+/// 16 or 72 ranks) take.
+#[test]
+fn every_collective_equals_its_host_reference_on_simulated_teams_of_16_and_max_ranks() {
+    for (n, seed) in [(16usize, 11u64), (MAX_RANKS, 12)] {
+        let e = sim(SimConfig::new(n, 13000));
+        let devices = e.driver.devices();
+        let (comm, s) = team_on(&devices, small_areas(), MulticastPolicy::Never);
+        let mut rng = Rng::new(seed);
+        let mut seen = Vec::new();
+        for call in calls(n) {
+            // one operator per reducing collective (every operator runs at 3 to 8 ranks)
+            if seen.contains(&(call.name, call.params.root)) {
+                continue;
+            }
+            seen.push((call.name, call.params.root));
+            for (count, mem) in [(7, Mem::SYM), (1500, Mem::OWN), (1000, Mem::SYM_ODD)] {
+                once::<f32>(&comm, &s, call, count, mem, false, &mut rng);
+            }
+        }
+        assert!(seen.len() >= 6, "{seen:?}");
     }
 }
 

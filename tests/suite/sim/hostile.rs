@@ -118,7 +118,7 @@ fn a_machine_of_no_or_100000_devices_or_a_bad_version_or_numa_does_not_start() {
         Err(StartError::Config(ConfigError::InvalidValue { key, .. })) => key,
         other => panic!("expected a configuration error, got {other:?}"),
     };
-    for n in [0, 65, 100_000] {
+    for n in [0, 73, 100_000] {
         assert_eq!(key(SimConfig::new(n, 13030)), "devices", "{n} devices");
     }
     for v in [0, -1, 99_999, 12_005, 11_080, i32::MIN, i32::MAX] {
@@ -369,7 +369,7 @@ fn cudarc_slices_of_another_device_are_refused_naming_the_operand() {
 /// of building a description per device asked for (capacity overflow, or out of memory).
 #[test]
 fn a_sim_config_of_usize_max_devices_is_refused_not_an_abort() {
-    for n in [65, 100_000, usize::MAX] {
+    for n in [73, 100_000, usize::MAX] {
         let c = cuda_multimem_sim::SimConfig::new(n, 13000);
         assert!(
             matches!(

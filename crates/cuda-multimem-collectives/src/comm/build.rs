@@ -187,7 +187,7 @@ fn build_local(
     if !(1..=MAX_RANKS).contains(&n) {
         return Err(Error::invalid(
             "devices",
-            format!("{n} device(s); a team has 1 to {MAX_RANKS}"),
+            format!("{n} device(s); a team has 1 to {MAX_RANKS} ranks (one NVL72 domain)"),
         ));
     }
     check_devices(&devices, shared)?;
@@ -250,7 +250,7 @@ fn build_process(
     if !(1..=MAX_RANKS).contains(&n) || rank >= n {
         return Err(Error::invalid(
             "bootstrap",
-            format!("rank {rank} of {n}; a team has 1 to {MAX_RANKS} ranks"),
+            format!("rank {rank} of {n}; a team has 1 to {MAX_RANKS} ranks (one NVL72 domain)"),
         ));
     }
     check_devices(std::slice::from_ref(&device), shared)?;

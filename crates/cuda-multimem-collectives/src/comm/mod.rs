@@ -43,7 +43,8 @@ pub(crate) struct Inner {
     pub(crate) alloc_lock: Mutex<()>,
 }
 
-/// A team of NVLink-connected GPUs (1 to 8 ranks; a team of one runs every collective as a
+/// A team of NVLink-connected GPUs (1 to [`crate::kernels::MAX_RANKS`] = 72 ranks, one NVL72
+/// domain; a team of one runs every collective as a
 /// local copy, through the same API) and the collectives over it: all driven by
 /// this process ([`Communicator::new`], [`Communicator::builder`]), or one device per process
 /// ([`Communicator::builder_with_bootstrap`]).

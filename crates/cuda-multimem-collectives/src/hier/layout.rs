@@ -3,6 +3,7 @@
 use cuda_multimem::{Device, Error, Result};
 
 use crate::bootstrap::Bootstrap;
+use crate::kernels::MAX_RANKS;
 use crate::team::placement::{fnv, hostname, pci_id};
 
 /// How the team is cut into NVLink domains and rails.
@@ -32,6 +33,16 @@ impl HierLayout {
                 "domains",
                 format!(
                     "ranks by domain {domains:?}; every domain needs the same number of ranks (a rail takes one rank of each)"
+                ),
+            ));
+        }
+        // every rank sees every domain, so all refuse a domain too large alike (none waits)
+        if let Some(d) = domains.first().filter(|d| d.len() > MAX_RANKS) {
+            return Err(Error::invalid(
+                "domains",
+                format!(
+                    "domains of {} ranks; a domain's team has 1 to {MAX_RANKS} ranks (one NVL72 domain)",
+                    d.len()
                 ),
             ));
         }

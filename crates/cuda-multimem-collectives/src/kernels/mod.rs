@@ -8,6 +8,11 @@
 //! (run by CI) fails naming every file that differs from a fresh generation.
 //!
 //! # Signal pad layout (per rank, device memory, zeroed once at creation)
+//! Every per-rank table and slot row has [`MAX_RANKS`] entries (72: one NVL72 domain), so the
+//! pad is 384 KiB (the call headers, `2 × MAX_BLOCKS × MAX_RANKS` `u64`, are most of it).
+//! What a team writes once (its size, the tables) comes before the counters; from the counters
+//! on, the pad is protocol state, zeroed by `Communicator::recover`.
+//!
 //! | offset | content |
 //! | --- | --- |
 //! | 0 | `u32` rank |
@@ -15,15 +20,26 @@
 //! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
 //! | 12 | `u32` bounds word (0 ok, [`ERR_BOUNDS`]) |
 //! | 16 | `u64` bytes of one staging half |
-//! | 64 | `u64[8]` every rank's pad, as mapped on this rank |
 //! | 24 | `u64` bytes of one low-latency slot |
 //! | 32 | `u64` bytes of one landing slot (the copy-engine two-shot) |
 //! | 40 | `u64` this rank's landing area, as mapped on this rank |
-//! | 128 | `u64[8]` every rank's staging area, as mapped on this rank |
-//! | 192 | `u64[8]` every rank's low-latency staging area, as mapped on this rank |
-//! | 256 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
-//! | 2048 | `u32[MAX_BLOCKS][8]` signal slots: block b, sender s |
-//! | 16384 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender |
+//! | 48 | reserved (the host-visible error mirror) |
+//! | 64 | `u64[MAX_RANKS]` every rank's pad, as mapped on this rank |
+//! | 640 | `u64[MAX_RANKS]` every rank's staging area, as mapped on this rank |
+//! | 1216 | `u64[MAX_RANKS]` every rank's low-latency staging area, as mapped on this rank |
+//! | 2048 | `u32[MAX_BLOCKS]` per-block barrier counters (kept in lockstep) |
+//! | 4096 | `u32[MAX_BLOCKS][MAX_RANKS]` signal slots: block b, sender s |
+//! | 77824 | `u64[2][MAX_BLOCKS][MAX_RANKS]` call headers: parity, block, sender |
+//! | 372736 | end of the call headers ([`PAD_BYTES`] = 393216) |
+//!
+//! # Where the team size stops
+//! [`MAX_RANKS`] is 72, one NVL72 domain. What grows with it: the pad (above, linear), the
+//! barrier (warp 0's lanes t, t + 32, t + 64 each signal and wait for their peers, so three
+//! rounds at most), the all-to-all's shared memory (the count matrix `u32[MAX_RANKS]
+//! [MAX_RANKS]`, about 21 KiB of the 48 KiB a block may declare statically) and its table fill
+//! (`1 + 4 × MAX_RANKS` parameters, 2312 bytes of the 4 KiB of kernel parameters). The next
+//! limits past 72: the barrier loop (a fourth round per 32 ranks), the all-to-all's matrix
+//! (quadratic: 96 ranks take 36 KiB) and the fill's parameters (127 ranks).
 
 mod allreduce;
 pub mod alltoall;
@@ -41,11 +57,11 @@ pub(crate) use loader::{check_device, load_module};
 #[cfg(feature = "ptx-override")]
 pub const PTX_DIR_ENV: &str = "CUDA_MULTIMEM_PTX_DIR";
 /// Largest team.
-pub const MAX_RANKS: usize = 8;
+pub const MAX_RANKS: usize = 72;
 /// Largest grid; the per-block counters are replicated this many times.
 pub const MAX_BLOCKS: usize = 256;
 /// Bytes of one signal pad.
-pub const PAD_BYTES: usize = 64 << 10;
+pub const PAD_BYTES: usize = 384 << 10;
 /// Offsets in the pad.
 pub const OFF_RANK: usize = 0;
 /// Team size.
@@ -61,21 +77,46 @@ pub const OFF_STAGE_HALF: usize = 16;
 /// Peer pads.
 pub const OFF_PADS: usize = 64;
 /// Peer staging areas.
-pub const OFF_STAGES: usize = 128;
+pub const OFF_STAGES: usize = 640;
 /// Bytes of one low-latency slot (`u64`).
 pub const OFF_LL_SLOT: usize = 24;
 /// Peer low-latency staging areas.
-pub const OFF_LL_STAGES: usize = 192;
+pub const OFF_LL_STAGES: usize = 1216;
 /// Bytes of one landing slot (`u64`).
 pub const OFF_LAND_SLOT: usize = 32;
 /// This rank's landing area (`u64`).
 pub const OFF_LAND: usize = 40;
 /// Block counters.
-pub const OFF_CTR: usize = 256;
+pub const OFF_CTR: usize = 2048;
 /// Signal slots.
-pub const OFF_SIG: usize = 2048;
+pub const OFF_SIG: usize = 4096;
 /// Call headers.
-pub const OFF_HDR: usize = 16384;
+pub const OFF_HDR: usize = 77824;
+/// Byte offset of signal slot (block `b`, sender `s`) in a pad: one row of [`MAX_RANKS`] per
+/// block (the PTX computes the same).
+pub const fn sig_slot(b: usize, s: usize) -> usize {
+    OFF_SIG + 4 * (b * MAX_RANKS + s)
+}
+/// Byte offset of call header (parity `p`, block `b`, sender `s`) from the start of the
+/// headers (`OFF_HDR` in a pad, `MM_OFF_HDR` in a multimem member): rows of [`MAX_RANKS`].
+pub const fn hdr_slot(p: usize, b: usize, s: usize) -> usize {
+    8 * ((p * MAX_BLOCKS + b) * MAX_RANKS + s)
+}
+
+// The pad's regions in order, none overlapping another (the table above); 48..56 stays free.
+const _: () = {
+    assert!(OFF_LAND + 8 <= 48 && OFF_PADS >= 56);
+    assert!(OFF_PADS + 8 * MAX_RANKS <= OFF_STAGES);
+    assert!(OFF_STAGES + 8 * MAX_RANKS <= OFF_LL_STAGES);
+    assert!(OFF_LL_STAGES + 8 * MAX_RANKS <= OFF_CTR);
+    assert!(OFF_CTR + 4 * MAX_BLOCKS <= OFF_SIG);
+    assert!(OFF_SIG + 4 * MAX_BLOCKS * MAX_RANKS <= OFF_HDR);
+    assert!(OFF_HDR + 2 * MAX_BLOCKS * MAX_RANKS * 8 <= PAD_BYTES);
+    assert!(OFF_HDR % 8 == 0 && OFF_SIG % 4 == 0);
+    // the barrier's three rounds of warp 0 (lanes t, t + 32, t + 64)
+    assert!(MAX_RANKS <= 3 * 32);
+};
+
 /// A barrier spun past its deadline.
 pub const ERR_TIMEOUT: u32 = 1;
 /// A peer called with another size, type, operation or algorithm.

@@ -6,16 +6,16 @@
 //! # Member layout (every member's memory of a multicast team)
 //! | offset | content |
 //! | --- | --- |
-//! | 256 | `u32[MAX_BLOCKS]` per-block barrier counters (this rank's, through unicast; the same
+//! | 2048 | `u32[MAX_BLOCKS]` per-block barrier counters (this rank's, through unicast; the same
 //! offset as the peer-to-peer pad, so the kernels share their epilogue) |
-//! | 2048 | `u32[MAX_BLOCKS]` arrival words: block b's barrier adds 1 on every member |
-//! | 3072 | `u32` error word |
-//! | 3076 | `u32` rank |
-//! | 3080 | `u32` team size |
-//! | 3088 | `u64` capacity (bytes of the input region = bytes of the output region) |
-//! | 3584 | `u64[8]` every member's unicast address (for scalar tails and call headers) |
-//! | 4096 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender (as the peer-to-peer pad) |
-//! | 65536 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
+//! | 3072 | `u32[MAX_BLOCKS]` arrival words: block b's barrier adds 1 on every member |
+//! | 4096 | `u32` error word |
+//! | 4100 | `u32` rank |
+//! | 4104 | `u32` team size |
+//! | 4112 | `u64` capacity (bytes of the input region = bytes of the output region) |
+//! | 4608 | `u64[MAX_RANKS]` every member's unicast address (for scalar tails and call headers) |
+//! | 8192 | `u64[2][MAX_BLOCKS][MAX_RANKS]` call headers: parity, block, sender (as the peer-to-peer pad, [`super::hdr_slot`]) |
+//! | 327680 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
 
 use super::MAX_BLOCKS;
 use crate::types::{DType, ReduceOp as Op};
@@ -23,21 +23,21 @@ use crate::types::{DType, ReduceOp as Op};
 /// Counters.
 pub const MM_OFF_CTR: usize = super::OFF_CTR;
 /// Arrival words.
-pub const MM_OFF_SIG: usize = 2048;
+pub const MM_OFF_SIG: usize = 3072;
 /// Error word.
-pub const MM_OFF_ERR: usize = 3072;
+pub const MM_OFF_ERR: usize = 4096;
 /// Rank.
-pub const MM_OFF_RANK: usize = 3076;
+pub const MM_OFF_RANK: usize = 4100;
 /// Team size.
-pub const MM_OFF_NRANKS: usize = 3080;
+pub const MM_OFF_NRANKS: usize = 4104;
 /// Capacity.
-pub const MM_OFF_CAP: usize = 3088;
+pub const MM_OFF_CAP: usize = 4112;
 /// Members' unicast addresses.
-pub const MM_OFF_PEERS: usize = 3584;
+pub const MM_OFF_PEERS: usize = 4608;
 /// Call headers.
-pub const MM_OFF_HDR: usize = 4096;
+pub const MM_OFF_HDR: usize = 8192;
 /// Start of the input region.
-pub const MM_DATA: usize = 65536;
+pub const MM_DATA: usize = 320 << 10;
 
 /// The multimem kernels: the allreduce's two algorithms, and reduce-scatter, all-gather and
 /// broadcast (`docs/design/collectives.md`, "Multimem forms").
@@ -138,6 +138,10 @@ pub const FILE: &str = "multimem.ptx";
 const _: () = assert!(
     MM_OFF_CTR + MAX_BLOCKS * 4 <= MM_OFF_SIG
         && MM_OFF_SIG + MAX_BLOCKS * 4 <= MM_OFF_ERR
+        && MM_OFF_ERR + 4 <= MM_OFF_RANK
+        && MM_OFF_NRANKS + 4 <= MM_OFF_CAP
+        && MM_OFF_CAP + 8 <= MM_OFF_PEERS
         && MM_OFF_PEERS + 8 * super::MAX_RANKS <= MM_OFF_HDR
         && MM_OFF_HDR + 2 * MAX_BLOCKS * super::MAX_RANKS * 8 <= MM_DATA
+        && MM_DATA % 16 == 0
 );

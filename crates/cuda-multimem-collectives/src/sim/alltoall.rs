@@ -200,12 +200,13 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
         let parity = ((cnt >> 1) & 1) as usize;
         let push = |t: usize| stage(t) + (parity * n + rank) * slot;
         let mine = |s: usize| stage(rank) + (parity * n + s) * slot;
-        // block 0: my row into every peer's slot [parity][rank]
+        // block 0: my C cells and my D and E of peer t (cells m + t, 2m + t: the only cells
+        // of my row besides C that t's parts use) into every peer t's slot [parity][rank]
         if b == 0 {
             for t in (0..n).filter(|&t| t != rank) {
                 a.check(push(t), 8 * ROW_CELLS as usize, true)?;
-                for (i, v) in row.iter().enumerate() {
-                    u64_at(push(t) + 8 * i).store(flag | *v as u64, Ordering::Release);
+                for i in (0..n).chain([m + t, 2 * m + t]) {
+                    u64_at(push(t) + 8 * i).store(flag | row[i] as u64, Ordering::Release);
                 }
             }
         }
@@ -215,8 +216,8 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
         rows[rank] = row;
         for s in (0..n).filter(|&s| s != rank) {
             a.check(mine(s), 8 * ROW_CELLS as usize, false)?;
-            for (i, cell) in rows[s].iter_mut().enumerate() {
-                *cell = poll(&cx, mine(s) + 8 * i, flag).unwrap_or(INVALID);
+            for i in (0..n).chain([m + rank, 2 * m + rank]) {
+                rows[s][i] = poll(&cx, mine(s) + 8 * i, flag).unwrap_or(INVALID);
             }
         }
         let snd: Vec<Part> = (0..n)

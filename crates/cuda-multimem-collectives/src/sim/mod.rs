@@ -251,10 +251,10 @@ impl Ctx {
         a.jitter();
         for t in (0..self.n).filter(|&t| t != self.rank) {
             if let Some(p) = parity {
-                let slot = (p as usize * MAX_BLOCKS + b) * 8 + self.rank;
-                u64_at(self.pads[t] + OFF_HDR + 8 * slot).store(self.sig, Ordering::Relaxed);
+                let slot = hdr_slot(p as usize, b, self.rank);
+                u64_at(self.pads[t] + OFF_HDR + slot).store(self.sig, Ordering::Relaxed);
             }
-            u32_at(self.pads[t] + OFF_SIG + 4 * (b * 8 + self.rank)).store(val, Ordering::Release);
+            u32_at(self.pads[t] + sig_slot(b, self.rank)).store(val, Ordering::Release);
         }
     }
 
@@ -263,7 +263,7 @@ impl Ctx {
     /// the headers checked when `parity` is given.
     fn wait(&self, b: usize, val: u32, parity: Option<u32>) {
         for t in (0..self.n).filter(|&t| t != self.rank) {
-            let slot = u32_at(self.pad + OFF_SIG + 4 * (b * 8 + t));
+            let slot = u32_at(self.pad + sig_slot(b, t));
             let start = Instant::now();
             let mut spins = 0u32;
             let arrived = loop {
@@ -291,8 +291,8 @@ impl Ctx {
             };
             if arrived {
                 if let Some(p) = parity {
-                    let slot = (p as usize * MAX_BLOCKS + b) * 8 + t;
-                    let h = u64_at(self.pad + OFF_HDR + 8 * slot).load(Ordering::Relaxed);
+                    let h = u64_at(self.pad + OFF_HDR + hdr_slot(p as usize, b, t))
+                        .load(Ordering::Relaxed);
                     if h != self.sig {
                         let _ = self.err().compare_exchange(
                             0,

@@ -120,7 +120,7 @@ impl<'a> MmCtx<'a> {
         if err.load(Ordering::Relaxed) != 0 {
             return Ok(());
         }
-        let hdr = |p: u32, s: usize| MM_OFF_HDR + 8 * ((p as usize * MAX_BLOCKS + b) * 8 + s);
+        let hdr = |p: u32, s: usize| MM_OFF_HDR + hdr_slot(p as usize, b, s);
         if let Some(p) = parity {
             for &m in &self.peers {
                 u64_at(m + hdr(p, self.rank)).store(self.sig, Ordering::Relaxed);

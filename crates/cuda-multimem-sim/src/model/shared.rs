@@ -14,7 +14,7 @@ use cuda_multimem_sys::CUresult;
 use crate::state::SimResult;
 
 /// Devices a shared table records.
-pub(crate) const MAX_DEVICES: usize = 64;
+pub(crate) const MAX_DEVICES: usize = crate::config::MAX_DEVICES;
 /// Bindings a shared table records.
 pub(crate) const MAX_BINDS: usize = 256;
 

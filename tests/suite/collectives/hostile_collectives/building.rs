@@ -221,6 +221,71 @@ fn layout_accessors_out_of_range_answer_empty_not_panic() {
     assert_eq!(arg_of(HierLayout::from_keys(0, &[])), "rank");
 }
 
+/// One rank more than the largest team (`MAX_RANKS`, one NVL72 domain) is refused naming the
+/// argument that carries the size, before anything is exchanged or allocated: a device list
+/// (here 73 ranks sharing 3 simulated devices), a bootstrap of 73 ranks, and a hierarchical
+/// layout whose domains have 73 ranks. `MAX_RANKS` itself builds.
+#[test]
+fn a_team_of_one_rank_more_than_the_largest_is_refused_naming_the_argument() {
+    /// A bootstrap of `MAX_RANKS + 1` ranks that must never be asked to exchange.
+    struct TooMany;
+    impl Bootstrap for TooMany {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            MAX_RANKS + 1
+        }
+        fn all_gather(&self, _: &[u8]) -> cuda_multimem::Result<Vec<Vec<u8>>> {
+            panic!("a team of {} ranks exchanged", MAX_RANKS + 1)
+        }
+    }
+    let e = sim(SimConfig::new(3, 13000));
+    let d = e.driver.devices();
+    let many: Vec<_> = (0..=MAX_RANKS).map(|r| d[r % 3].clone()).collect();
+    let simulator = e.sim.as_ref().unwrap();
+    let before = simulator.live_resources();
+    let err = Communicator::builder(&many)
+        .allow_shared_devices(true)
+        .build()
+        .unwrap_err();
+    match &err {
+        Error::InvalidArgument { arg, reason } => {
+            assert_eq!(*arg, "devices");
+            assert!(reason.contains(&format!("1 to {MAX_RANKS}")), "{reason}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    let r = Communicator::builder_with_bootstrap(&d[0], Box::new(TooMany)).build();
+    assert_eq!(arg_of(r), "bootstrap");
+    assert_eq!(
+        simulator.live_resources(),
+        before,
+        "a refused build left something"
+    );
+    let keys = vec![5u64; MAX_RANKS + 1];
+    assert_eq!(arg_of(HierLayout::from_keys(0, &keys)), "domains");
+    assert!(HierLayout::from_keys(0, &keys[..MAX_RANKS]).is_ok());
+    // the largest team of one device per rank builds (its calls: collectives::table)
+    drop((many, d, e));
+    let e = sim(SimConfig::new(MAX_RANKS, 13000));
+    let small = CommConfig {
+        ll_max_bytes: 4 << 10,
+        gather_ll_max_bytes: 8 << 10,
+        broadcast_ll_max_bytes: 4 << 10,
+        norm_ll_max_bytes: 4 << 10,
+        one_shot_max_bytes: Some(16 << 10),
+        stage_bytes: Some(16 << 10),
+        scratch_bytes: 0,
+        ..CommConfig::default()
+    };
+    let comm = Communicator::builder(&e.driver.devices())
+        .config(small)
+        .build()
+        .unwrap();
+    assert_eq!(comm.size(), MAX_RANKS);
+}
+
 /// A zero-sized element type is a valid `DeviceRepr` (no padding, every bit pattern valid): a
 /// symmetric buffer of it has no bytes, which must be refused naming the length, like 0.
 #[test]

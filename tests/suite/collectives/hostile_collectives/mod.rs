@@ -7,7 +7,7 @@ use std::os::unix::net::UnixListener;
 use std::time::Duration;
 
 use cuda_multimem::{DeviceBuffer, Error, Stream};
-use cuda_multimem_collectives::kernels::MAX_BLOCKS;
+use cuda_multimem_collectives::kernels::{MAX_BLOCKS, MAX_RANKS};
 use cuda_multimem_collectives::{
     bf16, Algorithm, Bootstrap, CommConfig, Communicator, CrossDomain, DType, HierBuilder,
     HierCommunicator, HierLayout, MulticastPolicy, Operands, ReduceOp, UnixBootstrap,

@@ -10,7 +10,7 @@ fn a_malformed_driver_selection_is_an_error_naming_what_was_wrong() {
         ("simulator", "expected `cuda` or `sim"),
         ("sim:devices", "not of the form key=value"),
         ("sim:devices=0", "devices"),
-        ("sim:devices=65", "devices"),
+        ("sim:devices=73", "devices"),
         ("sim:version=11080", "version"),
         ("sim:version=13055", "version"),
         ("sim:version=abc", "abc"),

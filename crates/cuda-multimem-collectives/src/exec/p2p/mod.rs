@@ -146,9 +146,9 @@ impl P2p {
             )?),
         };
         // Each local rank's pad: its rank, the team size, the staging half, every rank's pad
-        // and staging area as mapped in this process.
+        // and staging area as mapped in this process (everything before the counters).
         for l in &ranks.locals {
-            let mut hdr = vec![0u8; 256];
+            let mut hdr = vec![0u8; kernels::OFF_CTR];
             let mut put = |at: usize, v: &[u8]| hdr[at..at + v.len()].copy_from_slice(v);
             put(kernels::OFF_RANK, &(l.rank as u32).to_le_bytes());
             put(kernels::OFF_NRANKS, &(n as u32).to_le_bytes());

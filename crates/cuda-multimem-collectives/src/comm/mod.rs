@@ -23,13 +23,16 @@ use crate::config::CommConfig;
 use crate::engine::{plan, TeamFacts, MAX_HIDDEN};
 use crate::exec::multimem::Mm;
 use crate::exec::p2p::P2p;
-use crate::kernels::{ERR_BOUNDS, ERR_MISMATCH};
+use crate::kernels::{err_word, ERR_BOUNDS, ERR_MISMATCH};
 use crate::team::{Local, Ranks, Sym};
 use crate::types::{Choice, DType, MulticastPolicy, Operands, Path, ReduceOp};
 
 pub(crate) struct Inner {
     pub(crate) id: u64,
     pub(crate) ranks: Ranks,
+    /// The bound of each rank's first call after the build or a recovery: `config`'s
+    /// first-call timeout, by default at least the bootstrap's timeout.
+    pub(crate) first_call: std::time::Duration,
     pub(crate) config: CommConfig,
     pub(crate) policy: MulticastPolicy,
     pub(crate) p2p: P2p,
@@ -366,6 +369,7 @@ impl Communicator {
         }
         for l in &ranks.locals {
             l.calls.store(0, Ordering::Relaxed);
+            l.clear_mirror();
         }
         ranks.restore();
         Ok(())
@@ -373,46 +377,64 @@ impl Communicator {
 }
 
 impl Inner {
-    /// What the error words of local rank `l` say (a disagreement before a timeout).
+    /// What the error words of local rank `l` say (a disagreement before a timeout), read from
+    /// the device ([`Communicator::check`]; the bounds word too).
     pub(crate) fn rank_error(&self, l: &Local) -> Result<Option<Error>> {
         let mut words = vec![(Path::PeerToPeer, self.p2p.error_word(l.rank)?)];
         if let Some(mm) = &self.mm {
             words.push((Path::Multimem, mm.error_word(l.rank)?));
         }
+        Ok(self.word_error(l, &words))
+    }
+
+    /// What the error mirror of local rank `l` says: the error words its kernels copied to the
+    /// host when they failed or found a failure (a plain load, no driver call: every call looks
+    /// before it launches). `None`: no failure has reached the host.
+    pub(crate) fn mirrored_error(&self, l: &Local) -> Option<Error> {
+        let [p2p, mm] = l.mirrored();
+        if p2p == 0 && mm == 0 {
+            return None;
+        }
+        self.word_error(l, &[(Path::PeerToPeer, p2p), (Path::Multimem, mm)])
+    }
+
+    /// The error that error words `words` (by path) of local rank `l` make: a disagreement
+    /// before a bounds error before a timeout; `None` where all are 0.
+    fn word_error(&self, l: &Local, words: &[(Path, u32)]) -> Option<Error> {
         let calls = l.calls.load(Ordering::Relaxed);
+        let (rank, dev) = (l.rank, l.device.ordinal());
+        let way_back =
+            "every rank calls Communicator::recover to go on with this team, or it is rebuilt";
         let mut found = None;
-        for (path, w) in words {
-            if w == ERR_MISMATCH {
-                return Ok(Some(Error::RanksDisagree {
+        for &(path, w) in words {
+            let (code, peer) = err_word(w);
+            if code == ERR_MISMATCH {
+                let whose = peer.map_or("a peer".to_string(), |p| format!("rank {p}"));
+                return Some(Error::RanksDisagree {
                     what: format!(
-                        "rank {} (device {}) met a peer whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank)",
-                        l.rank,
-                        l.device.ordinal()
+                        "rank {rank} (device {dev}) met {whose}, whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank; {way_back})"
                     ),
-                }));
+                });
             }
-            if w == ERR_BOUNDS && found.is_none() {
+            if code == ERR_BOUNDS && found.is_none() {
                 found = Some(Error::invalid(
                     "counts",
                     format!(
-                        "rank {} (device {}): a count, offset or expert id read on the device was out of range, or a peer's count did not match what this rank expects; what it concerned was not moved ({path} path; {calls} call(s) queued on this rank)",
-                        l.rank,
-                        l.device.ordinal()
+                        "rank {rank} (device {dev}): a count, offset or expert id read on the device was out of range, or a peer's count did not match what this rank expects; what it concerned was not moved ({path} path; {calls} call(s) queued on this rank)"
                     ),
                 ));
                 continue;
             }
-            if w != 0 && found.is_none() {
+            if code != 0 && found.is_none() {
+                let whom = peer.map_or("a peer".to_string(), |p| format!("rank {p}"));
                 found = Some(Error::Timeout {
                     what: format!(
-                        "a {path} barrier of rank {} (device {}): a peer did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank)",
-                        l.rank,
-                        l.device.ordinal()
+                        "a {path} barrier of rank {rank} (device {dev}): {whom} did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank; {way_back})"
                     ),
                     after: self.config.timeout,
                 });
             }
         }
-        Ok(found)
+        found
     }
 }

@@ -13,6 +13,7 @@
 //! | 3076 | `u32` rank |
 //! | 3080 | `u32` team size |
 //! | 3088 | `u64` capacity (bytes of the input region = bytes of the output region) |
+//! | 3096 | `u64` this member's error mirror: the device address of the host-mapped `u32` into which the kernels copy the error word (0: none; as the pad's `OFF_MIRROR`) |
 //! | 3584 | `u64[8]` every member's unicast address (for scalar tails and call headers) |
 //! | 4096 | `u64[2][MAX_BLOCKS][8]` call headers: parity, block, sender (as the peer-to-peer pad) |
 //! | 65536 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
@@ -32,6 +33,8 @@ pub const MM_OFF_RANK: usize = 3076;
 pub const MM_OFF_NRANKS: usize = 3080;
 /// Capacity.
 pub const MM_OFF_CAP: usize = 3088;
+/// This member's error mirror (`u64`; see [`super::OFF_MIRROR`]).
+pub const MM_OFF_MIRROR: usize = 3096;
 /// Members' unicast addresses.
 pub const MM_OFF_PEERS: usize = 3584;
 /// Call headers.
@@ -138,6 +141,8 @@ pub const FILE: &str = "multimem.ptx";
 const _: () = assert!(
     MM_OFF_CTR + MAX_BLOCKS * 4 <= MM_OFF_SIG
         && MM_OFF_SIG + MAX_BLOCKS * 4 <= MM_OFF_ERR
+        && MM_OFF_CAP + 8 <= MM_OFF_MIRROR
+        && MM_OFF_MIRROR + 8 <= MM_OFF_PEERS
         && MM_OFF_PEERS + 8 * super::MAX_RANKS <= MM_OFF_HDR
         && MM_OFF_HDR + 2 * MAX_BLOCKS * super::MAX_RANKS * 8 <= MM_DATA
 );

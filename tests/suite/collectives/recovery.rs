@@ -190,12 +190,8 @@ fn disagreements() -> Vec<(&'static str, Step, Step)> {
                     .unwrap();
             },
             |h, x, y, s| {
-                h.all_to_all(
-                    x.slice(..192).unwrap(),
-                    y.slice_mut(..192).unwrap(),
-                    s,
-                )
-                .unwrap();
+                h.all_to_all(x.slice(..192).unwrap(), y.slice_mut(..192).unwrap(), s)
+                    .unwrap();
             },
         ),
         (

@@ -302,3 +302,41 @@ fn disagreements_are_reported_by_the_next_call_of_every_rank_and_the_team_recove
         allreduce_matches(&comm, &s, &mut x, 700, i);
     }
 }
+
+/// The first call's bound: the longer of the timeout and the default first-call bound where the
+/// configuration leaves it, else what it says (a team over a bootstrap: at least the
+/// bootstrap's own timeout, `collectives::allreduce::processes`).
+#[test]
+fn the_first_call_waits_as_configured_or_by_default_the_longer_bound() {
+    let e = env();
+    let Some(devices) = team_devices(&e, 2, "collectives::recovery::first_call") else {
+        return;
+    };
+    for (config, want) in [
+        (
+            CommConfig {
+                timeout: Duration::from_secs(5),
+                ..CommConfig::default()
+            },
+            CommConfig::FIRST_CALL_TIMEOUT,
+        ),
+        (
+            CommConfig {
+                timeout: Duration::from_secs(200),
+                ..CommConfig::default()
+            },
+            Duration::from_secs(200),
+        ),
+        (
+            CommConfig {
+                timeout: Duration::from_secs(1),
+                first_call_timeout: Some(Duration::from_secs(30)),
+                ..CommConfig::default()
+            },
+            Duration::from_secs(30),
+        ),
+    ] {
+        let (comm, _) = team_on(&devices, config, MulticastPolicy::Never);
+        assert_eq!(comm.first_call_timeout(), want);
+    }
+}

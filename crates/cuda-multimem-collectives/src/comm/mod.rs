@@ -101,6 +101,17 @@ impl Communicator {
         &self.inner.config
     }
 
+    /// How long each rank's first call after the build (and after [`Communicator::recover`])
+    /// waits for its peers: [`CommConfig::first_call_timeout`] where set, else the longest of
+    /// [`CommConfig::timeout`], [`CommConfig::FIRST_CALL_TIMEOUT`] and the bootstrap's own
+    /// timeout ([`crate::Bootstrap::timeout`]: as long as the bootstrap let the build wait for
+    /// the slowest rank). Ranks that start unevenly — weight loading, JIT and library warm-up
+    /// before their first collective — meet there; make the first call a warm-up where that
+    /// happens.
+    pub fn first_call_timeout(&self) -> std::time::Duration {
+        self.inner.first_call
+    }
+
     /// The multicast policy it was built with.
     pub fn multicast_policy(&self) -> MulticastPolicy {
         self.inner.policy

@@ -526,6 +526,9 @@ impl Bootstrap for ThreadBootstrap {
     fn rank(&self) -> usize {
         self.rank
     }
+    fn timeout(&self) -> Option<Duration> {
+        Some(Duration::from_secs(600))
+    }
     fn size(&self) -> usize {
         self.hub.n
     }
@@ -654,6 +657,8 @@ fn a_team_over_a_test_bootstrap_in_threads_allreduces() {
     let ok = thread_team(&e, 2, Fault::None, |rank, d, boot| {
         let comm = thread_build(&d, boot)?;
         assert_eq!(comm.local_ranks(), vec![rank]);
+        // the first call waits as long as the bootstrap does (its 600 s over the default 120)
+        assert_eq!(comm.first_call_timeout(), Duration::from_secs(600));
         let mut buf = comm.alloc::<f32>(50_000)?;
         // one-shot and the write-only two-shot
         thread_sum(&comm, rank, 2, &mut buf, 1000)?;

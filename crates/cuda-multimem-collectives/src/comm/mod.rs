@@ -56,8 +56,10 @@ pub(crate) struct Inner {
 /// rank. Each call chooses the path (multimem where multicast is on and pays off, else
 /// peer-to-peer) and the algorithm by size and operands, and returns what it chose. Nothing is
 /// reset between calls, so calls can be captured into a CUDA graph and replayed. Waits are
-/// bounded by [`CommConfig::timeout`]; after a timeout or a disagreement ([`Communicator::check`])
-/// the team is unusable: drop it and build a new one.
+/// bounded by [`CommConfig::timeout`] (each rank's first call by
+/// [`Communicator::first_call_timeout`]). A timeout or a disagreement is reported by the rank's
+/// next call (and by [`Communicator::check`]); the team is then unusable until every rank calls
+/// [`Communicator::recover`], or is dropped and built anew.
 #[derive(Clone)]
 pub struct Communicator {
     pub(crate) inner: Arc<Inner>,
@@ -324,8 +326,12 @@ impl Communicator {
     }
 
     /// Report a timeout or a disagreement between ranks seen by earlier calls of the ranks this
-    /// process drives (synchronise their streams first), naming the rank. After an error, the
-    /// team refuses further calls ([`Error::Unusable`]).
+    /// process drives (synchronise their streams first), naming the rank (and the peer it
+    /// concerns, where the kernel knew it), read from the device. Every call reports the same
+    /// by itself before it launches, from the rank's error mirror (a host load) — `check` is
+    /// for a point where no further call comes, and it also reports the all-to-all's counts out
+    /// of range. After an error, the team refuses further calls ([`Error::Unusable`]) until
+    /// [`Communicator::recover`].
     pub fn check(&self) -> Result<()> {
         let inner = &*self.inner;
         inner.ranks.usable()?;
@@ -352,10 +358,12 @@ impl Communicator {
     /// processes through the bootstrap (so no peer's kernel writes into this rank's memory any
     /// more), puts every rank's protocol state back to a fresh team's (error words, counters,
     /// signals, call headers, low-latency flags; the multicast team's headers), meets them again,
-    /// and clears the failure. Symmetric buffers and their contents stay. Calls made after a
-    /// failure and before `recover` have left their outputs undefined. An error here (a peer
-    /// that does not arrive, a device whose context a kernel fault killed) leaves the team
-    /// unusable: drop it and build a new one.
+    /// clears the error mirrors and the failure; the next call of each rank has the first-call
+    /// bound again ([`Communicator::first_call_timeout`]). Symmetric buffers and their contents
+    /// stay. Calls made after a failure and before `recover` have left their outputs undefined.
+    /// An error here (a peer process that is gone, so the bootstrap's meeting fails or times
+    /// out; a device whose context a kernel fault killed) leaves the team unusable: drop it and
+    /// build a new one. A team of one process (no bootstrap) recovers without meeting anyone.
     pub fn recover(&self) -> Result<()> {
         let inner = &*self.inner;
         let ranks = &inner.ranks;

@@ -343,7 +343,7 @@ impl<T: DeviceRepr> HostMappedBuffer<T> {
             dptr: 0,
             len,
         };
-        if host.is_null() || host as usize % std::mem::align_of::<T>() != 0 {
+        if host.is_null() || (host as usize) & (std::mem::align_of::<T>() - 1) != 0 {
             b.host = std::ptr::null_mut();
             // SAFETY: the allocation just made; not used after this.
             let _ = unsafe { cu!(device.driver(), cuMemFreeHost_v2000(host)) };

@@ -545,11 +545,11 @@ fn host_mapped_memory_is_written_through_its_device_address_and_read_by_host_loa
     let got: Vec<u32> = (0..64).map(|i| m.load(i).unwrap()).collect();
     assert_eq!(got, data);
     // host stores, read by the device through the same address
-    for i in 0..64 {
-        assert!(m.store(i, !data[i]));
+    for (i, x) in data.iter().enumerate() {
+        assert!(m.store(i, !x));
     }
     assert!(!m.store(64, 1));
-    let mut back = DeviceBuffer::<u32>::zeroed(&d, 64).unwrap();
+    let back = DeviceBuffer::<u32>::zeroed(&d, 64).unwrap();
     // SAFETY: as above, the other way.
     unsafe {
         s.as_stream_ref()
@@ -559,7 +559,6 @@ fn host_mapped_memory_is_written_through_its_device_address_and_read_by_host_loa
     s.synchronize().unwrap();
     let want: Vec<u32> = data.iter().map(|x| !x).collect();
     assert_eq!(back.to_vec().unwrap(), want);
-    let _ = &mut back;
     match cuda_multimem::HostMappedBuffer::<u32>::zeroed(&d, 0) {
         Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "len"),
         other => panic!("expected len refused, got {other:?}"),

@@ -365,6 +365,16 @@ impl Communicator {
     /// out; a device whose context a kernel fault killed) leaves the team unusable: drop it and
     /// build a new one. A team of one process (no bootstrap) recovers without meeting anyone.
     pub fn recover(&self) -> Result<()> {
+        self.try_recover().map_err(|e| {
+            self.inner.ranks.break_with(Error::Unusable {
+                cause: format!(
+                    "the recovery failed ({e}); this team cannot go on: drop it and build a new one"
+                ),
+            })
+        })
+    }
+
+    fn try_recover(&self) -> Result<()> {
         let inner = &*self.inner;
         let ranks = &inner.ranks;
         let mut devices: Vec<&Device> = Vec::new();

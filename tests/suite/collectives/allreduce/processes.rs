@@ -62,8 +62,8 @@ fn mp_input(call: usize, rank: usize, dtype: DType, count: usize) -> Vec<u8> {
 /// One rank's whole life in a two-process team; returns a description of the first problem.
 fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String> {
     use cuda_multimem_collectives::UnixBootstrap;
-    if mode == "recover" {
-        return mp_recover(rank, path);
+    if mode.starts_with("recover") {
+        return mp_recover(rank, path, mode == "recover-gone");
     }
     let e = mp_driver();
     // "shared-*": both processes on device 0 (with and without the builder's opt-in)
@@ -137,7 +137,9 @@ fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String
 /// call reports the timeout naming rank 1 (from its error mirror, without `check`), both ranks
 /// call `recover` (meeting through the bootstrap), and their next allreduce (a first call again)
 /// equals the host reference.
-fn mp_recover(rank: usize, path: &std::path::Path) -> Result<(), String> {
+///
+/// `gone`: rank 1 exits after the build instead, and rank 0's `recover` fails saying to rebuild.
+fn mp_recover(rank: usize, path: &std::path::Path, gone: bool) -> Result<(), String> {
     use cuda_multimem_collectives::UnixBootstrap;
     let e = mp_driver();
     let x = |e: Error| format!("rank {rank}: {e}");
@@ -154,6 +156,17 @@ fn mp_recover(rank: usize, path: &std::path::Path) -> Result<(), String> {
         .map_err(x)?;
     let mut buf = comm.alloc::<f32>(4096).map_err(x)?;
     let stream = Stream::new(&device).map_err(x)?;
+    if gone {
+        if rank == 1 {
+            std::process::exit(0);
+        }
+        return match comm.recover() {
+            Err(Error::Unusable { cause }) if cause.contains("build a new one") => Ok(()),
+            other => Err(format!(
+                "rank 0: recover without its peer returned {other:?}"
+            )),
+        };
+    }
     let h = comm.rank(rank).map_err(x)?;
     let call = |buf: &mut SymmetricBuffer<f32>| {
         h.all_reduce_in_place(buf.slice_mut(..1000)?, ReduceOp::Sum, &stream)
@@ -444,6 +457,19 @@ fn a_late_peer_process_is_reported_by_the_next_call_and_both_recover() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    mine.unwrap();
+}
+
+/// A peer process that is gone: `recover` fails on the rank left, saying to rebuild the team.
+#[test]
+fn recover_without_a_peer_process_fails_saying_to_rebuild() {
+    if mp_skip("recover_gone") {
+        return;
+    }
+    let path = rendezvous_path("recover-gone");
+    let mut child = spawn_child(&path, "recover-gone");
+    let mine = mp_rank(0, &path, "recover-gone");
+    let _ = child.wait();
     mine.unwrap();
 }
 

@@ -362,8 +362,8 @@ impl Communicator {
     /// bound again ([`Communicator::first_call_timeout`]). Symmetric buffers and their contents
     /// stay. Calls made after a failure and before `recover` have left their outputs undefined.
     /// An error here (a peer process that is gone, so the bootstrap's meeting fails or times
-    /// out; a device whose context a kernel fault killed) leaves the team unusable: drop it and
-    /// build a new one. A team of one process (no bootstrap) recovers without meeting anyone.
+    /// out; a device whose context a kernel fault killed) is [`Error::Unusable`] naming the
+    /// cause and saying to rebuild: the team stays unusable; drop it and build a new one. A team of one process (no bootstrap) recovers without meeting anyone.
     pub fn recover(&self) -> Result<()> {
         self.try_recover().map_err(|e| {
             self.inner.ranks.break_with(Error::Unusable {

@@ -298,6 +298,9 @@ impl CommConfig {
     /// The default of [`CommConfig::first_call_timeout`] (where `timeout` is shorter).
     pub const FIRST_CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
+    /// The longest bound a wait may have (24 hours).
+    pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
     /// The bound of a rank's first call.
     pub(crate) fn first_call(&self) -> Duration {
         self.first_call_timeout

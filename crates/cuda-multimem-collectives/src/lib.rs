@@ -62,8 +62,10 @@
 //! collective as a local copy; where the size stops and why: the [`kernels`] module); several ranks
 //! may share a device ([`CommunicatorBuilder::allow_shared_devices`]); a rank's calls take any
 //! stream of its device (a call on another stream than the previous one waits for it on the
-//! GPU). A timeout or a disagreement makes the team unusable until every rank calls
-//! [`Communicator::recover`]. The devices must be of compute capability 9.0 or newer with a CUDA
+//! GPU). A timeout or a disagreement is reported by the next call of the rank (its kernels
+//! mirror the error word to the host; no `check` needed) and makes the team unusable until
+//! every rank calls [`Communicator::recover`]; each rank's first call waits
+//! [`Communicator::first_call_timeout`] (at least the bootstrap's timeout) for uneven starts. The devices must be of compute capability 9.0 or newer with a CUDA
 //! 12.1 driver or newer (checked at build: [`cuda_multimem::Error::HardwareTooOld`]).
 
 #![deny(missing_docs)]

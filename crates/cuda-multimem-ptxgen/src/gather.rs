@@ -9,7 +9,7 @@
 
 pub use cuda_multimem_collectives::kernels::gather::*;
 use cuda_multimem_collectives::kernels::{
-    ERR_TIMEOUT, MAX_RANKS, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
+    MAX_RANKS, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
     OFF_SIG, OFF_STAGES, OFF_STAGE_HALF,
 };
 
@@ -612,7 +612,7 @@ fn wait_b(label: &str, val_reg: &str) -> String {
 	mul.wide.u32 %rd44, %r42, 4;
 	add.u64 %rd44, %rd1, %rd44;
 {spin}"#,
-        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)
+        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR, Some("%r51"))
     );
     format!(
         r#"	// ---- wait {label}: phase B's threads wait until block b of every peer is at {val_reg}
@@ -751,18 +751,22 @@ $L_{label}_spin:
 	@%p11 bra $L_{label}_got;
 {mismatch}	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
 	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_got;
+	@%p12 bra $L_{label}_seen;
 	mov.u64 %rd48, %globaltimer;
 	sub.u64 %rd48, %rd48, %rd45;
 {peek}	setp.lt.u64 %p13, %rd48, %rd8;
 	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
 {report}$L_{label}_got:
 	cvt.u32.u64 %r30, %rd46;
 "#,
         mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p24", "%p25"),
         peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p24", "%p25"),
-        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p24")
+        report = ll_report(
+            &format!("$L_{label}"),
+            &format!("$L_{label}_got"),
+            None,
+            "%p24"
+        )
     )
 }
 

@@ -630,9 +630,9 @@ fn barrier_with(label: &str, val_reg: &str, check_header: bool, side: &str) -> S
 	ld.relaxed.sys.global.u64 %rd49, [%rd48+{OFF_HDR}];
 	setp.eq.u64 %p14, %rd49, %rd7;
 	@%p14 bra $L_{label}_wn;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_MISMATCH};
-"#,
-            mb = MAX_BLOCKS
+{fail}"#,
+            mb = MAX_BLOCKS,
+            fail = err_set(OFF_ERR, ERR_MISMATCH, Some("%r79"), "%p14"),
         )
     } else {
         String::new()
@@ -678,15 +678,24 @@ $L_{label}_wl:
 {side}$L_{label}_done:
 	bar.sync 0;
 "#,
-        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR)
+        spin = sig_spin(label, "%rd44", OFF_SIG, val_reg, OFF_ERR, Some("%r79"))
     )
 }
 
 /// Spin until the `u32` signal at [`addr` + `off`] minus `val` is at least 0 (acquire, system
-/// scope), bounded by the timeout in %rd8 (then `ERR_TIMEOUT` into the error word at [%rd1 +
-/// `err`]) or until that error word is set: on arrival it falls through at `$L_{label}_arrived`,
-/// else it branches to `$L_{label}_done`. Scratch: r43, r44, r46, rd45, rd46, p11–p13.
-pub(crate) fn sig_spin(label: &str, addr: &str, off: usize, val: &str, err: usize) -> String {
+/// scope), bounded by the timeout in %rd8 (then `ERR_TIMEOUT`, naming the rank in register
+/// `peer` where given, into the error word at [%rd1 + `err`]: [`err_set`]) or until that error
+/// word is set (then mirrored: [`err_mirror`]): on arrival it falls through at
+/// `$L_{label}_arrived`, else it branches to `$L_{label}_done`. Scratch: r43, r44, r46, rd45,
+/// rd46, rd90, p11–p13.
+pub(crate) fn sig_spin(
+    label: &str,
+    addr: &str,
+    off: usize,
+    val: &str,
+    err: usize,
+    peer: Option<&str>,
+) -> String {
     format!(
         r#"	mov.u64 %rd45, %globaltimer;
 $L_{label}_spin:
@@ -696,15 +705,56 @@ $L_{label}_spin:
 	@%p11 bra $L_{label}_arrived;
 	ld.relaxed.gpu.global.u32 %r44, [%rd1+{err}];
 	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_done;
+	@%p12 bra $L_{label}_seen;
 	mov.u64 %rd46, %globaltimer;
 	sub.u64 %rd46, %rd46, %rd45;
 	setp.lt.u64 %p13, %rd46, %rd8;
 	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{err}], 0, {ERR_TIMEOUT};
-	bra.uni $L_{label}_done;
+{timeout}	bra.uni $L_{label}_done;
+$L_{label}_seen:
+{seen}	bra.uni $L_{label}_done;
 $L_{label}_arrived:
-"#
+"#,
+        timeout = err_set(err, ERR_TIMEOUT, peer, "%p12"),
+        seen = err_mirror(err, "%p12"),
+    )
+}
+
+/// The one way a kernel fails: the error word at [%rd1 + `err`] (the peer-to-peer pad's
+/// `OFF_ERR` or the multicast member's `MM_OFF_ERR`) becomes `code`, with the rank in register
+/// `peer` (+ 1) in bits 31..8 where given (`kernels::err_word`), unless it was set already (the
+/// first failure stays); then the word is mirrored to the host ([`err_mirror`]). Uses %r46,
+/// %rd90; `p` scratch.
+pub(crate) fn err_set(err: usize, code: u32, peer: Option<&str>, p: &str) -> String {
+    let word = match peer {
+        Some(r) => format!(
+            "\tadd.u32 %r46, {r}, 1;\n\tshl.b32 %r46, %r46, 8;\n\tor.b32 %r46, %r46, {code};\n"
+        ),
+        None => format!("\tmov.u32 %r46, {code};\n"),
+    };
+    format!(
+        "\t// fail: the error word (first failure stays), mirrored to the host\n{word}\tatom.global.cas.b32 %r46, [%rd1+{err}], 0, %r46;\n{}",
+        err_mirror(err, p)
+    )
+}
+
+/// The error word at [%rd1 + `err`], found set, into this rank's error mirror: the `u32` of
+/// host-mapped memory whose device address is at [%rd1 + `OFF_MIRROR`] (`MM_OFF_MIRROR` for
+/// the multicast member; nothing where it is 0), a system-scope store, so the host sees the
+/// failure before its next call with a plain load (every store carries the same word: it never
+/// changes once set). Uses %r46, %rd90; `p` scratch.
+pub(crate) fn err_mirror(err: usize, p: &str) -> String {
+    let mirror = match err {
+        OFF_ERR => OFF_MIRROR,
+        multimem::MM_OFF_ERR => multimem::MM_OFF_MIRROR,
+        _ => panic!("no error mirror beside the word at {err}"),
+    };
+    format!(
+        "\tld.relaxed.gpu.global.u32 %r46, [%rd1+{err}];
+\tld.global.u64 %rd90, [%rd1+{mirror}];
+\tsetp.ne.u64 {p}, %rd90, 0;
+\t@{p} st.relaxed.sys.global.u32 [%rd90], %r46;
+"
     )
 }
 
@@ -1099,13 +1149,16 @@ pub(crate) fn ll_barrier_peek(l: &str, elapsed: &str, pa: &str, pb: &str) -> Str
     )
 }
 
-/// The end of a low-latency poll's wait (placed after its timeout, before `got`): a poll that
-/// found a disagreement (`{l}_mm`) sets `ERR_MISMATCH` in the error word of every rank (its
-/// own and its peers', which end their waits at it, so every rank reports the disagreement
-/// and none waits for the timeout) and ends at `got`. Uses %r44, %r46, %rd90; `pa` scratch.
-pub(crate) fn ll_report(l: &str, got: &str, pa: &str) -> String {
+/// The end of a low-latency poll's wait (placed where its deadline passed, before `got`): the
+/// timeout ([`err_set`], naming the rank in register `peer` where given); a poll that found a
+/// disagreement (`{l}_mm`) sets `ERR_MISMATCH` in the error word of every rank (its own and its
+/// peers', which end their waits at it, so every rank reports the disagreement and none waits
+/// for the timeout); a poll that found the error word set goes to `{l}_seen`. Each mirrors
+/// this rank's word to the host ([`err_mirror`]) and ends at `got`. Uses %r44, %r46, %rd90;
+/// `pa` scratch.
+pub(crate) fn ll_report(l: &str, got: &str, peer: Option<&str>, pa: &str) -> String {
     format!(
-        "\tbra.uni {got};
+        "{timeout}\tbra.uni {got};
 {l}_mm:
 \tmov.u32 %r44, 0;
 {l}_mmk:
@@ -1116,7 +1169,10 @@ pub(crate) fn ll_report(l: &str, got: &str, pa: &str) -> String {
 \tadd.u32 %r44, %r44, 1;
 \tsetp.lt.u32 {pa}, %r44, %r6;
 \t@{pa} bra {l}_mmk;
-"
+{l}_seen:
+{seen}",
+        timeout = err_set(OFF_ERR, ERR_TIMEOUT, peer, pa),
+        seen = err_mirror(OFF_ERR, pa),
     )
 }
 
@@ -1207,18 +1263,22 @@ $L_{label}_spin:
 	@%p11 bra $L_{label}_got;
 {mismatch}	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
 	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_got;
+	@%p12 bra $L_{label}_seen;
 	mov.u64 %rd48, %globaltimer;
 	sub.u64 %rd48, %rd48, %rd45;
 {peek}	setp.lt.u64 %p13, %rd48, %rd8;
 	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
 {report}$L_{label}_got:
 	cvt.u32.u64 %r31, %rd46;
 "#,
             mismatch = ll_mismatch(&format!("$L_{label}"), "%rd46", "%rd17", "%p24", "%p25"),
             peek = ll_barrier_peek(&format!("$L_{label}"), "%rd48", "%p24", "%p25"),
-            report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p24")
+            report = ll_report(
+                &format!("$L_{label}"),
+                &format!("$L_{label}_got"),
+                Some("%r34"),
+                "%p24"
+            )
         )
     };
     let mine = Addr::Stride("%rd33", "%rd30");

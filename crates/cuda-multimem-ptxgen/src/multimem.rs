@@ -87,13 +87,11 @@ $L_{label}_c:
 	add.u32 %r34, %r34, 1;
 	setp.eq.u64 %p15, %rd49, %rd7;
 	@%p15 bra $L_{label}_c;
-	atom.global.cas.b32 %r46, [%rd1+{err}], 0, {mismatch};
-$L_{label}_cend:
+{fail}$L_{label}_cend:
 "#,
                 mb = MAX_BLOCKS,
                 hdr = MM_OFF_HDR,
-                err = MM_OFF_ERR,
-                mismatch = ERR_MISMATCH,
+                fail = super::err_set(MM_OFF_ERR, ERR_MISMATCH, None, "%p15"),
             ),
         )
     } else {
@@ -121,7 +119,7 @@ $L_{label}_cend:
 "#,
         sig = MM_OFF_SIG,
         err = MM_OFF_ERR,
-        spin = super::sig_spin(label, "%rd42", MM_OFF_SIG, "%r40", MM_OFF_ERR),
+        spin = super::sig_spin(label, "%rd42", MM_OFF_SIG, "%r40", MM_OFF_ERR, None),
     )
 }
 

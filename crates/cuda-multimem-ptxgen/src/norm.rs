@@ -5,8 +5,7 @@
 
 pub use cuda_multimem_collectives::kernels::norm::*;
 use cuda_multimem_collectives::kernels::{
-    ERR_TIMEOUT, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_RANK, OFF_STAGES,
-    OFF_STAGE_HALF,
+    OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_RANK, OFF_STAGES, OFF_STAGE_HALF,
 };
 use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
@@ -855,19 +854,23 @@ fn poll(label: &str, pairs: usize) -> String {
         r#"	@%p11 bra $L_{label}_got;
 {mismatch}	ld.relaxed.gpu.global.u32 %r44, [%rd1+{OFF_ERR}];
 	setp.ne.u32 %p12, %r44, 0;
-	@%p12 bra $L_{label}_got;
+	@%p12 bra $L_{label}_seen;
 	mov.u64 %rd46, %globaltimer;
 	setp.eq.u64 %p13, %rd45, 0;
 	@%p13 mov.u64 %rd45, %rd46;
 	sub.u64 %rd46, %rd46, %rd45;
 {peek}	setp.lt.u64 %p13, %rd46, %rd8;
 	@%p13 bra $L_{label}_spin;
-	atom.global.cas.b32 %r46, [%rd1+{OFF_ERR}], 0, {ERR_TIMEOUT};
 {report}$L_{label}_got:
 "#,
         mismatch = ll_mismatch(&format!("$L_{label}"), "%rd71", "%rd70", "%p40", "%p41"),
         peek = ll_barrier_peek(&format!("$L_{label}"), "%rd46", "%p40", "%p41"),
-        report = ll_report(&format!("$L_{label}"), &format!("$L_{label}_got"), "%p40")
+        report = ll_report(
+            &format!("$L_{label}"),
+            &format!("$L_{label}_got"),
+            None,
+            "%p40"
+        )
     );
     s
 }

@@ -31,7 +31,7 @@ pub use device::Device;
 pub use driver::{Driver, DRIVER_ENV};
 pub use error::{Error, Result};
 pub use graph::{CaptureMode, Graph, GraphExec};
-pub use memory::{DeviceBuffer, DeviceRepr};
+pub use memory::{DeviceBuffer, DeviceRepr, HostMappedBuffer};
 pub use module::{Function, FunctionAttributes, LaunchConfig, Module, MAX_THREADS_PER_BLOCK};
 pub use stream::{CallStream, Event, IntoStream, Stream, StreamRef};
 

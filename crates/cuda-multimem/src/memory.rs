@@ -266,3 +266,163 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
         );
     }
 }
+
+/// Page-locked host memory mapped into the device's address space (`cuMemHostAlloc` with
+/// `CU_MEMHOSTALLOC_DEVICEMAP`, `cuMemHostGetDevicePointer`), `len` values of `T`, zeroed, freed
+/// on drop (`cuMemFreeHost`, after the device's queued work: a kernel may still store into it).
+///
+/// Kernels store into it through [`HostMappedBuffer::device_ptr`] (at system scope); the host
+/// reads it with [`HostMappedBuffer::load`], a plain volatile load: no driver call and no
+/// synchronisation. What a kernel stored becomes visible to the host some time after the store
+/// (over the bus); a load never waits for it. Meant for small words the host polls (flags,
+/// error words), not for bulk data.
+pub struct HostMappedBuffer<T: DeviceRepr> {
+    device: Device,
+    host: *mut T,
+    dptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its allocation; every access is a volatile load or store of a
+// `DeviceRepr` value (no references into it escape), which any thread may make.
+unsafe impl<T: DeviceRepr> Send for HostMappedBuffer<T> {}
+// SAFETY: as above; `&self` methods only make volatile loads and stores.
+unsafe impl<T: DeviceRepr> Sync for HostMappedBuffer<T> {}
+
+impl<T: DeviceRepr> std::fmt::Debug for HostMappedBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "HostMappedBuffer<{}>(host {:p}, device {:#x}, {} elements, device {})",
+            std::any::type_name::<T>(),
+            self.host,
+            self.dptr,
+            self.len,
+            self.device.ordinal()
+        )
+    }
+}
+
+impl<T: DeviceRepr> HostMappedBuffer<T> {
+    /// `len` zeroed elements (at least one) of page-locked host memory mapped for `device`.
+    pub fn zeroed(device: &Device, len: usize) -> Result<HostMappedBuffer<T>> {
+        if len == 0 {
+            return Err(Error::invalid(
+                "len",
+                "0 elements; a buffer holds at least one",
+            ));
+        }
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "len",
+                    format!(
+                        "{len} elements of {} bytes: no bytes, or more than the address space",
+                        std::mem::size_of::<T>()
+                    ),
+                )
+            })?;
+        device.bind()?;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; the device's context is current; bytes > 0.
+        unsafe {
+            cu!(
+                device.driver(),
+                cuMemHostAlloc_v2020(
+                    &mut host,
+                    bytes,
+                    cuda_multimem_sys::CU_MEMHOSTALLOC_DEVICEMAP
+                )
+            )
+        }?;
+        let mut b = HostMappedBuffer {
+            device: device.clone(),
+            host: host.cast(),
+            dptr: 0,
+            len,
+        };
+        if host.is_null() || (host as usize) & (std::mem::align_of::<T>() - 1) != 0 {
+            b.host = std::ptr::null_mut();
+            // SAFETY: the allocation just made; not used after this.
+            let _ = unsafe { cu!(device.driver(), cuMemFreeHost_v2000(host)) };
+            return Err(Error::invalid(
+                "len",
+                format!("cuMemHostAlloc returned {host:p}, not aligned for the element type"),
+            ));
+        }
+        // SAFETY: the fresh allocation of `bytes` bytes, exclusively ours.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, bytes) };
+        let mut dptr: CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; `host` is a mapped allocation of this context; flags 0
+        // (dropping `b` frees it on error).
+        unsafe {
+            cu!(
+                device.driver(),
+                cuMemHostGetDevicePointer_v3020(&mut dptr, host, 0)
+            )
+        }?;
+        b.dptr = dptr;
+        Ok(b)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a buffer holds at least one element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device it is mapped for.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The device address of element 0 (valid in kernels of this device's context while `self`
+    /// lives).
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.dptr
+    }
+
+    /// Element `i` as the host sees it now (a volatile load), or `None` past the end.
+    pub fn load(&self, i: usize) -> Option<T> {
+        // SAFETY: i < len: inside the allocation, aligned (checked at creation); any bit
+        // pattern is a valid T (DeviceRepr).
+        (i < self.len).then(|| unsafe { std::ptr::read_volatile(self.host.add(i)) })
+    }
+
+    /// Store `v` into element `i` (a volatile store); false past the end. Kernels of the device
+    /// that store into the same element race with it: make such stores when no kernel does.
+    pub fn store(&self, i: usize, v: T) -> bool {
+        if i >= self.len {
+            return false;
+        }
+        // SAFETY: as in `load`; the memory is ours and writable.
+        unsafe { std::ptr::write_volatile(self.host.add(i), v) };
+        true
+    }
+}
+
+impl<T: DeviceRepr> Drop for HostMappedBuffer<T> {
+    fn drop(&mut self) {
+        if self.host.is_null() {
+            return;
+        }
+        // a kernel of the device may still store into it: its queued work finishes first
+        let _ = self.device.synchronize();
+        let (host, ordinal) = (self.host as usize, self.device.ordinal());
+        self.device.driver().teardown(
+            || format!("the mapped host memory {host:#x} of device {ordinal} (cuMemFreeHost)"),
+            move |d| {
+                d.bind(ordinal)?;
+                // SAFETY: we own the allocation; nothing uses it after this (a kernel storing
+                // into it has finished: its owner frees it after the device's work).
+                unsafe { cu!(d, cuMemFreeHost_v2000(host as *mut std::ffi::c_void)) }
+            },
+        );
+    }
+}

@@ -152,6 +152,7 @@ mod hostile_collectives;
 mod multimem;
 mod norm;
 mod norm_fp8;
+mod recovery;
 mod shared;
 mod smoke;
 mod table;

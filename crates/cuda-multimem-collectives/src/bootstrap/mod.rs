@@ -41,4 +41,11 @@ pub trait Bootstrap: Send + Sync {
     fn passes_fds(&self) -> bool {
         false
     }
+    /// How long one exchange may wait for the slowest rank, where the transport bounds it
+    /// (`None`: no bound, or none it knows). A communicator built through this bootstrap waits
+    /// at least this long in each rank's first call ([`crate::CommConfig::first_call_timeout`]),
+    /// so ranks that start unevenly after the build meet there as they met at the build.
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
 }

@@ -399,6 +399,10 @@ impl Bootstrap for UnixBootstrap {
     fn passes_fds(&self) -> bool {
         true
     }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
 }
 
 #[cfg(test)]

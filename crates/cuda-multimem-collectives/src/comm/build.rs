@@ -227,7 +227,15 @@ fn build_local(
                 "a team of {n} moves fewer bytes peer-to-peer (multicast pays off above 3 ranks)"
             )),
         ),
-        p => match Mm::new(&devices, &config) {
+        p => match Mm::new(
+            &devices,
+            ranks
+                .locals
+                .iter()
+                .map(|l| l.mirror_ptr(Local::MIRROR_MM))
+                .collect(),
+            &config,
+        ) {
             Ok(mm) => (Some(mm), None),
             Err(e) if p == MulticastPolicy::Always => return Err(e),
             Err(e) => (None, Some(e.to_string())),
@@ -385,9 +393,18 @@ impl Inner {
             cluster_cap: caps.clusters,
             shared: caps.one_stream,
         };
+        // the first call's bound: as configured, else the longer of the timeout, the default
+        // first-call bound and what the bootstrap waits for the slowest rank
+        let first_call = config.first_call_timeout.unwrap_or_else(|| {
+            let boot = ranks.bootstrap.as_ref().and_then(|b| b.timeout());
+            config
+                .first_call()
+                .max(boot.unwrap_or_default().min(CommConfig::MAX_TIMEOUT))
+        });
         Inner {
             id,
             ranks,
+            first_call,
             config,
             policy,
             p2p,

@@ -23,6 +23,15 @@ impl RankHandle<'_> {
             ranks: &inner.ranks,
             local: l,
         };
+        // a failure that a kernel of this rank mirrored to the host (a plain load, no driver
+        // call): reported by this call, before it launches into a broken team (a team that
+        // broke already is `Unusable`, naming the first failure)
+        if call.kind != Kind::LocalNorm {
+            inner.ranks.usable()?;
+            if let Some(e) = inner.mirrored_error(l) {
+                return Err(inner.ranks.break_with(e));
+            }
+        }
         let checked = check(&call, &ctx, &stream)?;
         // A collective holds the rank's call lock while it queues (one call at a time, one
         // stream at a time); the local norm involves no peer and takes any stream of the device.
@@ -37,7 +46,7 @@ impl RankHandle<'_> {
         let first;
         let c = if l.calls.load(std::sync::atomic::Ordering::Relaxed) == 0 {
             first = CommConfig {
-                timeout: inner.config.first_call(),
+                timeout: inner.first_call,
                 ..inner.config.clone()
             };
             &first

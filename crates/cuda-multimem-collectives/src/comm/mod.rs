@@ -23,13 +23,16 @@ use crate::config::CommConfig;
 use crate::engine::{plan, TeamFacts, MAX_HIDDEN};
 use crate::exec::multimem::Mm;
 use crate::exec::p2p::P2p;
-use crate::kernels::{ERR_BOUNDS, ERR_MISMATCH};
+use crate::kernels::{err_word, ERR_BOUNDS, ERR_MISMATCH};
 use crate::team::{Local, Ranks, Sym};
 use crate::types::{Choice, DType, MulticastPolicy, Operands, Path, ReduceOp};
 
 pub(crate) struct Inner {
     pub(crate) id: u64,
     pub(crate) ranks: Ranks,
+    /// The bound of each rank's first call after the build or a recovery: `config`'s
+    /// first-call timeout, by default at least the bootstrap's timeout.
+    pub(crate) first_call: std::time::Duration,
     pub(crate) config: CommConfig,
     pub(crate) policy: MulticastPolicy,
     pub(crate) p2p: P2p,
@@ -54,8 +57,10 @@ pub(crate) struct Inner {
 /// rank. Each call chooses the path (multimem where multicast is on and pays off, else
 /// peer-to-peer) and the algorithm by size and operands, and returns what it chose. Nothing is
 /// reset between calls, so calls can be captured into a CUDA graph and replayed. Waits are
-/// bounded by [`CommConfig::timeout`]; after a timeout or a disagreement ([`Communicator::check`])
-/// the team is unusable: drop it and build a new one.
+/// bounded by [`CommConfig::timeout`] (each rank's first call by
+/// [`Communicator::first_call_timeout`]). A timeout or a disagreement is reported by the rank's
+/// next call (and by [`Communicator::check`]); the team is then unusable until every rank calls
+/// [`Communicator::recover`], or is dropped and built anew.
 #[derive(Clone)]
 pub struct Communicator {
     pub(crate) inner: Arc<Inner>,
@@ -97,6 +102,17 @@ impl Communicator {
     /// The configuration.
     pub fn config(&self) -> &CommConfig {
         &self.inner.config
+    }
+
+    /// How long each rank's first call after the build (and after [`Communicator::recover`])
+    /// waits for its peers: [`CommConfig::first_call_timeout`] where set, else the longest of
+    /// [`CommConfig::timeout`], [`CommConfig::FIRST_CALL_TIMEOUT`] and the bootstrap's own
+    /// timeout ([`crate::Bootstrap::timeout`]: as long as the bootstrap let the build wait for
+    /// the slowest rank). Ranks that start unevenly — weight loading, JIT and library warm-up
+    /// before their first collective — meet there; make the first call a warm-up where that
+    /// happens.
+    pub fn first_call_timeout(&self) -> std::time::Duration {
+        self.inner.first_call
     }
 
     /// The multicast policy it was built with.
@@ -311,8 +327,12 @@ impl Communicator {
     }
 
     /// Report a timeout or a disagreement between ranks seen by earlier calls of the ranks this
-    /// process drives (synchronise their streams first), naming the rank. After an error, the
-    /// team refuses further calls ([`Error::Unusable`]).
+    /// process drives (synchronise their streams first), naming the rank (and the peer it
+    /// concerns, where the kernel knew it), read from the device. Every call reports the same
+    /// by itself before it launches, from the rank's error mirror (a host load) — `check` is
+    /// for a point where no further call comes, and it also reports the all-to-all's counts out
+    /// of range. After an error, the team refuses further calls ([`Error::Unusable`]) until
+    /// [`Communicator::recover`].
     pub fn check(&self) -> Result<()> {
         let inner = &*self.inner;
         inner.ranks.usable()?;
@@ -339,11 +359,23 @@ impl Communicator {
     /// processes through the bootstrap (so no peer's kernel writes into this rank's memory any
     /// more), puts every rank's protocol state back to a fresh team's (error words, counters,
     /// signals, call headers, low-latency flags; the multicast team's headers), meets them again,
-    /// and clears the failure. Symmetric buffers and their contents stay. Calls made after a
-    /// failure and before `recover` have left their outputs undefined. An error here (a peer
-    /// that does not arrive, a device whose context a kernel fault killed) leaves the team
-    /// unusable: drop it and build a new one.
+    /// clears the error mirrors and the failure; the next call of each rank has the first-call
+    /// bound again ([`Communicator::first_call_timeout`]). Symmetric buffers and their contents
+    /// stay. Calls made after a failure and before `recover` have left their outputs undefined.
+    /// An error here (a peer process that is gone, so the bootstrap's meeting fails or times
+    /// out; a device whose context a kernel fault killed) is [`Error::Unusable`] naming the
+    /// cause and saying to rebuild: the team stays unusable; drop it and build a new one. A team of one process (no bootstrap) recovers without meeting anyone.
     pub fn recover(&self) -> Result<()> {
+        self.try_recover().map_err(|e| {
+            self.inner.ranks.break_with(Error::Unusable {
+                cause: format!(
+                    "the recovery failed ({e}); this team cannot go on: drop it and build a new one"
+                ),
+            })
+        })
+    }
+
+    fn try_recover(&self) -> Result<()> {
         let inner = &*self.inner;
         let ranks = &inner.ranks;
         let mut devices: Vec<&Device> = Vec::new();
@@ -367,6 +399,7 @@ impl Communicator {
         }
         for l in &ranks.locals {
             l.calls.store(0, Ordering::Relaxed);
+            l.clear_mirror();
         }
         ranks.restore();
         Ok(())
@@ -374,46 +407,64 @@ impl Communicator {
 }
 
 impl Inner {
-    /// What the error words of local rank `l` say (a disagreement before a timeout).
+    /// What the error words of local rank `l` say (a disagreement before a timeout), read from
+    /// the device ([`Communicator::check`]; the bounds word too).
     pub(crate) fn rank_error(&self, l: &Local) -> Result<Option<Error>> {
         let mut words = vec![(Path::PeerToPeer, self.p2p.error_word(l.rank)?)];
         if let Some(mm) = &self.mm {
             words.push((Path::Multimem, mm.error_word(l.rank)?));
         }
+        Ok(self.word_error(l, &words))
+    }
+
+    /// What the error mirror of local rank `l` says: the error words its kernels copied to the
+    /// host when they failed or found a failure (a plain load, no driver call: every call looks
+    /// before it launches). `None`: no failure has reached the host.
+    pub(crate) fn mirrored_error(&self, l: &Local) -> Option<Error> {
+        let [p2p, mm] = l.mirrored();
+        if p2p == 0 && mm == 0 {
+            return None;
+        }
+        self.word_error(l, &[(Path::PeerToPeer, p2p), (Path::Multimem, mm)])
+    }
+
+    /// The error that error words `words` (by path) of local rank `l` make: a disagreement
+    /// before a bounds error before a timeout; `None` where all are 0.
+    fn word_error(&self, l: &Local, words: &[(Path, u32)]) -> Option<Error> {
         let calls = l.calls.load(Ordering::Relaxed);
+        let (rank, dev) = (l.rank, l.device.ordinal());
+        let way_back =
+            "every rank calls Communicator::recover to go on with this team, or it is rebuilt";
         let mut found = None;
-        for (path, w) in words {
-            if w == ERR_MISMATCH {
-                return Ok(Some(Error::RanksDisagree {
+        for &(path, w) in words {
+            let (code, peer) = err_word(w);
+            if code == ERR_MISMATCH {
+                let whose = peer.map_or("a peer".to_string(), |p| format!("rank {p}"));
+                return Some(Error::RanksDisagree {
                     what: format!(
-                        "rank {} (device {}) met a peer whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank)",
-                        l.rank,
-                        l.device.ordinal()
+                        "rank {rank} (device {dev}) met {whose}, whose call differs in size, type, operation, algorithm or operands ({path} path; {calls} call(s) queued on this rank; {way_back})"
                     ),
-                }));
+                });
             }
-            if w == ERR_BOUNDS && found.is_none() {
+            if code == ERR_BOUNDS && found.is_none() {
                 found = Some(Error::invalid(
                     "counts",
                     format!(
-                        "rank {} (device {}): a count, offset or expert id read on the device was out of range, or a peer's count did not match what this rank expects; what it concerned was not moved ({path} path; {calls} call(s) queued on this rank)",
-                        l.rank,
-                        l.device.ordinal()
+                        "rank {rank} (device {dev}): a count, offset or expert id read on the device was out of range, or a peer's count did not match what this rank expects; what it concerned was not moved ({path} path; {calls} call(s) queued on this rank)"
                     ),
                 ));
                 continue;
             }
-            if w != 0 && found.is_none() {
+            if code != 0 && found.is_none() {
+                let whom = peer.map_or("a peer".to_string(), |p| format!("rank {p}"));
                 found = Some(Error::Timeout {
                     what: format!(
-                        "a {path} barrier of rank {} (device {}): a peer did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank)",
-                        l.rank,
-                        l.device.ordinal()
+                        "a {path} barrier of rank {rank} (device {dev}): {whom} did not arrive (it died, hung, or called something else; {calls} call(s) queued on this rank; {way_back})"
                     ),
                     after: self.config.timeout,
                 });
             }
         }
-        Ok(found)
+        found
     }
 }

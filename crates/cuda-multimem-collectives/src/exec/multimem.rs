@@ -37,6 +37,8 @@ pub(crate) struct Mm {
     team: Team,
     members: Vec<Member>,
     region: usize,
+    /// Every member's error mirror (device addresses, by member; `MM_OFF_MIRROR`).
+    mirrors: Vec<u64>,
 }
 
 /// Where a member's memory lies: its unicast base (the header), the team's multicast base,
@@ -66,8 +68,9 @@ impl Mm {
     }
 
     /// Build the team over `devices` (all driven by this process) with regions of
-    /// `config.multimem_region()` bytes. Refused where multicast is disabled or unsupported.
-    pub(crate) fn new(devices: &[Device], config: &CommConfig) -> Result<Mm> {
+    /// `config.multimem_region()` bytes, member i's error mirror at device address `mirrors[i]`.
+    /// Refused where multicast is disabled or unsupported.
+    pub(crate) fn new(devices: &[Device], mirrors: Vec<u64>, config: &CommConfig) -> Result<Mm> {
         let region = config.multimem_region();
         for d in devices {
             check_device(d, &[(mmk::FILE, mmk::PTX)])?;
@@ -99,6 +102,7 @@ impl Mm {
             team,
             members,
             region,
+            mirrors,
         };
         mm.write_headers()?;
         Ok(mm)
@@ -117,6 +121,10 @@ impl Mm {
             put(mmk::MM_OFF_RANK, &(i as u32).to_le_bytes());
             put(mmk::MM_OFF_NRANKS, &(n as u32).to_le_bytes());
             put(mmk::MM_OFF_CAP, &(region as u64).to_le_bytes());
+            put(
+                mmk::MM_OFF_MIRROR,
+                &self.mirrors.get(i).copied().unwrap_or(0).to_le_bytes(),
+            );
             for (j, p) in peers.iter().enumerate() {
                 put(mmk::MM_OFF_PEERS + 8 * j, &p.to_le_bytes());
             }

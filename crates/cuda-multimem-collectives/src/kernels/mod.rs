@@ -17,13 +17,13 @@
 //! | --- | --- |
 //! | 0 | `u32` rank |
 //! | 4 | `u32` team size |
-//! | 8 | `u32` error word (0 ok, [`ERR_TIMEOUT`], [`ERR_MISMATCH`]) |
+//! | 8 | `u32` error word (0 ok, else [`ERR_TIMEOUT`] or [`ERR_MISMATCH`] in bits 7..0 and the peer it concerns + 1 in bits 31..8, 0 where unknown: [`err_word`]) |
 //! | 12 | `u32` bounds word (0 ok, [`ERR_BOUNDS`]) |
 //! | 16 | `u64` bytes of one staging half |
 //! | 24 | `u64` bytes of one low-latency slot |
 //! | 32 | `u64` bytes of one landing slot (the copy-engine two-shot) |
 //! | 40 | `u64` this rank's landing area, as mapped on this rank |
-//! | 48 | reserved (the host-visible error mirror) |
+//! | 48 | `u64` this rank's error mirror: the device address of host-mapped memory into which every kernel error path copies the error word (0: none) |
 //! | 64 | `u64[MAX_RANKS]` every rank's pad, as mapped on this rank |
 //! | 640 | `u64[MAX_RANKS]` every rank's staging area, as mapped on this rank |
 //! | 1216 | `u64[MAX_RANKS]` every rank's low-latency staging area, as mapped on this rank |
@@ -86,6 +86,11 @@ pub const OFF_LL_STAGES: usize = 1216;
 pub const OFF_LAND_SLOT: usize = 32;
 /// This rank's landing area (`u64`).
 pub const OFF_LAND: usize = 40;
+/// This rank's error mirror (`u64`): the device address of a `u32` in page-locked host memory
+/// mapped for the rank's device. Whenever a kernel sets or finds the error word set, it stores
+/// the word there too (system scope), so the host reads a failure with a plain load before its
+/// next call, with no driver call and no synchronisation. 0: no mirror.
+pub const OFF_MIRROR: usize = 48;
 /// Block counters.
 pub const OFF_CTR: usize = 2048;
 /// Signal slots.
@@ -121,6 +126,13 @@ const _: () = {
 pub const ERR_TIMEOUT: u32 = 1;
 /// A peer called with another size, type, operation or algorithm.
 pub const ERR_MISMATCH: u32 = 2;
+/// The code of an error word (`ERR_TIMEOUT`, `ERR_MISMATCH`; 0: none) and the peer it concerns
+/// (the rank a wait gave up on, the rank whose call header differs), where the kernel knew it:
+/// the word is the code in bits 7..0 and the peer + 1 in bits 31..8.
+pub fn err_word(w: u32) -> (u32, Option<usize>) {
+    (w & 0xff, (w >> 8).checked_sub(1).map(|p| p as usize))
+}
+
 /// A count, offset or expert id read on the device was out of range (all-to-all and MoE
 /// kernels: nothing of what it concerns was written).
 pub const ERR_BOUNDS: u32 = 4;

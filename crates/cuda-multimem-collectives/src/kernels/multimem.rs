@@ -13,6 +13,7 @@
 //! | 4100 | `u32` rank |
 //! | 4104 | `u32` team size |
 //! | 4112 | `u64` capacity (bytes of the input region = bytes of the output region) |
+//! | 4120 | `u64` this member's error mirror: the device address of the host-mapped `u32` into which the kernels copy the error word (0: none; as the pad's `OFF_MIRROR`) |
 //! | 4608 | `u64[MAX_RANKS]` every member's unicast address (for scalar tails and call headers) |
 //! | 8192 | `u64[2][MAX_BLOCKS][MAX_RANKS]` call headers: parity, block, sender (as the peer-to-peer pad, [`super::hdr_slot`]) |
 //! | 327680 | input region, then output region (reduce-scatter's input and all-gather's output: N slots of [`slot_bytes`] each, slot k for rank k's chunk) |
@@ -32,6 +33,8 @@ pub const MM_OFF_RANK: usize = 4100;
 pub const MM_OFF_NRANKS: usize = 4104;
 /// Capacity.
 pub const MM_OFF_CAP: usize = 4112;
+/// This member's error mirror (`u64`; see [`super::OFF_MIRROR`]).
+pub const MM_OFF_MIRROR: usize = 4120;
 /// Members' unicast addresses.
 pub const MM_OFF_PEERS: usize = 4608;
 /// Call headers.
@@ -140,7 +143,8 @@ const _: () = assert!(
         && MM_OFF_SIG + MAX_BLOCKS * 4 <= MM_OFF_ERR
         && MM_OFF_ERR + 4 <= MM_OFF_RANK
         && MM_OFF_NRANKS + 4 <= MM_OFF_CAP
-        && MM_OFF_CAP + 8 <= MM_OFF_PEERS
+        && MM_OFF_CAP + 8 <= MM_OFF_MIRROR
+        && MM_OFF_MIRROR + 8 <= MM_OFF_PEERS
         && MM_OFF_PEERS + 8 * super::MAX_RANKS <= MM_OFF_HDR
         && MM_OFF_HDR + 2 * MAX_BLOCKS * super::MAX_RANKS * 8 <= MM_DATA
         && MM_DATA % 16 == 0

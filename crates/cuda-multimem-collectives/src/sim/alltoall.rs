@@ -65,24 +65,44 @@ fn part(
     }
 }
 
-/// Poll the cell at `at` until its flag is `flag`'s: its value, or `None` on the timeout (then
-/// `ERR_TIMEOUT`) or when the error word is set.
-fn poll(cx: &Ctx, at: usize, flag: u64) -> Option<u32> {
+/// Poll the cell at `at`, sent by `peer`, until its flag is `flag`'s (call counter `c`): its
+/// value, or `None` on the timeout (then `ERR_TIMEOUT`), when the error word is set, or on a
+/// disagreement (a cell of this counter with another header, [`ll_disagrees`]; with `row`, past
+/// [`LL_PEEK_NS`], the sender's block 0 at this call's first barrier value in my slot while its
+/// row is still not here: it is in a barrier kernel of this call) — then `ERR_MISMATCH` on
+/// every rank, as the PTX `poll`.
+fn poll(cx: &Ctx, at: usize, flag: u64, c: u32, peer: usize, row: bool) -> Option<u32> {
     let cell = u64_at(at);
     let start = Instant::now();
+    let peek = Duration::from_nanos(LL_PEEK_NS);
     let mut spins = 0u32;
     loop {
         let v = cell.load(Ordering::Acquire);
         if v >> 32 == flag >> 32 {
             return Some(v as u32);
         }
-        if cx.err().load(Ordering::Relaxed) != 0 {
+        if ll_disagrees((v >> 32) as u32, (flag >> 32) as u32) {
+            super::ll_report(cx);
             return None;
         }
-        if start.elapsed() >= cx.timeout {
-            let _ = cx
-                .err()
-                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+        if cx.err().load(Ordering::Relaxed) != 0 {
+            cx.seen();
+            return None;
+        }
+        let waited = start.elapsed();
+        if row
+            && waited >= peek
+            && u32_at(cx.pad + OFF_SIG + 4 * peer).load(Ordering::Acquire) == c.wrapping_add(1)
+        {
+            let v = cell.load(Ordering::Acquire);
+            if v >> 32 == flag >> 32 {
+                return Some(v as u32);
+            }
+            super::ll_report(cx);
+            return None;
+        }
+        if waited >= cx.timeout {
+            cx.fail(ERR_TIMEOUT, Some(peer));
             return None;
         }
         spins += 1;
@@ -189,14 +209,13 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
             row[2 * m + j] = INVALID;
         }
     }
-    let fold = (cx.sig as u32) ^ ((cx.sig >> 32) as u32);
     let table = |t: usize| u64_at(out_tab + 8 * t).load(Ordering::Relaxed);
     if direct {
         a.check(out_tab, 8 * n, false)?;
     }
     for b in 0..g {
         let cnt = u32_at(pad + OFF_CTR + 4 * b as usize).load(Ordering::Relaxed);
-        let flag = ((cnt.wrapping_add(1) ^ fold) as u64) << 32;
+        let flag = (ll_flag(cnt, cx.sig) as u64) << 32;
         let parity = ((cnt >> 1) & 1) as usize;
         let push = |t: usize| stage(t) + (parity * n + rank) * slot;
         let mine = |s: usize| stage(rank) + (parity * n + s) * slot;
@@ -217,7 +236,7 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
         for s in (0..n).filter(|&s| s != rank) {
             a.check(mine(s), 8 * ROW_CELLS as usize, false)?;
             for i in (0..n).chain([m + rank, 2 * m + rank]) {
-                rows[s][i] = poll(&cx, mine(s) + 8 * i, flag).unwrap_or(INVALID);
+                rows[s][i] = poll(&cx, mine(s) + 8 * i, flag, cnt, s, true).unwrap_or(INVALID);
             }
         }
         let snd: Vec<Part> = (0..n)
@@ -306,7 +325,7 @@ fn run(a: &LaunchArgs, direct: bool) -> Result<(), KernelError> {
                 a.check((dst + lo) as usize, (hi - lo) as usize, true)?;
                 let cells = mine(s) + 8 * ROW_CELLS as usize;
                 for w in lo / 4..hi.div_ceil(4) {
-                    if let Some(x) = poll(&cx, cells + 8 * w as usize, flag) {
+                    if let Some(x) = poll(&cx, cells + 8 * w as usize, flag, cnt, s, false) {
                         store_word((dst + 4 * w) as usize, (p.len - 4 * w).min(4), x);
                     }
                 }

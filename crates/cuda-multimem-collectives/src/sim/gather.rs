@@ -281,7 +281,7 @@ fn store_word(d: DType, base: usize, w: u64, whole: u64, chunk: u64, x: u32) {
 /// [`super::ll_poll`]: the word of the cell at `at` once its flag is `flag`'s (or the wait
 /// ended).
 fn poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u32 {
-    super::ll_poll(cx, at, flag, c) as u32
+    super::ll_poll(cx, at, flag, c, None) as u32
 }
 
 /// The low-latency forms (see the PTX `ll_kernel`): per block, its words of the chunk; the
@@ -314,6 +314,7 @@ fn run_ll(c: Collective, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelE
         pads,
         timeout: Duration::from_nanos(a.u64(7)?),
         sig: a.u64(6)?,
+        mirror: super::mirror_at(a, pad, OFF_MIRROR)?,
     };
     let g = a.grid.0 as u64;
     if g as usize > MAX_BLOCKS {

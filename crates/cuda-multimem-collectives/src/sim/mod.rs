@@ -200,6 +200,33 @@ struct Ctx {
     pads: Vec<usize>,
     timeout: Duration,
     sig: u64,
+    /// The rank's error mirror (host-mapped memory; 0: none).
+    mirror: usize,
+}
+
+/// The error mirror whose address a pad (or multicast member) at `pad` holds at `off`
+/// (`OFF_MIRROR`, `MM_OFF_MIRROR`), checked writable; 0 where there is none.
+fn mirror_at(a: &LaunchArgs, pad: usize, off: usize) -> Result<usize, KernelError> {
+    let m = u64_at(pad + off).load(Ordering::Relaxed) as usize;
+    if m != 0 {
+        a.check(m, 4, true)?;
+    }
+    Ok(m)
+}
+
+/// The PTX `err_set`: the error word `err` becomes `code` with `peer` + 1 in bits 31..8 where
+/// known, unless set already; then [`mirror_word`].
+fn fail(err: &AtomicU32, mirror: usize, code: u32, peer: Option<usize>) {
+    let w = code | peer.map_or(0, |p| (p as u32 + 1) << 8);
+    let _ = err.compare_exchange(0, w, Ordering::Relaxed, Ordering::Relaxed);
+    mirror_word(err, mirror);
+}
+
+/// The PTX `err_mirror`: the error word, found set, into the host-mapped mirror (if any).
+fn mirror_word(err: &AtomicU32, mirror: usize) {
+    if mirror != 0 {
+        u32_at(mirror).store(err.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
 }
 
 impl Ctx {
@@ -231,11 +258,22 @@ impl Ctx {
             pads,
             timeout: Duration::from_nanos(a.u64(timeout)?),
             sig: a.u64(sig)?,
+            mirror: mirror_at(a, pad, OFF_MIRROR)?,
         })
     }
 
     fn err(&self) -> &AtomicU32 {
         u32_at(self.pad + OFF_ERR)
+    }
+
+    /// [`fail`] on this rank's error word.
+    fn fail(&self, code: u32, peer: Option<usize>) {
+        fail(self.err(), self.mirror, code, peer);
+    }
+
+    /// [`mirror_word`] of this rank's error word (a wait that found it set).
+    fn seen(&self) {
+        mirror_word(self.err(), self.mirror);
     }
 
     /// The barrier of block `b` at `val` (see the PTX `barrier`): signal every peer, then wait
@@ -271,15 +309,11 @@ impl Ctx {
                     break true;
                 }
                 if self.err().load(Ordering::Relaxed) != 0 {
+                    self.seen();
                     break false;
                 }
                 if start.elapsed() >= self.timeout {
-                    let _ = self.err().compare_exchange(
-                        0,
-                        ERR_TIMEOUT,
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    );
+                    self.fail(ERR_TIMEOUT, Some(t));
                     break false;
                 }
                 spins += 1;
@@ -294,12 +328,7 @@ impl Ctx {
                     let h = u64_at(self.pad + OFF_HDR + hdr_slot(p as usize, b, t))
                         .load(Ordering::Relaxed);
                     if h != self.sig {
-                        let _ = self.err().compare_exchange(
-                            0,
-                            ERR_MISMATCH,
-                            Ordering::Relaxed,
-                            Ordering::Relaxed,
-                        );
+                        self.fail(ERR_MISMATCH, Some(t));
                     }
                 }
             }
@@ -536,13 +565,17 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
 /// ([`ll_disagrees`]), or, past [`LL_PEEK_NS`], a peer's block 0 waits at this call's first
 /// barrier value in this rank's signal slots — sets `ERR_MISMATCH` in every rank's error word.
 /// The cell as found.
-fn ll_poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u64 {
+fn ll_poll(cx: &Ctx, at: usize, flag: u64, c: u32, peer: Option<usize>) -> u64 {
     let cell = u64_at(at);
     let start = Instant::now();
     let peek = Duration::from_nanos(LL_PEEK_NS);
     loop {
         let v = cell.load(Ordering::Relaxed);
-        if v >> 32 == flag >> 32 || cx.err().load(Ordering::Relaxed) != 0 {
+        if v >> 32 == flag >> 32 {
+            return v;
+        }
+        if cx.err().load(Ordering::Relaxed) != 0 {
+            cx.seen();
             return v;
         }
         let waited = start.elapsed();
@@ -552,24 +585,29 @@ fn ll_poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u64 {
             })
         };
         if ll_disagrees((v >> 32) as u32, (flag >> 32) as u32) || (waited >= peek && in_barrier()) {
-            for &p in &cx.pads {
-                let _ = u32_at(p + OFF_ERR).compare_exchange(
-                    0,
-                    ERR_MISMATCH,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                );
-            }
+            ll_report(cx);
             return v;
         }
         if waited >= cx.timeout {
-            let _ = cx
-                .err()
-                .compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+            cx.fail(ERR_TIMEOUT, peer);
             return v;
         }
         std::thread::yield_now();
     }
+}
+
+/// The PTX `ll_report`'s disagreement: `ERR_MISMATCH` into every rank's error word (where none
+/// is set), and this rank's word into its mirror.
+fn ll_report(cx: &Ctx) {
+    for &p in &cx.pads {
+        let _ = u32_at(p + OFF_ERR).compare_exchange(
+            0,
+            ERR_MISMATCH,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+    cx.seen();
 }
 
 /// The low-latency one-shot (see the PTX): 8-byte (flag, word) stores into every rank's slot,
@@ -627,10 +665,10 @@ fn run_ll(
             a.check(out + 4 * lo as usize, (hi - lo) as usize * 4, true)?;
             for u in (lo..hi).step_by(wpu as usize) {
                 let mut acc = [None; 4];
-                for m in &mine {
+                for (k, m) in mine.iter().enumerate() {
                     let mut word = 0u64;
                     for h in 0..wpu {
-                        let v = ll_poll(cx, m + 8 * (u + h) as usize, flag, c);
+                        let v = ll_poll(cx, m + 8 * (u + h) as usize, flag, c, Some(k));
                         word |= (v as u32 as u64) << (32 * h);
                     }
                     combine_word(d, op, &mut acc[..epu], word);

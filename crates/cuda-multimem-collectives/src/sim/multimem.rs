@@ -42,6 +42,8 @@ struct MmCtx<'a> {
     timeout: Duration,
     /// The call header.
     sig: u64,
+    /// This member's error mirror (0: none).
+    mirror: usize,
 }
 
 impl<'a> MmCtx<'a> {
@@ -80,6 +82,7 @@ impl<'a> MmCtx<'a> {
             out_off: MM_DATA + cap,
             timeout,
             sig,
+            mirror: super::mirror_at(a, uc, MM_OFF_MIRROR)?,
         })
     }
 
@@ -131,8 +134,7 @@ impl<'a> MmCtx<'a> {
                 if (0..self.n)
                     .any(|s| u64_at(self.uc + hdr(p, s)).load(Ordering::Relaxed) != self.sig)
                 {
-                    let _ =
-                        err.compare_exchange(0, ERR_MISMATCH, Ordering::Relaxed, Ordering::Relaxed);
+                    super::fail(err, self.mirror, ERR_MISMATCH, None);
                 }
             }
         };
@@ -149,10 +151,11 @@ impl<'a> MmCtx<'a> {
                 return Ok(());
             }
             if err.load(Ordering::Relaxed) != 0 {
+                super::mirror_word(err, self.mirror);
                 return Ok(());
             }
             if start.elapsed() >= self.timeout {
-                let _ = err.compare_exchange(0, ERR_TIMEOUT, Ordering::Relaxed, Ordering::Relaxed);
+                super::fail(err, self.mirror, ERR_TIMEOUT, None);
                 return Ok(());
             }
             spins += 1;

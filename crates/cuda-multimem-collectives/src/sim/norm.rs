@@ -470,7 +470,7 @@ fn run(k: NormKernel, d: DType, a: &LaunchArgs, fp8: bool) -> Result<(), KernelE
 /// [`super::ll_poll`]: the word of the cell at `at` once its flag is `flag`'s (or the wait
 /// ended).
 fn poll(cx: &Ctx, at: usize, flag: u64, c: u32) -> u32 {
-    super::ll_poll(cx, at, flag, c) as u32
+    super::ll_poll(cx, at, flag, c, None) as u32
 }
 
 fn run_unfused(d: DType, a: &LaunchArgs, fp8: bool) -> Result<(), KernelError> {

@@ -1,9 +1,9 @@
-//! A rank this process drives: its device, the order of its calls, and the event that says
-//! whether its last call has finished.
+//! A rank this process drives: its device, the order of its calls, the event that says
+//! whether its last call has finished, and its error mirror.
 
 use std::sync::atomic::AtomicU64;
 
-use cuda_multimem::{Device, Error, Event, Result, StreamRef};
+use cuda_multimem::{Device, Error, Event, HostMappedBuffer, Result, StreamRef};
 use parking_lot::{Mutex, MutexGuard};
 
 /// A rank driven by this process.
@@ -22,6 +22,12 @@ pub(crate) struct Local {
     done: Event,
     /// Calls queued by this rank so far.
     pub(crate) calls: AtomicU64,
+    /// The rank's error mirror: page-locked host memory mapped for its device, word
+    /// [`Local::MIRROR_P2P`] for the peer-to-peer kernels (its device address in the pad at
+    /// `kernels::OFF_MIRROR`), word [`Local::MIRROR_MM`] for the multimem kernels
+    /// (`MM_OFF_MIRROR`). Every kernel that fails or finds its error word set stores the word
+    /// there; every call reads it first, a host load (no driver call).
+    pub(crate) mirror: HostMappedBuffer<u32>,
 }
 
 /// Returned by [`Local::begin`]; when the call that holds it returns, its work is queued, and
@@ -47,6 +53,11 @@ impl Drop for CallEnd<'_> {
 }
 
 impl Local {
+    /// The mirror's word of the peer-to-peer error word.
+    pub(crate) const MIRROR_P2P: usize = 0;
+    /// The mirror's word of the multimem error word.
+    pub(crate) const MIRROR_MM: usize = 1;
+
     pub(crate) fn new(rank: usize, slot: usize, device: &Device) -> Result<Local> {
         Ok(Local {
             rank,
@@ -55,7 +66,25 @@ impl Local {
             last_stream: Mutex::new(None),
             done: Event::new(device, false)?,
             calls: AtomicU64::new(0),
+            mirror: HostMappedBuffer::zeroed(device, 2)?,
         })
+    }
+
+    /// The device address of mirror word `word` ([`Local::MIRROR_P2P`], [`Local::MIRROR_MM`]).
+    pub(crate) fn mirror_ptr(&self, word: usize) -> u64 {
+        self.mirror.device_ptr() + 4 * word as u64
+    }
+
+    /// The mirror's words as the host sees them now (0: no failure seen there).
+    pub(crate) fn mirrored(&self) -> [u32; 2] {
+        [Self::MIRROR_P2P, Self::MIRROR_MM].map(|w| self.mirror.load(w).unwrap_or(0))
+    }
+
+    /// Clear the mirror (the recovery, once no kernel of the rank runs).
+    pub(crate) fn clear_mirror(&self) {
+        for w in [Self::MIRROR_P2P, Self::MIRROR_MM] {
+            self.mirror.store(w, 0);
+        }
     }
 
     /// `stream` must be a stream of this rank's device, of the communicator's driver.

@@ -157,6 +157,25 @@ sim_api! {
         let a = memory::alloc_host(st, size)?;
         out(pp, a as *mut c_void)
     }
+    cuMemHostAlloc @ 2020 as PFN_cuMemHostAlloc_v2020 => fn mem_host_alloc(st, pp: *mut *mut c_void, size: usize, flags: c_uint) {
+        // like cuMemAllocHost, with flags: portable, mapped, write-combined (a simulated
+        // device address is its host address, so every allocation is mapped)
+        let known = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
+        if pp.is_null() || size == 0 || flags & !known != 0 {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        crate::model::context::current_device(st)?;
+        let a = memory::alloc_host(st, size)?;
+        out(pp, a as *mut c_void)
+    }
+    cuMemHostGetDevicePointer @ 3020 as PFN_cuMemHostGetDevicePointer_v3020 => fn mem_host_get_device_pointer(st, pdptr: *mut CUdeviceptr, p: *mut c_void, flags: c_uint) {
+        // the device address of page-locked host memory is its host address (unified
+        // addressing); flags must be 0
+        if pdptr.is_null() || flags != 0 || !memory::is_host_memory(st, p as usize) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        out(pdptr, p as CUdeviceptr)
+    }
     cuMemFreeHost @ 2000 as PFN_cuMemFreeHost_v2000 => fn mem_free_host(st, p: *mut c_void) {
         memory::free_host(st, p as usize)
     }

@@ -442,6 +442,13 @@ pub(crate) fn alloc_host(st: &State, size: usize) -> SimResult<usize> {
     Ok(a)
 }
 
+/// Whether `addr` lies in page-locked host memory (`cuMemAllocHost`, `cuMemHostAlloc`).
+pub(crate) fn is_host_memory(st: &State, addr: usize) -> bool {
+    st.ext::<Memory>()
+        .find(addr)
+        .is_some_and(|(_, r)| r.kind == RegionKind::Host)
+}
+
 /// `cuMemFreeHost`.
 pub(crate) fn free_host(st: &State, p: usize) -> SimResult {
     let m = st.ext::<Memory>();

@@ -62,6 +62,9 @@ fn mp_input(call: usize, rank: usize, dtype: DType, count: usize) -> Vec<u8> {
 /// One rank's whole life in a two-process team; returns a description of the first problem.
 fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String> {
     use cuda_multimem_collectives::UnixBootstrap;
+    if mode.starts_with("recover") {
+        return mp_recover(rank, path, mode == "recover-gone");
+    }
     let e = mp_driver();
     // "shared-*": both processes on device 0 (with and without the builder's opt-in)
     let shared = mode.starts_with("shared");
@@ -127,6 +130,77 @@ fn mp_rank(rank: usize, path: &std::path::Path, mode: &str) -> Result<(), String
         return Err(format!("rank {rank}, own memory: {m}"));
     }
     mp_other_collectives(rank, &comm, &device, &stream)
+}
+
+/// One rank of the recovery across processes: a first call (the warm-up, with the generous
+/// first-call bound), then rank 1 comes 3 s late to the second (300 ms bound): rank 0's next
+/// call reports the timeout naming rank 1 (from its error mirror, without `check`), both ranks
+/// call `recover` (meeting through the bootstrap), and their next allreduce (a first call again)
+/// equals the host reference.
+///
+/// `gone`: rank 1 exits after the build instead, and rank 0's `recover` fails saying to rebuild.
+fn mp_recover(rank: usize, path: &std::path::Path, gone: bool) -> Result<(), String> {
+    use cuda_multimem_collectives::UnixBootstrap;
+    let e = mp_driver();
+    let x = |e: Error| format!("rank {rank}: {e}");
+    let device = e.driver.device(rank).map_err(x)?;
+    let boot = UnixBootstrap::new(path, rank, 2, Duration::from_secs(30)).map_err(x)?;
+    let comm = Communicator::builder_with_bootstrap(&device, Box::new(boot))
+        .config(CommConfig {
+            timeout: Duration::from_millis(300),
+            first_call_timeout: Some(cuda_multimem_tests::TEAM_TIMEOUT),
+            ll_max_bytes: 0,
+            ..Default::default()
+        })
+        .build()
+        .map_err(x)?;
+    let mut buf = comm.alloc::<f32>(4096).map_err(x)?;
+    let stream = Stream::new(&device).map_err(x)?;
+    if gone {
+        if rank == 1 {
+            std::process::exit(0);
+        }
+        return match comm.recover() {
+            Err(Error::Unusable { cause }) if cause.contains("build a new one") => Ok(()),
+            other => Err(format!(
+                "rank 0: recover without its peer returned {other:?}"
+            )),
+        };
+    }
+    let h = comm.rank(rank).map_err(x)?;
+    let call = |buf: &mut SymmetricBuffer<f32>| {
+        h.all_reduce_in_place(buf.slice_mut(..1000)?, ReduceOp::Sum, &stream)
+            .map(|_| ())
+    };
+    call(&mut buf).map_err(x)?;
+    stream.synchronize().map_err(x)?;
+    if rank == 1 {
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    call(&mut buf).map_err(x)?;
+    stream.synchronize().map_err(x)?;
+    if rank == 0 {
+        match call(&mut buf) {
+            Err(Error::Timeout { what, .. }) if what.contains("rank 1 did not arrive") => {}
+            other => return Err(format!("rank 0: the next call returned {other:?}")),
+        }
+    }
+    comm.recover().map_err(x)?;
+    let input =
+        |r: usize| -> Vec<f32> { (0..1000).map(|i| ((i * 3 + r * 5) % 17) as f32).collect() };
+    buf.write(rank, 0, &input(rank)).map_err(x)?;
+    call(&mut buf).map_err(x)?;
+    stream.synchronize().map_err(x)?;
+    comm.check().map_err(x)?;
+    let want = reference(ReduceOp::Sum, &[&input(0), &input(1)]);
+    let mut got = vec![0f32; 1000];
+    buf.read(rank, 0, &mut got).map_err(x)?;
+    if got != want {
+        return Err(format!(
+            "rank {rank}: after the recovery the sums differ from the reference"
+        ));
+    }
+    Ok(())
 }
 
 /// The other collectives across the two processes: reduce-scatter on symmetric buffers (a
@@ -369,6 +443,37 @@ fn a_peer_process_that_dies_during_rendezvous_is_an_error_not_a_hang() {
 }
 
 #[test]
+fn a_late_peer_process_is_reported_by_the_next_call_and_both_recover() {
+    if mp_skip("late_peer_recovers") {
+        return;
+    }
+    let path = rendezvous_path("recover");
+    let child = spawn_child(&path, "recover");
+    let mine = mp_rank(0, &path, "recover");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "child rank failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    mine.unwrap();
+}
+
+/// A peer process that is gone: `recover` fails on the rank left, saying to rebuild the team.
+#[test]
+fn recover_without_a_peer_process_fails_saying_to_rebuild() {
+    if mp_skip("recover_gone") {
+        return;
+    }
+    let path = rendezvous_path("recover-gone");
+    let mut child = spawn_child(&path, "recover-gone");
+    let mine = mp_rank(0, &path, "recover-gone");
+    let _ = child.wait();
+    mine.unwrap();
+}
+
+#[test]
 fn a_peer_process_that_dies_before_a_collective_is_a_timeout() {
     if mp_skip("dies_before_collective") {
         return;
@@ -446,6 +551,9 @@ impl ThreadBootstrap {
 impl Bootstrap for ThreadBootstrap {
     fn rank(&self) -> usize {
         self.rank
+    }
+    fn timeout(&self) -> Option<Duration> {
+        Some(Duration::from_secs(600))
     }
     fn size(&self) -> usize {
         self.hub.n
@@ -575,6 +683,8 @@ fn a_team_over_a_test_bootstrap_in_threads_allreduces() {
     let ok = thread_team(&e, 2, Fault::None, |rank, d, boot| {
         let comm = thread_build(&d, boot)?;
         assert_eq!(comm.local_ranks(), vec![rank]);
+        // the first call waits as long as the bootstrap does (its 600 s over the default 120)
+        assert_eq!(comm.first_call_timeout(), Duration::from_secs(600));
         let mut buf = comm.alloc::<f32>(50_000)?;
         // one-shot and the write-only two-shot
         thread_sum(&comm, rank, 2, &mut buf, 1000)?;

@@ -408,12 +408,22 @@ fn multimem_with_a_dead_rank_times_out_on_every_calling_rank() {
     let t = Instant::now();
     sync(&s[..2]);
     assert!(t.elapsed() < Duration::from_secs(20));
-    match comm.check().unwrap_err() {
+    // the next call reports it, without check: the multimem kernels mirrored the error word
+    match comm
+        .rank(1)
+        .unwrap()
+        .all_reduce_in_place(&mut buf, ReduceOp::Sum, &s[1])
+        .unwrap_err()
+    {
         Error::Timeout { what, after } => {
             assert!(what.contains("multimem"), "{what}");
             assert_eq!(after, Duration::from_millis(300));
         }
         e => panic!("expected a timeout, got {e}"),
+    }
+    match comm.check().unwrap_err() {
+        Error::Unusable { cause } => assert!(cause.contains("multimem"), "{cause}"),
+        e => panic!("expected Unusable naming the timeout, got {e}"),
     }
     // every calling rank is refused afterwards, never handed a result
     for r in 0..2 {

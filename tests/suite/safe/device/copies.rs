@@ -516,3 +516,51 @@ fn freeing_a_buffer_waits_for_the_queued_copies_that_read_it() {
         assert!(dst.to_vec().unwrap().iter().all(|&v| v == 0x5a5a_5a5a));
     }
 }
+
+/// Page-locked host memory mapped for the device: zeroed, its device address written by a copy
+/// on a stream is what a plain host load reads, host stores are what the device reads back; a
+/// zero length is refused naming it, an index past the end loads nothing.
+#[test]
+fn host_mapped_memory_is_written_through_its_device_address_and_read_by_host_loads() {
+    let e = env();
+    let d = e.driver.device(0).unwrap();
+    let m = cuda_multimem::HostMappedBuffer::<u32>::zeroed(&d, 64).unwrap();
+    assert_eq!(m.len(), 64);
+    assert!(m.device_ptr() != 0);
+    assert!((0..64).all(|i| m.load(i) == Some(0)));
+    assert_eq!(m.load(64), None);
+    let data: Vec<u32> = (0..64)
+        .map(|i| 0x9e37_79b9u32.wrapping_mul(i + 1))
+        .collect();
+    let src = DeviceBuffer::from_host(&d, &data).unwrap();
+    let s = Stream::new(&d).unwrap();
+    // SAFETY: 256 bytes of a live device buffer into the 256 bytes of the mapped allocation
+    // through its device address; the stream is synchronised before either is read or goes.
+    unsafe {
+        s.as_stream_ref()
+            .copy_dtod_async(m.device_ptr(), src.device_ptr(), 256)
+            .unwrap();
+    }
+    s.synchronize().unwrap();
+    let got: Vec<u32> = (0..64).map(|i| m.load(i).unwrap()).collect();
+    assert_eq!(got, data);
+    // host stores, read by the device through the same address
+    for (i, x) in data.iter().enumerate() {
+        assert!(m.store(i, !x));
+    }
+    assert!(!m.store(64, 1));
+    let back = DeviceBuffer::<u32>::zeroed(&d, 64).unwrap();
+    // SAFETY: as above, the other way.
+    unsafe {
+        s.as_stream_ref()
+            .copy_dtod_async(back.device_ptr(), m.device_ptr(), 256)
+            .unwrap();
+    }
+    s.synchronize().unwrap();
+    let want: Vec<u32> = data.iter().map(|x| !x).collect();
+    assert_eq!(back.to_vec().unwrap(), want);
+    match cuda_multimem::HostMappedBuffer::<u32>::zeroed(&d, 0) {
+        Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "len"),
+        other => panic!("expected len refused, got {other:?}"),
+    }
+}

@@ -156,6 +156,10 @@ impl P2p {
             put(kernels::OFF_LL_SLOT, &(ll_slot as u64).to_le_bytes());
             put(kernels::OFF_LAND_SLOT, &(land_slot as u64).to_le_bytes());
             put(kernels::OFF_LAND, &lands.addrs[l.rank].to_le_bytes());
+            put(
+                kernels::OFF_MIRROR,
+                &l.mirror_ptr(Local::MIRROR_P2P).to_le_bytes(),
+            );
             for j in 0..n {
                 put(kernels::OFF_PADS + 8 * j, &pads.addrs[j].to_le_bytes());
                 put(kernels::OFF_STAGES + 8 * j, &stages.addrs[j].to_le_bytes());
@@ -233,9 +237,10 @@ impl P2p {
     }
 
     /// Back to a fresh team's protocol state for the ranks this process drives (`Communicator::
-    /// recover`: no kernel of the team runs any more): the error word, the per-block counters,
-    /// signal slots and call headers of every local pad, and the low-latency slots (whose flags
-    /// follow the counters) zeroed, as a new team has them.
+    /// recover`: no kernel of the team runs any more): the error and bounds words, the
+    /// per-block counters, signal slots and call headers of every local pad, and the
+    /// low-latency slots (whose flags follow the counters) zeroed, as a new team has them (the
+    /// error mirror is the caller's).
     pub(crate) fn reset(&self, ranks: &Ranks) -> Result<()> {
         for l in &ranks.locals {
             self.pads.zero(l.rank, kernels::OFF_ERR, 8)?;

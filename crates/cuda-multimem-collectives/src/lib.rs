@@ -79,9 +79,11 @@ mod exec;
 mod fp8;
 pub mod hier;
 pub mod kernels;
+mod moe;
 pub mod nccl;
 mod operand;
 mod reference;
+mod reference_moe;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod team;
@@ -103,6 +105,7 @@ pub use hier::{
     CrossDomain, HierBuilder, HierCommunicator, HierLayout, NcclCrossDomain, Rail, RankOrder,
 };
 pub use kernels::multimem::supported as multimem_supports;
+pub use moe::{MoePlan, MoeScales, MoeShape};
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, IntoDst, IntoSrc, Src};
 pub use reference::{
@@ -110,6 +113,9 @@ pub use reference::{
     fp8_amax, fp8_e4m3, fp8_quantise, fp8_quantise_row, fp8_scale, next_random, random_bytes,
     random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
     rms_scale, ue8m0_byte, ue8m0_pack, Fp8NormReference,
+};
+pub use reference_moe::{
+    moe_combine_reference, moe_dispatch_reference, moe_ids_out_of_range, MoeDispatched,
 };
 pub use types::{
     multimem_pays_off, Algorithm, Choice, DType, Element, Fp8Scaling, MulticastPolicy, Operands,

@@ -58,8 +58,8 @@ pub fn moe_dispatch_reference(
     );
     let rows = s.rows as usize;
     let mut out = Vec::new();
-    for d in 0..n {
-        let l = per[d] as usize;
+    for (d, &l) in per.iter().enumerate() {
+        let l = l as usize;
         // entries in (source, token, slot) order, per local expert
         let mut by: Vec<Vec<(usize, usize, usize)>> = vec![Vec::new(); l];
         for (src, ids) in topk_ids.iter().enumerate() {

@@ -219,12 +219,11 @@ fn group(a: &LaunchArgs) -> Result<(), KernelError> {
             }
         }
         for e in strided(b, g, local as u64) {
-            let mut pos = start[e as usize];
-            for &(x, _) in ent.iter().filter(|&&(_, f)| f as u64 == e) {
+            let mine = ent.iter().filter(|&&(_, f)| f as u64 == e);
+            for (pos, &(x, _)) in (start[e as usize]..).zip(mine) {
                 if pos < rows {
                     wr32(map + 4 * pos as usize, x);
                 }
-                pos += 1;
             }
         }
     }

@@ -8,7 +8,6 @@
 use cuda_multimem::{DeviceBuffer, Error, Result};
 
 use crate::buffer::SymmetricBuffer;
-use crate::comm::Communicator;
 use crate::kernels::moe::{
     Sizes, LAYOUT_WORDS, L_COMB_OFF, L_COUNTS, L_EXPERTS, L_HIDDEN, L_K, L_LOCAL, L_MAP,
     L_META_OFF, L_OFFSETS, L_PLACE, L_ROW, L_ROWS, L_ROW_STRIDE, L_SCALES, L_SOUT, L_STAMP_OFF,
@@ -257,7 +256,7 @@ pub(crate) struct RankPart {
 /// A MoE dispatch / combine plan: the shape, checked for the team, and its buffers (symmetric
 /// memory of [`MoeShape::symmetric_bytes`], device memory of [`MoeShape::local_bytes`] on every
 /// rank this process drives), allocated once by [`MoePlan::new`] (a collective call across
-/// processes, as [`Communicator::alloc`]).
+/// processes, as [`crate::Communicator::alloc`]).
 ///
 /// # What a dispatch leaves on rank r (its plan's buffers, read on the device)
 /// - [`MoePlan::expert_tokens`]: the received tokens grouped by local expert, `rows` rows of
@@ -273,7 +272,7 @@ pub(crate) struct RankPart {
 ///
 /// The combine takes the experts' outputs in the same row order (`rows × hidden` of
 /// [`MoeShape::expert_out`]). Dispatch and combine of one plan alternate in the order the
-/// ranks share (as every collective's calls do). After [`Communicator::recover`] build the plan
+/// ranks share (as every collective's calls do). After [`crate::Communicator::recover`] build the plan
 /// again (its buffers tell calls apart by the team's call counters, which a recovery resets).
 pub struct MoePlan {
     pub(crate) shape: MoeShape,
@@ -293,12 +292,18 @@ impl std::fmt::Debug for MoePlan {
 }
 
 impl MoePlan {
-    /// Check `shape` for `comm`'s team and allocate the plan's buffers.
-    pub fn new(comm: &Communicator, shape: MoeShape) -> Result<MoePlan> {
-        let n = comm.size();
-        let sizes = shape.sizes(n)?;
+    /// The plan of `shape` (checked for a team of `n`: `sizes`) over the symmetric buffer
+    /// `sym` of communicator `comm_id`, with the buffers of the local ranks `locals` (rank,
+    /// device) allocated (`MoePlan::new`, in the front, allocates `sym` first).
+    pub(crate) fn build(
+        shape: MoeShape,
+        sizes: Sizes,
+        n: usize,
+        comm_id: u64,
+        sym: SymmetricBuffer<u8>,
+        locals: &[(usize, &cuda_multimem::Device)],
+    ) -> Result<MoePlan> {
         let place = shape.placement_over(n)?;
-        let sym = comm.alloc::<u8>(sizes.symmetric() as usize)?;
         let e = shape.num_experts;
         // local index of every expert: its place among its rank's experts in id order
         let mut table = vec![0u32; 2 * e];
@@ -309,8 +314,7 @@ impl MoePlan {
             seen[r] += 1;
         }
         let mut parts = Vec::new();
-        for &rank in &comm.local_ranks() {
-            let dev = comm.device(rank)?;
+        for &(rank, dev) in locals {
             let local = seen[rank] as usize;
             let rows = sizes.rows as usize;
             let place_b = DeviceBuffer::from_host(dev, &table)?;
@@ -360,7 +364,7 @@ impl MoePlan {
         Ok(MoePlan {
             shape,
             sizes,
-            comm_id: comm.inner.id,
+            comm_id,
             sym,
             parts,
         })

@@ -4,11 +4,36 @@
 
 use cuda_multimem::{DeviceRepr, Error, IntoStream, Result};
 
-use super::RankHandle;
+use super::{Communicator, RankHandle};
 use crate::call::{Arg, Call, Kind, MoeArgs};
-use crate::moe::MoePlan;
+use crate::moe::{MoePlan, MoeShape};
 use crate::operand::{IntoDst, IntoSrc, Operand};
 use crate::types::{Choice, DType, Element, ReduceOp};
+
+impl MoePlan {
+    /// Check `shape` for `comm`'s team and allocate the plan's buffers: its symmetric buffer
+    /// ([`MoeShape::symmetric_bytes`], a collective call across processes, as
+    /// [`Communicator::alloc`]) and every local rank's device memory
+    /// ([`MoeShape::local_bytes`]).
+    pub fn new(comm: &Communicator, shape: MoeShape) -> Result<MoePlan> {
+        let n = comm.size();
+        let sizes = shape.sizes(n)?;
+        let sym = comm.alloc::<u8>(sizes.symmetric() as usize)?;
+        let locals = comm
+            .local_ranks()
+            .into_iter()
+            .map(|r| Ok((r, comm.device(r)?)))
+            .collect::<Result<Vec<_>>>()?;
+        MoePlan::build(shape, sizes, n, comm.inner.id, sym, &locals)
+    }
+}
+
+impl Communicator {
+    /// [`MoePlan::new`] of `shape` on this team.
+    pub fn moe_plan(&self, shape: MoeShape) -> Result<MoePlan> {
+        MoePlan::new(self, shape)
+    }
+}
 
 impl RankHandle<'_> {
     /// MoE dispatch of this rank's `tokens` (`[T, hidden]` of the plan's payload type `P`, any

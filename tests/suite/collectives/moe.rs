@@ -805,3 +805,17 @@ fn moe_on_one_simulated_device_shared_by_4_ranks() {
     case.combine_and_verify::<bf16, bf16>(&want, 4, "4 ranks on one device");
     assert_eq!(e.sim.as_ref().unwrap().residency_waits(), 0);
 }
+
+/// A team of one: its tokens never leave the device, the same layout and combine.
+#[test]
+fn a_team_of_one_dispatches_to_its_own_experts() {
+    for_teams("collectives::moe::alone", &[1], |devices, _n| {
+        let (comm, s) = team_on(devices, config(), MulticastPolicy::Never);
+        let mut sh = shape(16, 2, 8, 8, 4);
+        sh.scales = MoeScales::PerGroup(4);
+        let mut case = Case::new(comm, s, sh, vec![4]);
+        case.fill(&mut Rng::new(995), Routing::Random);
+        let want = case.run("a team of one");
+        case.combine_and_verify::<bf16, f32>(&want, 5, "a team of one");
+    });
+}

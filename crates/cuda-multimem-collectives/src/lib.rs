@@ -56,7 +56,9 @@
 //! ([`RankHandle::all_reduce_add_rms_norm`]): `docs/design/rmsnorm.md`; all-to-all of any
 //! element type ([`RankHandle::all_to_all`], [`RankHandle::all_to_all_in_place`],
 //! [`RankHandle::all_to_all_v`] with counts on the host, [`RankHandle::all_to_all_v_dev`] with
-//! counts on the device): `docs/design/alltoall.md`.
+//! counts on the device): `docs/design/alltoall.md`; MoE dispatch / combine through a plan
+//! built once per shape ([`MoeShape`], [`MoePlan`], [`RankHandle::moe_dispatch`],
+//! [`RankHandle::moe_combine`]): the same page, "MoE dispatch and combine".
 //!
 //! Teams have 1 to 8 ranks (a team of one runs every collective as a local copy); several ranks
 //! may share a device ([`CommunicatorBuilder::allow_shared_devices`]); a rank's calls take any

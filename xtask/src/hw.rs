@@ -333,6 +333,8 @@ fn bench_plan(what: &str, args: &[String]) -> Option<BenchPlan> {
             )),
         ),
         "hier" => ("bench-hier", None, None),
+        // the torch all_to_all_single-based dispatch reference is not written yet
+        "moe" => ("bench-moe", None, None),
         _ => return None,
     })
 }

@@ -25,6 +25,11 @@ pub(crate) enum Kind {
     /// All-to-all: part k of every rank's input becomes part r of rank k's output (equal
     /// parts, or counts and offsets per peer: [`A2aCounts`]).
     AllToAll,
+    /// MoE dispatch: every token to the ranks hosting its top-k experts, grouped there by
+    /// local expert ([`crate::MoePlan`]).
+    MoeDispatch,
+    /// MoE combine: the experts' outputs back to their tokens' ranks, weighted and summed.
+    MoeCombine,
 }
 
 impl Kind {
@@ -121,6 +126,32 @@ pub(crate) struct Call<'o> {
     pub(crate) a2a: Option<A2aArgs<'o>>,
     /// A norm's FP8 output (then `output` is the e4m3 rows, named "out").
     pub(crate) quant: Option<QuantArgs<'o>>,
+    /// A MoE call's plan and routing operands.
+    pub(crate) moe: Option<MoeArgs<'o>>,
+}
+
+/// A MoE call's arguments beside its operands (dispatch: `input` the tokens, `output` the
+/// plan's expert-grouped rows; combine: `input` the experts' outputs, `output` the tokens).
+#[derive(Clone, Copy)]
+pub(crate) struct MoeArgs<'o> {
+    pub(crate) plan: &'o crate::moe::MoePlan,
+    /// Dispatch: `topk_ids` (i32), `topk_weights` (f32), the scales (f32).
+    pub(crate) ids: Option<Arg<'o>>,
+    pub(crate) weights: Option<Arg<'o>>,
+    pub(crate) scales: Option<Arg<'o>>,
+    /// Combine: the output's type.
+    pub(crate) out: DType,
+}
+
+/// [`MoeArgs`] checked: tokens of the call and the resolved operands.
+#[derive(Clone, Copy)]
+pub(crate) struct MoeChecked<'o> {
+    pub(crate) plan: &'o crate::moe::MoePlan,
+    pub(crate) tokens: usize,
+    pub(crate) ids: Option<Resolved<'o>>,
+    pub(crate) weights: Option<Resolved<'o>>,
+    pub(crate) scales: Option<Resolved<'o>>,
+    pub(crate) out: DType,
 }
 
 /// The FP8 output of a norm call besides its e4m3 rows: the scaling, the static scale, the
@@ -156,8 +187,12 @@ impl<'o> Call<'o> {
         c
     }
 
-    /// Bytes of one element: the all-to-all's own, else the type's.
+    /// Bytes of one element: the all-to-all's own, a MoE call's bytes (its checks count
+    /// elements themselves), else the type's.
     pub(crate) fn elem_size(&self) -> usize {
+        if self.moe.is_some() {
+            return 1;
+        }
         self.a2a.map_or(self.dtype.size(), |a| a.elem)
     }
 
@@ -188,6 +223,7 @@ impl<'o> Call<'o> {
             norm: None,
             a2a: None,
             quant: None,
+            moe: None,
         }
     }
 }
@@ -220,6 +256,8 @@ pub(crate) struct Checked<'o> {
     pub(crate) names: [&'static str; 2],
     /// An all-to-all's element size and checked counts.
     pub(crate) a2a: Option<(usize, A2aChecked<'o>)>,
+    /// A MoE call's checked arguments.
+    pub(crate) moe: Option<MoeChecked<'o>>,
 }
 
 /// What every rank making the same call shares: the facts the planner decides from, so that

@@ -56,7 +56,9 @@
 //! ([`RankHandle::all_reduce_add_rms_norm`]): `docs/design/rmsnorm.md`; all-to-all of any
 //! element type ([`RankHandle::all_to_all`], [`RankHandle::all_to_all_in_place`],
 //! [`RankHandle::all_to_all_v`] with counts on the host, [`RankHandle::all_to_all_v_dev`] with
-//! counts on the device): `docs/design/alltoall.md`.
+//! counts on the device): `docs/design/alltoall.md`; MoE dispatch / combine through a plan
+//! built once per shape ([`MoeShape`], [`MoePlan`], [`RankHandle::moe_dispatch`],
+//! [`RankHandle::moe_combine`]): the same page, "MoE dispatch and combine".
 //!
 //! Teams have 1 to [`kernels::MAX_RANKS`] = 72 ranks, one NVL72 domain (a team of one runs every
 //! collective as a local copy; where the size stops and why: the [`kernels`] module); several ranks
@@ -82,9 +84,11 @@ mod exec;
 mod fp8;
 pub mod hier;
 pub mod kernels;
+mod moe;
 pub mod nccl;
 mod operand;
 mod reference;
+mod reference_moe;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod team;
@@ -106,6 +110,7 @@ pub use hier::{
     CrossDomain, HierBuilder, HierCommunicator, HierLayout, NcclCrossDomain, Rail, RankOrder,
 };
 pub use kernels::multimem::supported as multimem_supports;
+pub use moe::{MoePlan, MoeScales, MoeShape};
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, IntoDst, IntoSrc, Src};
 pub use reference::{
@@ -113,6 +118,9 @@ pub use reference::{
     fp8_amax, fp8_e4m3, fp8_quantise, fp8_quantise_row, fp8_scale, next_random, random_bytes,
     random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
     rms_scale, ue8m0_byte, ue8m0_pack, Fp8NormReference,
+};
+pub use reference_moe::{
+    moe_combine_reference, moe_dispatch_reference, moe_ids_out_of_range, MoeDispatched,
 };
 pub use types::{
     multimem_pays_off, Acc, Algorithm, Choice, DType, Element, Fp8Scaling, MulticastPolicy,

@@ -698,6 +698,11 @@ pub enum Algorithm {
     /// An output of the caller's own memory (or an in-place call) lands in the communicator's
     /// scratch and is copied out by the same kernel ([`crate::Choice::staged_chunks`] 1).
     AllToAllDirect,
+    /// MoE dispatch / combine, bulk: one-sided pushes of every token once per destination rank
+    /// (of every expert output row back to its token's rank) into the plan's symmetric slots,
+    /// bounded barriers; the grouping by local expert and the weighted sum local. See
+    /// `docs/design/alltoall.md` ("MoE dispatch and combine").
+    MoeBulk,
 }
 
 impl Algorithm {
@@ -727,6 +732,7 @@ impl Algorithm {
             | Algorithm::NormOneShotLlSplit
             | Algorithm::NormTwoShot => &["all_reduce_add_rms_norm"],
             Algorithm::AllToAllLl | Algorithm::AllToAllDirect => &["all_to_all", "all_to_all_v"],
+            Algorithm::MoeBulk => &["moe_dispatch", "moe_combine"],
         }
     }
 }
@@ -752,6 +758,7 @@ impl std::fmt::Display for Algorithm {
             Algorithm::NormTwoShot => "norm-two-shot",
             Algorithm::AllToAllLl => "all-to-all-ll",
             Algorithm::AllToAllDirect => "all-to-all-direct",
+            Algorithm::MoeBulk => "moe-bulk",
         })
     }
 }

@@ -15,6 +15,7 @@ use cuda_multimem_collectives::{DType, ReduceOp as Op};
 
 pub mod alltoall;
 pub mod gather;
+pub mod moe;
 pub mod multimem;
 pub mod norm;
 
@@ -28,6 +29,7 @@ pub fn files() -> Vec<(&'static str, String)> {
         .chain(gather::files())
         .chain([(norm::FILE, norm::generate())])
         .chain([(alltoall::FILE, alltoall::generate())])
+        .chain([(moe::FILE, moe::generate())])
         .collect()
 }
 
@@ -44,6 +46,7 @@ pub fn committed(file: &str) -> Option<&'static str> {
             .map(|c| c.ptx()))
         .or((file == norm::FILE).then_some(norm::PTX))
         .or((file == alltoall::FILE).then_some(alltoall::PTX))
+        .or((file == moe::FILE).then_some(moe::PTX))
 }
 
 /// Per-dtype/op PTX snippets. f32, f16 and bf16 keep the registers they always had (%f

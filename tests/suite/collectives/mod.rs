@@ -149,6 +149,7 @@ mod gather;
 mod hier;
 mod hostile_buffers;
 mod hostile_collectives;
+mod moe;
 mod multimem;
 mod norm;
 mod norm_fp8;

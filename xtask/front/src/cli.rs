@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 /// The benchmarks `bench-hw` runs (the tools map each to its binary and references).
-pub const BENCHES: [&str; 5] = ["memory", "allreduce", "collectives", "norm", "hier"];
+pub const BENCHES: [&str; 6] = ["memory", "allreduce", "collectives", "norm", "hier", "moe"];
 
 /// What one argument of a command is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

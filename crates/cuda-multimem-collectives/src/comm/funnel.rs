@@ -10,7 +10,7 @@ use super::RankHandle;
 use crate::call::{Call, Kind};
 use crate::config::CommConfig;
 use crate::engine::{check, plan, Ctx, Exec};
-use crate::exec::p2p::{allreduce, alltoall, copy_engine, gather, norm};
+use crate::exec::p2p::{allreduce, alltoall, copy_engine, gather, moe, norm};
 use crate::types::Choice;
 
 impl RankHandle<'_> {
@@ -100,6 +100,7 @@ impl RankHandle<'_> {
             } => alltoall::run(
                 &inner.p2p, c, t, l, &checked, *algorithm, *shape, *scratch, stream,
             )?,
+            Exec::Moe { shape } => moe::run(&inner.p2p, c, l, &checked, *shape, stream)?,
             Exec::LocalNorm { shape } => norm::run_local(&inner.p2p, l, &checked, *shape, stream)?,
             Exec::LocalCopy => {
                 if !checked.in_place && checked.input.ptr != checked.output.ptr {

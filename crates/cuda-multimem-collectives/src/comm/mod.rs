@@ -6,6 +6,7 @@ mod build;
 #[cfg(feature = "cudarc")]
 mod cudarc;
 mod funnel;
+mod moe;
 mod rank;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -696,6 +696,7 @@ impl<'g, T: Element, O> NormOperands<'g, T, O> {
             norm: Some(NormArgs { hidden, eps }),
             a2a: None,
             quant: None,
+            moe: None,
         }
     }
 }

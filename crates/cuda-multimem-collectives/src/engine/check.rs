@@ -239,6 +239,7 @@ pub(crate) fn check<'o>(
             }
             (i, output, None)
         }
+        Kind::MoeDispatch | Kind::MoeCombine => (input.unwrap_or(output), output, None),
     };
     // 5. overlap: the one overlap each collective allows is its in-place form
     let in_place = match call.kind {
@@ -356,6 +357,8 @@ pub(crate) fn check<'o>(
             }
             same && input.bytes > 0
         }
+        // checked with the MoE arguments (step 9)
+        Kind::MoeDispatch | Kind::MoeCombine => false,
     };
     // 6. the root
     if call.root >= n {
@@ -387,6 +390,13 @@ pub(crate) fn check<'o>(
         }
         Some(a) => Some((a.elem, a2a_counts(&a.counts, n, es, &input, &output, &res)?)),
     };
+    // 9. a MoE call's shape, routing operands and overlaps
+    let moe = match &call.moe {
+        None => None,
+        Some(m) => Some(super::check_moe::check(
+            m, call.kind, &input, &output, &res, n, rank,
+        )?),
+    };
     Ok(Checked {
         kind: call.kind,
         dtype: call.dtype,
@@ -401,6 +411,7 @@ pub(crate) fn check<'o>(
         quant,
         names,
         a2a,
+        moe,
     })
 }
 

@@ -4,6 +4,7 @@
 //! from the facts every rank shares; the executors (`crate::exec`) queue it.
 
 mod check;
+mod check_moe;
 mod plan;
 mod shape;
 

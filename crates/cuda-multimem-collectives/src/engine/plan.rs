@@ -57,6 +57,8 @@ pub(crate) enum Exec {
         shape: Shape,
         scratch: bool,
     },
+    /// A MoE dispatch (three launches) or combine (one).
+    Moe { shape: Shape },
 }
 
 /// `total` bytes in pieces of `piece` bytes (the last one shorter): `count` of them, at least
@@ -252,7 +254,12 @@ impl NormPlan {
 
 /// Plan a call.
 pub(crate) fn plan(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
-    if t.n == 1 && f.kind != Kind::AllToAll {
+    if t.n == 1
+        && !matches!(
+            f.kind,
+            Kind::AllToAll | Kind::MoeDispatch | Kind::MoeCombine
+        )
+    {
         return alone(f);
     }
     match f.kind {
@@ -261,6 +268,22 @@ pub(crate) fn plan(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         Kind::Norm => norm(t, c, f),
         Kind::LocalNorm => local_norm(f),
         Kind::AllToAll => all_to_all(t, c, f),
+        Kind::MoeDispatch | Kind::MoeCombine => Ok(moe(t, c)),
+    }
+}
+
+/// A MoE dispatch or combine: the bulk kernels ([`Algorithm::MoeBulk`]; a team of one runs
+/// them too, its own tokens never leaving the device).
+fn moe(t: &TeamFacts, c: &CommConfig) -> Plan {
+    let shape = shape::moe(t, c);
+    let path = if t.n == 1 {
+        Path::Local
+    } else {
+        Path::PeerToPeer
+    };
+    Plan {
+        choice: shape.choice(path, Algorithm::MoeBulk, 0),
+        exec: Exec::Moe { shape },
     }
 }
 

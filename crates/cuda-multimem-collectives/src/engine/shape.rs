@@ -138,6 +138,12 @@ pub(crate) fn all_to_all(
     fit(units, max_threads, pow2_blocks(t, c), None)
 }
 
+/// The MoE kernels: blocks a power of two of the multiprocessors at most (and the team's cap),
+/// `push_threads` threads (16-byte units of a row per thread).
+pub(crate) fn moe(t: &TeamFacts, c: &CommConfig) -> Shape {
+    fit(u64::MAX / 2, c.push_threads as u64, pow2_blocks(t, c), None)
+}
+
 /// The copy-engine form's one barrier block.
 pub(crate) const COPY_ENGINE: Shape = Shape {
     blocks: 1,

@@ -45,6 +45,7 @@ mod allreduce;
 pub mod alltoall;
 pub mod gather;
 mod loader;
+pub mod moe;
 pub mod multimem;
 pub mod norm;
 

@@ -45,10 +45,15 @@ pub fn install() {
         }
         gather::register();
         alltoall::register();
+        moe::register();
         multimem::register();
         norm::register();
     });
 }
+
+/// The MoE dispatch / combine equivalents (a child module: they share this module's barrier
+/// and the gather module's byte copy).
+mod moe;
 
 /// The all-to-all equivalents (a child module: they share this module's barrier and the
 /// gather module's byte copy).

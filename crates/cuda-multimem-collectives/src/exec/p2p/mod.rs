@@ -7,6 +7,7 @@ pub(crate) mod allreduce;
 pub(crate) mod alltoall;
 pub(crate) mod copy_engine;
 pub(crate) mod gather;
+pub(crate) mod moe;
 pub(crate) mod norm;
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ pub(crate) struct RankKernels {
     gather: gather::Kernels,
     norm: norm::Kernels,
     alltoall: alltoall::Kernels,
+    moe: moe::Kernels,
     ce: Mutex<copy_engine::CeLane>,
 }
 
@@ -47,6 +49,7 @@ impl RankKernels {
         v.extend(self.gather.all().map(|f| (f, most)));
         v.extend(self.norm.all().map(|(f, _)| (f, 1024)));
         v.extend(self.alltoall.all().map(|f| (f, most)));
+        v.extend(self.moe.all().map(|f| (f, config.push_threads)));
         v
     }
 
@@ -65,6 +68,7 @@ impl RankKernels {
                 crate::kernels::alltoall::FILE,
                 crate::kernels::alltoall::PTX,
             )])
+            .chain([(crate::kernels::moe::FILE, crate::kernels::moe::PTX)])
             .collect()
     }
 
@@ -88,6 +92,7 @@ impl RankKernels {
             gather: gather::Kernels::load(device)?,
             norm: norm::Kernels::load(device)?,
             alltoall: alltoall::Kernels::load(device)?,
+            moe: moe::Kernels::load(device)?,
             ce: Mutex::new(copy_engine::CeLane::new(device)?),
         })
     }

@@ -402,7 +402,10 @@ fn bench<T: Element + Default + Copy>(args: &Args) -> Res<bool> {
             // a whole number of parts
             let count = size / es / n * n;
             if count == 0 {
-                println!("# {size} bytes: less than one {} per rank; skipped", T::DTYPE);
+                println!(
+                    "# {size} bytes: less than one {} per rank; skipped",
+                    T::DTYPE
+                );
                 continue;
             }
             let bytes = count * es;

@@ -178,9 +178,19 @@ impl Ours {
 
 /// One rank's packed dispatch rows (destination order) as u32 words: payload (bf16 pairs, or
 /// e4m3 bytes then f32 scales), then k expert ids (u32::MAX: not on that rank), k f32 weights.
-fn pack(rt: &Routing, r: usize, h: usize, fp8: bool, seed: &mut u64) -> (Vec<u32>, Vec<u64>, usize) {
+fn pack(
+    rt: &Routing,
+    r: usize,
+    h: usize,
+    fp8: bool,
+    seed: &mut u64,
+) -> (Vec<u32>, Vec<u64>, usize) {
     let k = rt.picks[r].first().map_or(0, |p| p.len());
-    let payload_words = if fp8 { (h + 4 * (h / GROUP)) / 4 } else { h / 2 };
+    let payload_words = if fp8 {
+        (h + 4 * (h / GROUP)) / 4
+    } else {
+        h / 2
+    };
     let row = payload_words + 2 * k;
     let mut words = Vec::new();
     let mut counts = vec![0u64; rt.n];
@@ -262,7 +272,15 @@ fn run(args: &Args) -> Res<bool> {
     println!("# not timed (no kernel yet; the MoE plan will have them): the permutation into destination order, the grouping by local expert, the final sum over ranks");
     println!(
         "{:>7} {:>6} {:>9} {:>11} {:>11} {:>12} {:>13}  {:<40} {:>7}",
-        "payload", "tokens", "phase", "pipe(us)", "single(us)", "logical GB/s", "wire bytes", "form", "correct"
+        "payload",
+        "tokens",
+        "phase",
+        "pipe(us)",
+        "single(us)",
+        "logical GB/s",
+        "wire bytes",
+        "form",
+        "correct"
     );
     let mut all_ok = true;
     let mut seed = 0x5eed_e0e0_u64;
@@ -303,10 +321,9 @@ fn run(args: &Args) -> Res<bool> {
                 w.resize(cap * row, 0);
                 ours.send.write(r, 0, &w)?;
                 // rank r returns one bf16 row per token it received from each source
-                let c: Vec<u64> = (0..n)
-                    .map(|s| (rt.sent(s, r).len() * h) as u64)
-                    .collect();
-                ours.reply_counts.push(DeviceBuffer::from_host(dev(r)?, &c)?);
+                let c: Vec<u64> = (0..n).map(|s| (rt.sent(s, r).len() * h) as u64).collect();
+                ours.reply_counts
+                    .push(DeviceBuffer::from_host(dev(r)?, &c)?);
                 let rows = c.iter().sum::<u64>() as usize;
                 let mut rep: Vec<bf16> = (0..rows)
                     .map(|_| bf16::from_f32(next_random(&mut seed)))
@@ -329,9 +346,7 @@ fn run(args: &Args) -> Res<bool> {
                 for s in 0..n {
                     let before: u64 = packed[s].1[..d].iter().sum();
                     let len = packed[s].1[d];
-                    want.extend_from_slice(
-                        &packed[s].0[before as usize..(before + len) as usize],
-                    );
+                    want.extend_from_slice(&packed[s].0[before as usize..(before + len) as usize]);
                 }
                 let mut got = vec![0u32; want.len()];
                 ours.recv.read(d, 0, &mut got)?;
@@ -345,7 +360,10 @@ fn run(args: &Args) -> Res<bool> {
                 }
                 let mut got_back = vec![bf16::ZERO; want_back.len()];
                 ours.back.read(d, 0, &mut got_back)?;
-                ok &= got_back.iter().map(|v| v.to_bits()).eq(want_back.iter().copied());
+                ok &= got_back
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .eq(want_back.iter().copied());
             }
             all_ok &= ok;
             let iters = if sim { 2 } else { args.iters };
@@ -354,13 +372,14 @@ fn run(args: &Args) -> Res<bool> {
             let selections_per_rank = selections / n;
             for phase in ["dispatch", "combine"] {
                 let is_d = phase == "dispatch";
-                let pipe = pipelined_by_graph(&streams, (iters, runs), CaptureMode::Global, &mut |r| {
-                    if is_d {
-                        ours.dispatch(&comm, r, &streams[r])
-                    } else {
-                        ours.combine(&comm, r, &streams[r])
-                    }
-                })?;
+                let pipe =
+                    pipelined_by_graph(&streams, (iters, runs), CaptureMode::Global, &mut |r| {
+                        if is_d {
+                            ours.dispatch(&comm, r, &streams[r])
+                        } else {
+                            ours.combine(&comm, r, &streams[r])
+                        }
+                    })?;
                 comm.check()?;
                 let single = single_phase(&comm, &streams, &mut ours, is_d, runs)?;
                 comm.check()?;
@@ -457,8 +476,14 @@ fn single_phase(
             .map(|((mut p, sc), (rc, ro))| -> RankCall<'_> {
                 let r = p.rank();
                 let f = move |s: &Stream| -> Res<()> {
-                    comm.rank(r)?
-                        .all_to_all_v_dev(send.slice(..)?, p.slice_mut(..)?, sc, rc, ro, s)?;
+                    comm.rank(r)?.all_to_all_v_dev(
+                        send.slice(..)?,
+                        p.slice_mut(..)?,
+                        sc,
+                        rc,
+                        ro,
+                        s,
+                    )?;
                     Ok(())
                 };
                 (r, Box::new(f))
@@ -473,8 +498,14 @@ fn single_phase(
             .map(|((mut p, sc), (rc, ro))| -> RankCall<'_> {
                 let r = p.rank();
                 let f = move |s: &Stream| -> Res<()> {
-                    comm.rank(r)?
-                        .all_to_all_v_dev(reply.slice(..)?, p.slice_mut(..)?, sc, rc, ro, s)?;
+                    comm.rank(r)?.all_to_all_v_dev(
+                        reply.slice(..)?,
+                        p.slice_mut(..)?,
+                        sc,
+                        rc,
+                        ro,
+                        s,
+                    )?;
                     Ok(())
                 };
                 (r, Box::new(f))

@@ -1051,7 +1051,7 @@ fn bad_quantisation_arguments_are_refused_naming_the_argument() {
     let x = DeviceBuffer::<bf16>::zeroed(d, t * h).unwrap();
     let mut q = DeviceBuffer::<F8E4M3>::zeroed(d, t * h).unwrap();
     let mut qs = DeviceBuffer::<F8E4M3>::zeroed(d, t * h - 1).unwrap();
-    let mut sc = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+    let sc = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
     let mut unq = DeviceBuffer::<bf16>::zeroed(d, t * h).unwrap();
     let f = |e: Result<(), Error>| invalid_arg(e.unwrap_err());
     // SAFETY: prefixes of live buffers of device 0, used by the calls only.

@@ -15,6 +15,10 @@ step ptx-check   $b/xtask ptx-check
 step ex-allreduce $b/bin/allreduce
 TAIL=40 step bench-allreduce $b/xtask bench-hw allreduce
 step bench-memory $b/xtask bench-hw memory -- --reps 15
+# the two-GPU run's benchmarks (issue 28; on one GPU they run with ranks sharing it and say so)
+TAIL=40 step bench-alltoall $b/xtask bench-hw alltoall
+TAIL=40 step bench-moe $b/xtask bench-hw moe
+TAIL=40 step bench-norm $b/xtask bench-hw norm
 step ex-managed  $b/bin/managed
 step ex-multicast $b/bin/multicast
 [ -x $b/bin/link-ceiling ] && CUDA_MULTIMEM_DRIVER=cuda $b/bin/link-ceiling --runs 5 2>&1 | grep -v "^RESULT"

@@ -1,5 +1,5 @@
 /* nccl_ref: NCCL in its best configuration, one process per GPU, as the reference our collectives
- * are compared with in the same run (allreduce, all_gather, reduce_scatter, broadcast).
+ * are compared with in the same run (allreduce, all_gather, reduce_scatter, broadcast, alltoall).
  *
  *   nccl_ref --rank R --nranks N --id-file PATH [options]      (one process per rank)
  *   nccl_ref --self-test [--nranks N]                           (host code only, no CUDA call)
@@ -17,6 +17,9 @@
  *      time per call = elapsed / (K*R), max over ranks; the output is checked again afterwards,
  *   4. "single": a graph of one call with event-record nodes around it, launched right after a
  *      host barrier between the processes, S times; median per rank, max over ranks.
+ * alltoall: ncclAlltoAll (NCCL 2.28 and later, looked up at run time) with count = bytes / N / size
+ * elements per peer; with an older NCCL the same exchange as grouped ncclSend/ncclRecv (what
+ * nccl-tests' alltoall does), said in a `#` line and in the RESULT's "algorithm" field.
  * Rank 0 prints one `RESULT {json}` line per measurement, `CHECK {json}` lines with the errors,
  * and a summary table last. NVLink multicast stays off: NCCL_NVLS_ENABLE must be 0 (set to 0
  * when unset; the program refuses any other value).
@@ -55,8 +58,11 @@
 /* ------------------------------------------------------------------------------------------ */
 /* Options                                                                                    */
 
-enum { AR = 0, AG = 1, RS = 2, BC = 3, NCOLL = 4 };
-static const char *const coll_name[NCOLL] = {"allreduce", "all_gather", "reduce_scatter", "broadcast"};
+enum { AR = 0, AG = 1, RS = 2, BC = 3, A2A = 4, NCOLL = 5 };
+static const char *const coll_name[NCOLL] = {"allreduce", "all_gather", "reduce_scatter", "broadcast", "alltoall"};
+/* `all` and the default: the four collectives of bench-hw allreduce / collectives (alltoall is
+ * asked for by name: bench-hw alltoall) */
+#define COLLS_ALL ((1u << A2A) - 1)
 enum { BF16 = 0, F32 = 1 };
 static const char *const dtype_name[2] = {"bf16", "f32"};
 enum { PLAIN = 0, SYMM = 1, NKIND = 2 };
@@ -89,7 +95,8 @@ static void usage(FILE *f) {
         "       nccl_ref --self-test [--nranks N]      host code paths only, no CUDA\n"
         "       nccl_ref --dry-run [options]           print the plan, no CUDA\n"
         "options:\n"
-        "  --coll allreduce|all_gather|reduce_scatter|broadcast|all   (comma list; default all)\n"
+        "  --coll allreduce|all_gather|reduce_scatter|broadcast|alltoall|all\n"
+        "                                    (comma list; default all = the first four)\n"
         "  --dtype bf16|f32                  (default bf16)\n"
         "  --min-bytes B --max-bytes B       sizes B, 2B, 4B ... (default 1024 .. 1073741824)\n"
         "  --sizes a,b,c                     explicit sizes (suffixes K, M, G = KiB, MiB, GiB)\n"
@@ -104,7 +111,8 @@ static void usage(FILE *f) {
         "  --seed X                          data seed (default 1234)\n"
         "  --threads T                       host threads for data and checks\n"
         "  --token STR                       run token (the launcher's; guards against stale id files)\n"
-        "bytes = the whole reduced / gathered / scattered buffer, as nccl-tests counts them.\n");
+        "bytes = the whole reduced / gathered / scattered buffer, as nccl-tests counts them\n"
+        "(alltoall: one rank's whole send buffer of N parts; busbw = algbw x (N-1)/N).\n");
 }
 
 static double now_s(void) {
@@ -197,7 +205,7 @@ static int parse_colls(const char *s, unsigned *out) {
     strcpy(buf, s);
     for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
         int found = 0;
-        if (!strcmp(t, "all")) m |= (1u << NCOLL) - 1, found = 1;
+        if (!strcmp(t, "all")) m |= COLLS_ALL, found = 1;
         for (int c = 0; c < NCOLL; c++)
             if (!strcmp(t, coll_name[c])) m |= 1u << c, found = 1;
         /* nccl-tests spellings too */
@@ -205,6 +213,7 @@ static int parse_colls(const char *s, unsigned *out) {
         if (!strcmp(t, "allgather")) m |= 1u << AG, found = 1;
         if (!strcmp(t, "reducescatter")) m |= 1u << RS, found = 1;
         if (!strcmp(t, "bcast")) m |= 1u << BC, found = 1;
+        if (!strcmp(t, "all_to_all")) m |= 1u << A2A, found = 1;
         if (!found) return -1;
     }
     if (!m) return -1;
@@ -219,7 +228,7 @@ static int parse_args(int argc, char **argv, struct opts *o) {
     o->nranks = -1;
     o->device = -1;
     o->token = "";
-    o->colls = (1u << NCOLL) - 1;
+    o->colls = COLLS_ALL;
     o->dtype = BF16;
     o->min_bytes = 1024;
     o->max_bytes = 1ULL << 30;
@@ -463,7 +472,7 @@ static void case_init(struct case_desc *c, int coll, int dtype, int nranks, int 
     c->nranks = nranks;
     c->rank = rank;
     size_t n = bytes / esize(dtype);
-    if (coll == AG || coll == RS) n = n / (size_t)nranks * (size_t)nranks;
+    if (coll == AG || coll == RS || coll == A2A) n = n / (size_t)nranks * (size_t)nranks;
     c->count = n;
     c->send_count = coll == AG ? n / (size_t)nranks : n;
     c->recv_count = coll == RS ? n / (size_t)nranks : n;
@@ -496,6 +505,12 @@ static inline float ref_elem(const struct case_desc *c, size_t j, float *scale) 
     }
     case BC: {
         float v = val(c->dtype, c->key[0], j);
+        *scale = fabsf(v);
+        return v;
+    }
+    case A2A: { /* part q of this rank's output = part `rank` of rank q's input */
+        size_t sc = c->count / (size_t)c->nranks;
+        float v = val(c->dtype, c->key[j / sc], (size_t)c->rank * sc + j % sc);
         *scale = fabsf(v);
         return v;
     }
@@ -560,12 +575,12 @@ static double check_range(const struct case_desc *c, const void *out, size_t lo,
     double m = 0;
     int dt = c->dtype, n = c->nranks, sh_ = dt == BF16 ? 2 : 1;
     if (c->coll == BC) return check_copy(c, out, lo, hi, 0, lo, 0, worst);
-    if (c->coll == AG) {
-        size_t sc = c->count / (size_t)n;
+    if (c->coll == AG || c->coll == A2A) {
+        size_t sc = c->count / (size_t)n, at = c->coll == A2A ? (size_t)c->rank * sc : 0;
         for (size_t j = lo; j < hi;) {
             int q = (int)(j / sc);
             size_t end = (size_t)(q + 1) * sc < hi ? (size_t)(q + 1) * sc : hi;
-            m = check_copy(c, out, j, end, q, j - (size_t)q * sc, m, worst);
+            m = check_copy(c, out, j, end, q, at + j - (size_t)q * sc, m, worst);
             j = end;
         }
         return m;
@@ -949,12 +964,40 @@ struct buffers {
 
 static ncclDataType_t nccl_dtype(int dtype) { return dtype == BF16 ? ncclBfloat16 : ncclFloat32; }
 
+/* ncclAlltoAll (NCCL 2.28+) through dlsym, so an older NCCL (or header) still runs the exchange
+ * as grouped ncclSend/ncclRecv. */
+typedef ncclResult_t (*alltoall_fn)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+static alltoall_fn p_alltoall;
+static const char *a2a_form = "ncclAlltoAll";
+
+static void alltoall_lookup(int version) {
+    void *a = version >= 22800 ? dlsym(RTLD_DEFAULT, "ncclAlltoAll") : NULL;
+    if (a) memcpy(&p_alltoall, &a, sizeof a);
+    else a2a_form = "ncclGroupStart+ncclSend/ncclRecv";
+}
+
+/* Part k of this rank's send buffer to rank k, part k of its receive buffer from rank k. */
+static ncclResult_t issue_alltoall(const struct case_desc *c, const struct buffers *b) {
+    ncclDataType_t t = nccl_dtype(c->dtype);
+    size_t part = c->count / (size_t)c->nranks, pb = part * esize(c->dtype);
+    if (p_alltoall) return p_alltoall(b->send, b->recv, part, t, g_comm, g_stream);
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    for (int k = 0; k < c->nranks && r == ncclSuccess; k++) {
+        r = ncclSend((const char *)b->send + (size_t)k * pb, part, t, k, g_comm, g_stream);
+        if (r == ncclSuccess) r = ncclRecv((char *)b->recv + (size_t)k * pb, part, t, k, g_comm, g_stream);
+    }
+    ncclResult_t e = ncclGroupEnd();
+    return r != ncclSuccess ? r : e;
+}
+
 static ncclResult_t issue(const struct case_desc *c, const struct buffers *b) {
     ncclDataType_t t = nccl_dtype(c->dtype);
     switch (c->coll) {
     case AR: return ncclAllReduce(b->send, b->recv, c->count, t, ncclSum, g_comm, g_stream);
     case AG: return ncclAllGather(b->send, b->recv, c->send_count, t, g_comm, g_stream);
     case RS: return ncclReduceScatter(b->send, b->recv, c->recv_count, t, ncclSum, g_comm, g_stream);
+    case A2A: return issue_alltoall(c, b);
     default: return ncclBroadcast(b->send, b->recv, c->count, t, 0, g_comm, g_stream);
     }
 }
@@ -981,10 +1024,12 @@ static void print_result(const struct case_desc *c, int kind, int mode, double u
     if (!isfinite(us) || us < 0) us = 0, correct = 0;
     double alg = us > 0 ? bytes / (us * 1e-6) / 1e9 : 0;
     double bus = alg * busbw_factor(c->coll, c->nranks);
+    char algo[96] = "";
+    if (c->coll == A2A) snprintf(algo, sizeof algo, ",\"algorithm\":\"%s\"", a2a_form);
     printf("RESULT {\"bench\":\"%s\",\"impl\":\"%s\",\"operand\":\"-\",\"dtype\":\"%s\",\"op\":\"%s\",\"ranks\":%d,"
-           "\"bytes\":%zu,\"mode\":\"%s\",\"time_us\":%.3f,\"algbw_gbs\":%.3f,\"busbw_gbs\":%.3f,\"correct\":%s}\n",
+           "\"bytes\":%zu,\"mode\":\"%s\",\"time_us\":%.3f,\"algbw_gbs\":%.3f,\"busbw_gbs\":%.3f%s,\"correct\":%s}\n",
            coll_name[c->coll], kind_impl[kind], dtype_name[c->dtype], is_reduction(c->coll) ? "sum" : "-", c->nranks,
-           case_bytes(c), mode_name[mode], us, alg, bus, correct ? "true" : "false");
+           case_bytes(c), mode_name[mode], us, alg, bus, algo, correct ? "true" : "false");
     fflush(stdout);
 }
 
@@ -1191,11 +1236,13 @@ static int run_gpu(void) {
     if (O.rank == 0) unlink(O.id_file); /* every rank has it mapped */
 
     const char *why = symmetric_missing(nccl_version);
+    alltoall_lookup(nccl_version);
     double sym_missing = exchange_max(why ? 1 : 0, "symmetric availability");
     if (O.rank == 0) {
         printf("# nccl_ref: NCCL %d (built with %d), CUDA runtime %d, driver %d, %d ranks, rank 0 on %s (%s), NCCL_NVLS_ENABLE=%s\n",
                nccl_version, NCCL_VERSION_CODE, rt, drv, O.nranks, prop.name, bus, getenv("NCCL_NVLS_ENABLE"));
         print_plan();
+        if (O.colls & (1u << A2A)) printf("# alltoall through %s\n", a2a_form);
     }
     if ((O.kinds & (1u << SYMM)) && sym_missing > 0) {
         if (O.rank == 0) printf("# symmetric unavailable: %s; continuing with plain buffers\n", why ? why : "on another rank");
@@ -1323,6 +1370,9 @@ static void emulate_output(const struct case_desc *c, void *out) {
         if (c->coll == AG) {
             size_t sc = c->count / (size_t)c->nranks;
             v = val(c->dtype, c->key[j / sc], j % sc);
+        } else if (c->coll == A2A) {
+            size_t sc = c->count / (size_t)c->nranks;
+            v = val(c->dtype, c->key[j / sc], (size_t)c->rank * sc + j % sc);
         } else if (c->coll == BC) {
             v = val(c->dtype, c->key[0], j);
         } else {

@@ -26,7 +26,7 @@ use serde_json::json;
 
 mod common;
 
-use common::{pipelined_by_graph, result_line, single_by_graph, sync, RankCall, Res};
+use common::{pipelined_by_graph, result_line, single_by_graph, sync, Prefix, RankCall, Res};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Operands {
@@ -378,24 +378,6 @@ impl<T: Element + Default + Copy> Bench<'_, T> {
         let t = single_by_graph(streams, runs, calls)?;
         comm.check()?;
         Ok(t)
-    }
-}
-
-/// Prefixes of the caller's own buffers as operands.
-trait Prefix<T: Element> {
-    fn slice_src(&self, len: usize) -> Src<'_, T>;
-    fn slice_dst(&mut self, len: usize) -> Dst<'_, T>;
-}
-
-impl<T: Element> Prefix<T> for DeviceBuffer<T> {
-    fn slice_src(&self, len: usize) -> Src<'_, T> {
-        // SAFETY: the first `len` elements of this buffer (allocated for the largest size),
-        // borrowed for the returned lifetime.
-        unsafe { Src::from_raw(self.device_ptr(), len.min(self.len())) }
-    }
-    fn slice_dst(&mut self, len: usize) -> Dst<'_, T> {
-        // SAFETY: as `slice_src`, exclusively borrowed.
-        unsafe { Dst::from_raw(self.device_ptr(), len.min(self.len())) }
     }
 }
 

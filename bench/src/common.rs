@@ -1,9 +1,11 @@
 //! What the collective benchmarks share: the error type, a spinning barrier and the graph
-//! method for single-call timings, the median, and the `RESULT {json}` writer.
+//! method for single-call timings, the median, the `RESULT {json}` writer, the team's devices
+//! (repeated where the machine has fewer GPUs than ranks) and prefixes of own buffers.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cuda_multimem::{CaptureMode, Event, Stream};
+use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, Event, Stream};
+use cuda_multimem_collectives::{Dst, Src};
 
 /// The benchmarks' error type (Send: ranks run on threads).
 pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -230,4 +232,46 @@ pub fn result_line(fields: serde_json::Value) -> Res<()> {
     }
     println!("RESULT {}", serde_json::to_string(&fields)?);
     Ok(())
+}
+
+/// The devices of a team of `ranks`: the first `ranks` devices of `driver`, or, where it has
+/// fewer, its devices in turn (several ranks sharing a GPU: `allow_shared_devices`). Returns
+/// them and whether ranks share a GPU; when they do, says so on stderr and stdout (a `#` line):
+/// such a run checks that the benchmark works, its times are not of a link.
+#[allow(dead_code)]
+pub fn team_devices(driver: &Driver, ranks: usize, bench: &str) -> Res<(Vec<Device>, bool)> {
+    let all = driver.devices();
+    if all.is_empty() || ranks == 0 {
+        return Err(format!("{ranks} ranks asked, {} devices", all.len()).into());
+    }
+    let shared = all.len() < ranks;
+    let devices: Vec<Device> = (0..ranks).map(|r| all[r % all.len()].clone()).collect();
+    if shared {
+        let msg = format!(
+            "{bench}: {ranks} ranks on {} GPU(s): several ranks SHARE a GPU; this run checks that the benchmark works, its times are NOT a link benchmark",
+            all.len()
+        );
+        eprintln!("{msg}");
+        println!("# {msg}");
+    }
+    Ok((devices, shared))
+}
+
+/// Prefixes of the caller's own buffers as operands.
+#[allow(dead_code)]
+pub trait Prefix<T: cuda_multimem::DeviceRepr> {
+    fn slice_src(&self, len: usize) -> Src<'_, T>;
+    fn slice_dst(&mut self, len: usize) -> Dst<'_, T>;
+}
+
+impl<T: cuda_multimem::DeviceRepr> Prefix<T> for DeviceBuffer<T> {
+    fn slice_src(&self, len: usize) -> Src<'_, T> {
+        // SAFETY: the first `len` elements of this buffer (at most its length), borrowed for
+        // the returned lifetime.
+        unsafe { Src::from_raw(self.device_ptr(), len.min(self.len())) }
+    }
+    fn slice_dst(&mut self, len: usize) -> Dst<'_, T> {
+        // SAFETY: as `slice_src`, exclusively borrowed.
+        unsafe { Dst::from_raw(self.device_ptr(), len.min(self.len())) }
+    }
 }

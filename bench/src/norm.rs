@@ -10,8 +10,10 @@
 //!   (the grouped ones only where hidden is a multiple of 128);
 //! - **unfused-fp8-token**: our allreduce in place, then the local add + RMSNorm + per-token
 //!   FP8 kernel (`RankHandle::add_rms_norm_fp8`) — the unfused pair of an engine whose norm
-//!   kernel quantises. Our bf16 fused kernel followed by a separate quantisation kernel is not
-//!   measured: the library has no standalone quantisation kernel yet.
+//!   kernel quantises;
+//! - **fused+quant-static**, **-token**, **-group**, **-ue8m0**: our bf16 fused kernel, then our
+//!   standalone quantisation kernel (`RankHandle::quantize_fp8`) of its output — the pair an
+//!   engine runs without the FP8 fusion (the target: every fp8-* faster than its pair).
 //!
 //! Each timed two ways, as bench-allreduce does: **pipelined** (a graph of many calls per rank,
 //! replayed; time per call from rank 0's events, median of `--runs`) and **single** (a thread
@@ -35,7 +37,7 @@ use serde_json::json;
 
 mod common;
 
-use common::{pipelined_by_graph, result_line, single_by_graph, sync, RankCall, Res};
+use common::{pipelined_by_graph, result_line, single_by_graph, sync, team_devices, RankCall, Res};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum Form {
@@ -96,6 +98,34 @@ const FP8: [(&str, Fp8Scaling, bool); 5] = [
     ("fp8-token+bf16", Fp8Scaling::PerToken, true),
 ];
 
+/// Our bf16 fused kernel then the standalone quantisation: name, scaling.
+const QUANT: [(&str, Fp8Scaling); 4] = [
+    ("fused+quant-static", Fp8Scaling::Static),
+    ("fused+quant-token", Fp8Scaling::PerToken),
+    ("fused+quant-group", Fp8Scaling::PerGroup),
+    ("fused+quant-ue8m0", Fp8Scaling::PerGroupUe8m0),
+];
+
+/// The FP8 output of `scaling` on rank buffers `b` (scales of exactly `sl` elements).
+fn fp8_spec(b: &Bufs, scaling: Fp8Scaling, len: usize, sl: usize) -> Fp8Out<'static, bf16> {
+    // SAFETY: this rank's own buffers (q of len bytes, the scales of at least `sl` elements:
+    // sized for every scaling), alive until every stream is synchronised (the caller's loops
+    // synchronise before dropping them); no other work uses them meanwhile.
+    let (q, sc, su) = unsafe {
+        (
+            Dst::<F8E4M3>::from_raw(b.q.device_ptr(), len),
+            Dst::<f32>::from_raw(b.sc.device_ptr(), sl),
+            Dst::<u32>::from_raw(b.sc_u.device_ptr(), sl),
+        )
+    };
+    match scaling {
+        Fp8Scaling::Static => Fp8Out::static_scale(q, 0.01),
+        Fp8Scaling::PerToken => Fp8Out::per_token(q, sc),
+        Fp8Scaling::PerGroup => Fp8Out::per_group(q, sc),
+        Fp8Scaling::PerGroupUe8m0 => Fp8Out::per_group_ue8m0(q, su),
+    }
+}
+
 /// Queue one call of `imp` for rank `r` on `s`.
 fn call(
     comm: &Communicator,
@@ -119,23 +149,13 @@ fn call(
         )
     };
     let hr = comm.rank(r)?;
-    if let Some(&(_, scaling, both)) = FP8.iter().find(|f| f.0 == imp) {
-        let sl = scaling.scales_len(t, h);
-        // SAFETY: as above: this rank's own buffers (q of len bytes, the scales of at least
-        // `sl` elements: sized for every scaling).
-        let (q, sc, su) = unsafe {
-            (
-                Dst::<F8E4M3>::from_raw(b.q.device_ptr(), len),
-                Dst::<f32>::from_raw(b.sc.device_ptr(), sl),
-                Dst::<u32>::from_raw(b.sc_u.device_ptr(), sl),
-            )
-        };
-        let spec = match scaling {
-            Fp8Scaling::Static => Fp8Out::static_scale(q, 0.01),
-            Fp8Scaling::PerToken => Fp8Out::per_token(q, sc),
-            Fp8Scaling::PerGroup => Fp8Out::per_group(q, sc),
-            Fp8Scaling::PerGroupUe8m0 => Fp8Out::per_group_ue8m0(q, su),
-        };
+    if let Some(&(_, scaling)) = QUANT.iter().find(|f| f.0 == imp) {
+        // SAFETY: as above.
+        let o = unsafe { Src::<bf16>::from_raw(b.out.device_ptr(), len) };
+        hr.all_reduce_add_rms_norm(x, res, g, out, h, EPS, s)?;
+        hr.quantize_fp8(o, fp8_spec(b, scaling, len, scaling.scales_len(t, h)), h, s)?;
+    } else if let Some(&(_, scaling, both)) = FP8.iter().find(|f| f.0 == imp) {
+        let spec = fp8_spec(b, scaling, len, scaling.scales_len(t, h));
         let spec = if both {
             spec.with_unquantised(out)
         } else {
@@ -178,11 +198,9 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Res<bool> {
     cuda_multimem_collectives::sim::install();
     let driver = cuda_multimem_sim::driver_from_env()?;
-    let devices = driver.devices();
-    if devices.len() < args.ranks {
-        return Err(format!("{} ranks asked, {} devices", args.ranks, devices.len()).into());
-    }
-    let devices = &devices[..args.ranks];
+    // with fewer GPUs than ranks, ranks share them (said loudly: not a link benchmark)
+    let (devices, shared) = team_devices(&driver, args.ranks, "bench-norm")?;
+    let devices = &devices[..];
     let config = CommConfig {
         algorithm: match args.form {
             Form::Auto => None,
@@ -199,6 +217,7 @@ fn run(args: &Args) -> Res<bool> {
     let comm = Communicator::builder(devices)
         .config(config)
         .multicast(MulticastPolicy::Never)
+        .allow_shared_devices(shared)
         .build()?;
     let streams: Vec<Stream> = devices.iter().map(Stream::new).collect::<Result<_, _>>()?;
     let n = comm.size();
@@ -276,6 +295,25 @@ fn run(args: &Args) -> Res<bool> {
                     .all(|(a, b)| a.to_bits() == b.to_bits())
         };
         all_ok &= fp8_ok;
+        // our fused kernel then the standalone quantisation: the same check
+        let quant_ok = {
+            for (r, b) in bufs.iter().enumerate() {
+                call(&comm, r, b, "fused+quant-token", t, h, &streams[r])?;
+            }
+            sync(&streams)?;
+            comm.check()?;
+            let out = bufs[0].out.to_vec()?;
+            let (wq, ws) =
+                cuda_multimem_collectives::fp8_quantise(&out, h, Fp8Scaling::PerToken, 0.0);
+            let q = bufs[0].q.to_vec()?;
+            let sc = bufs[0].sc.to_vec()?;
+            q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())
+                && sc[..t]
+                    .iter()
+                    .zip(&ws)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        all_ok &= quant_ok;
         let choice = comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)?;
         let iters = if sim { 2 } else { args.iters };
         let runs = if sim { 1 } else { args.runs };
@@ -283,6 +321,12 @@ fn run(args: &Args) -> Res<bool> {
             .into_iter()
             .chain(
                 FP8.iter()
+                    .filter(|f| !f.1.grouped() || h / 128 * 128 == h)
+                    .map(|f| f.0),
+            )
+            .chain(
+                QUANT
+                    .iter()
                     .filter(|f| !f.1.grouped() || h / 128 * 128 == h)
                     .map(|f| f.0),
             )
@@ -312,6 +356,8 @@ fn run(args: &Args) -> Res<bool> {
             comm.check()?;
             let form = if imp == "fused" {
                 choice.to_string()
+            } else if imp.starts_with("fused+quant") {
+                format!("{choice} + quantize_fp8")
             } else if imp == "unfused-fp8-token" {
                 format!(
                     "{} + add_rms_norm_fp8",
@@ -347,7 +393,8 @@ fn run(args: &Args) -> Res<bool> {
                 match imp {
                     "fused" if ok => "yes",
                     "fp8-token+bf16" if fp8_ok => "yes",
-                    "fused" | "fp8-token+bf16" => "NO",
+                    "fused+quant-token" if quant_ok => "yes",
+                    "fused" | "fp8-token+bf16" | "fused+quant-token" => "NO",
                     _ => "-",
                 }
             );
@@ -380,6 +427,7 @@ fn run(args: &Args) -> Res<bool> {
                     "correct": match imp {
                         "fused" => json!(ok),
                         "fp8-token+bf16" => json!(fp8_ok),
+                        "fused+quant-token" => json!(quant_ok),
                         _ => json!(null),
                     },
                 });

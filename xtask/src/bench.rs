@@ -23,21 +23,24 @@ use crate::Result;
 /// Our implementation's name in `impl`.
 pub const OURS: &str = "cuda-multimem";
 /// The references whose faster time per size is "best reference": NCCL one process per GPU with
-/// plain buffers and with symmetric windows, torch symm_mem where it has the operation, and for
-/// the fused norm torch's NCCL allreduce then add + rms_norm.
-pub const REFERENCES: [&str; 6] = [
+/// plain buffers and with symmetric windows, torch symm_mem where it has the operation, for
+/// the fused norm torch's NCCL allreduce then add + rms_norm, and for the all-to-all and MoE
+/// dispatch / combine torch's `all_to_all_single` over NCCL.
+pub const REFERENCES: [&str; 7] = [
     "nccl-plain",
     "nccl-symmetric",
     "torch-symm-mem-one-shot",
     "torch-symm-mem-two-shot",
     "torch-symm-mem-reduce-scatter",
     "torch-nccl-unfused",
+    "torch-nccl-all-to-all-single",
 ];
 
 /// One measurement.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Measurement {
-    /// The collective: allreduce, all_gather, reduce_scatter, broadcast, allreduce_rmsnorm.
+    /// The collective: allreduce, all_gather, reduce_scatter, broadcast, allreduce_rmsnorm,
+    /// alltoall, moe_dispatch, moe_combine.
     pub bench: String,
     /// Who ran it: cuda-multimem, nccl-plain, nccl-symmetric, torch-symm-mem-one-shot, ...
     #[serde(rename = "impl")]

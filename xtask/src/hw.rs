@@ -297,7 +297,8 @@ fn machine_name(ranks: u32) -> String {
 
 /// A benchmark's binary, the collectives NCCL measures beside it, and the torch script with its
 /// arguments (torch symm_mem's operations that need no multicast; for the norm, NCCL's allreduce
-/// then add + rms_norm as an engine runs it without the fusion).
+/// then add + rms_norm (and its FP8 quantisation) as an engine runs it without the fusion; for the
+/// all-to-all and the MoE dispatch / combine, torch's `all_to_all_single` over NCCL).
 type BenchPlan = (
     &'static str,
     Option<&'static str>,
@@ -333,8 +334,22 @@ fn bench_plan(what: &str, args: &[String]) -> Option<BenchPlan> {
             )),
         ),
         "hier" => ("bench-hier", None, None),
-        // the torch all_to_all_single-based dispatch reference is not written yet
-        "moe" => ("bench-moe", None, None),
+        "alltoall" => (
+            "bench-alltoall",
+            Some("alltoall"),
+            Some(("torch_alltoall_ref.py", reference_args(args))),
+        ),
+        "moe" => (
+            "bench-moe",
+            None,
+            Some((
+                "torch_moe_ref.py",
+                pass_through(
+                    args,
+                    &["--tokens", "--hidden", "--topk", "--experts", "--payload"],
+                ),
+            )),
+        ),
         _ => return None,
     })
 }
@@ -396,7 +411,7 @@ pub fn bench_hw(what: &str, args: &[String]) -> Result<()> {
                 .env("NCCL_NVLS_ENABLE", "0")
                 .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
                 .env("PYTHONUNBUFFERED", "1");
-            steps.push(("reference: torch symm_mem".into(), torch, false));
+            steps.push((format!("reference: torch ({script})"), torch, false));
         }
     }
     let progress = Progress::new(steps.len());

@@ -648,12 +648,23 @@ fn fp8_group_slot(f: &Flavor) -> String {
 /// the same instructions), `div.rn` by its scale, `cvt.rn.satfinite.e4m3x2.f32`, stored to
 /// the e4m3 rows.
 fn pass2_fp8(label: &str, f: &Flavor) -> String {
+    pass2_fp8_of(label, f, true)
+}
+
+/// [`pass2_fp8`]; `norm` false: y is the row of residual (%rd3) itself, neither scaled by rstd
+/// nor by γ (the standalone quantisation: `T` values to f32 and back are exact).
+fn pass2_fp8_of(label: &str, f: &Flavor, norm: bool) -> String {
     let res = "\tadd.u64 %rd24, %rd3, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
     let tout = "\tadd.u64 %rd24, %rd5, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
     let n = lanes(f);
     // y of a vector unit into f1..fn (from registers when p26 and `regs`)
     let y_vec = |l: &str, regs: bool| -> String {
         let mut v = String::new();
+        if !norm {
+            v += res;
+            v += "\tld.global.v4.b32 {%r30, %r31, %r32, %r33}, [%rd24];\n";
+            return v;
+        }
         if regs {
             v += &format!(
                 "\t@!%p26 bra $L_{l}_reload;\n\tmov.b32 %r30, %r35;\n\tmov.b32 %r31, %r36;\n\tmov.b32 %r32, %r37;\n\tmov.b32 %r33, %r38;\n\tbra.uni $L_{l}_have;\n$L_{l}_reload:\n"
@@ -679,6 +690,12 @@ fn pass2_fp8(label: &str, f: &Flavor) -> String {
     let y_sc = || -> String {
         let mut s = res.to_string();
         s += &f.sc_load("%rd24", true, "");
+        if !norm {
+            if f.half() {
+                s += &format!("\t{} %h1, %f1;\n", f.cvt_out());
+            }
+            return s;
+        }
         s += "\tadd.u64 %rd25, %rd4, %rd21;\n";
         s += &if f.half() {
             format!(
@@ -706,7 +723,7 @@ fn pass2_fp8(label: &str, f: &Flavor) -> String {
         a
     };
     // (a)
-    let mut va = y_vec(&format!("{label}a"), true);
+    let mut va = y_vec(&format!("{label}a"), norm);
     va += &format!("\t@!%p33 bra $L_{label}_nov;\n{tout}\tst.global.v4.b32 [%rd24], {{%r30, %r31, %r32, %r33}};\n$L_{label}_nov:\n");
     va += &unpack(f, 1);
     va += &amax_unit(n);
@@ -1142,6 +1159,21 @@ fn unfused(f: &Flavor, fp8: bool) -> String {
     s
 }
 
+/// The standalone FP8 quantisation ([`fp8_quant_entry`]): rows j = b, b + G, ... of the rows at
+/// the residual slot (x), each quantised by the FP8 pass 2 without the norm; one `bar.sync`
+/// between a row's amax slots being zeroed and their first `red` (block_rstd's in the norm), and
+/// the amax buffer flipped per row as block_rstd flips it.
+fn quant(f: &Flavor) -> String {
+    let mut s = prologue_with(&fp8_quant_entry(f.dtype), f, false, "", true);
+    let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n".to_string();
+    body += &fp8_row_start();
+    body += "\tbar.sync 0;\n\txor.b32 %r63, %r63, 1;\n";
+    body += &pass2_fp8_of("qq", f, false);
+    s += &rows("qb", "%rd6", &body);
+    s += "$L_exit:\n\tret;\n}\n";
+    s
+}
+
 /// The text of `norm.ptx`.
 pub fn generate() -> String {
     let mut s = HEADER.to_string();
@@ -1156,6 +1188,9 @@ pub fn generate() -> String {
         s += &one_shot(&f, false, true);
         s += &one_shot_ll(&f, false, true);
         s += &unfused(&f, true);
+    }
+    for dtype in DType::ALL {
+        s += &quant(&Flavor { dtype, op: Op::Sum });
     }
     s
 }

@@ -938,3 +938,162 @@ fn a_team_of_one_runs_the_local_fp8_kernel() {
         assert_eq!(ch.algorithm, Algorithm::Local);
     }
 }
+
+/// Rank `r`'s standalone quantisation of `x` with `scaling` into `b` (q and its scales).
+fn quantize_on<T: Element>(
+    comm: &Communicator,
+    r: usize,
+    x: &DeviceBuffer<T>,
+    b: &mut Bufs<T>,
+    scaling: Fp8Scaling,
+    (tokens, hidden): (usize, usize),
+    s: &Stream,
+) -> Result<(), Error> {
+    let sl = scaling.scales_len(tokens, hidden);
+    comm.rank(r)
+        .unwrap()
+        .quantize_fp8(x, b.spec(scaling, sl, false), hidden, s)
+}
+
+/// Check the e4m3 rows and scales of `b` against the host quantisation of `rows`.
+fn verify_quant<T: Element>(
+    what: &str,
+    rows: &[T],
+    hidden: usize,
+    scaling: Fp8Scaling,
+    b: &Bufs<T>,
+) {
+    let tokens = rows.len() / hidden;
+    let (wq, ws) = fp8_quantise(rows, hidden, scaling, STATIC);
+    let q = b.q.to_vec().unwrap();
+    if let Some(i) = (0..q.len()).find(|&i| !same_q(q[i], wq[i])) {
+        panic!(
+            "{what}: q[{i}] (row {}) = {:#04x}, host quantisation {:#04x} (x = {:?})",
+            i / hidden,
+            q[i].to_bits(),
+            wq[i].to_bits(),
+            rows[i]
+        );
+    }
+    match scaling {
+        Fp8Scaling::Static => {}
+        Fp8Scaling::PerToken | Fp8Scaling::PerGroup => {
+            let got = b.sc.to_vec().unwrap();
+            if let Some(i) = (0..ws.len()).find(|&i| !same_f32(got[i], ws[i])) {
+                panic!("{what}: scales[{i}] = {:?}, host {:?}", got[i], ws[i]);
+            }
+        }
+        Fp8Scaling::PerGroupUe8m0 => {
+            let got = b.sc_u.to_vec().unwrap();
+            let want = ue8m0_pack(&ws, tokens, hidden / FP8_GROUP);
+            let stride = tokens.next_multiple_of(4);
+            if let Some(i) = (0..want.len()).find(|&i| i % stride < tokens && got[i] != want[i]) {
+                panic!(
+                    "{what}: packs[{i}] = {:#010x}, host {:#010x}",
+                    got[i], want[i]
+                );
+            }
+        }
+    }
+}
+
+/// The standalone quantisation on every rank of a team of 2 (its own rows each), every scaling,
+/// vector rows and element rows (hidden 100), bf16, f16 and f32; the rows include hostile ones
+/// (all zero, a NaN, ±∞, far beyond 448 · scale): bit for bit the host quantisation.
+#[test]
+fn the_standalone_quantisation_is_the_host_quantisation_of_its_rows() {
+    fn case<T: Element>(comm: &Communicator, s: &[Stream], t: usize, h: usize, hostile: bool) {
+        for scaling in Fp8Scaling::ALL {
+            if scaling.grouped() && h % FP8_GROUP != 0 {
+                continue;
+            }
+            let c = Case::<T>::new(2, t, h, (t * 131 + h) as u64);
+            let mut rows: Vec<Vec<T>> = c.xs.clone();
+            if hostile && t >= 4 {
+                for v in &mut rows {
+                    v[..h].iter_mut().for_each(|e| *e = T::from_f32(0.0));
+                    v[h + 3] = T::from_f32(f32::NAN);
+                    v[2 * h + 1] = T::from_f32(f32::INFINITY);
+                    v[3 * h + 2] = T::from_f32(3.0e4);
+                }
+            }
+            let mut bufs: Vec<Bufs<T>> = (0..2).map(|r| Bufs::new(comm, r, &c, scaling)).collect();
+            let xs: Vec<DeviceBuffer<T>> = (0..2)
+                .map(|r| DeviceBuffer::from_host(comm.device(r).unwrap(), &rows[r]).unwrap())
+                .collect();
+            for r in 0..2 {
+                quantize_on(comm, r, &xs[r], &mut bufs[r], scaling, (t, h), &s[r]).unwrap();
+            }
+            sync_all(s);
+            comm.check().unwrap();
+            for r in 0..2 {
+                let what = format!("quantize_fp8 {} {t} x {h} {scaling:?} rank {r}", T::DTYPE);
+                verify_quant(&what, &rows[r], h, scaling, &bufs[r]);
+            }
+        }
+    }
+    let (_e, comm, s) = team(2, CommConfig::default());
+    case::<bf16>(&comm, &s, 5, 1024, true);
+    case::<bf16>(&comm, &s, 70, 256, false);
+    case::<bf16>(&comm, &s, 4, 100, true);
+    case::<bf16>(&comm, &s, 2, 8192, false);
+    case::<f16>(&comm, &s, 4, 512, true);
+    case::<f32>(&comm, &s, 4, 384, true);
+    case::<f32>(&comm, &s, 3, 100, false);
+}
+
+#[test]
+fn bad_quantisation_arguments_are_refused_naming_the_argument() {
+    let (_e, comm, s) = team(2, CommConfig::default());
+    let h0 = comm.rank(0).unwrap();
+    let d = comm.device(0).unwrap();
+    let (t, h) = (4usize, 256usize);
+    let x = DeviceBuffer::<bf16>::zeroed(d, t * h).unwrap();
+    let mut q = DeviceBuffer::<F8E4M3>::zeroed(d, t * h).unwrap();
+    let mut qs = DeviceBuffer::<F8E4M3>::zeroed(d, t * h - 1).unwrap();
+    let sc = DeviceBuffer::<f32>::zeroed(d, 64).unwrap();
+    let mut unq = DeviceBuffer::<bf16>::zeroed(d, t * h).unwrap();
+    let f = |e: Result<(), Error>| invalid_arg(e.unwrap_err());
+    // SAFETY: prefixes of live buffers of device 0, used by the calls only.
+    let scales = |n: usize| unsafe { Dst::<f32>::from_raw(sc.device_ptr(), n) };
+    assert_eq!(
+        f(h0.quantize_fp8(
+            &x,
+            Fp8Out::per_token(&mut q, scales(t)).with_unquantised(&mut unq),
+            h,
+            &s[0]
+        )),
+        "out"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::per_token(&mut q, scales(t + 1)), h, &s[0])),
+        "scales"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::per_token(&mut qs, scales(t)), h, &s[0])),
+        "out"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::static_scale(&mut q, 0.0), h, &s[0])),
+        "scale"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::static_scale(&mut q, f32::NAN), h, &s[0])),
+        "scale"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::per_group(&mut q, scales(t * 4)), 64, &s[0])),
+        "hidden"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::static_scale(&mut q, 1.0), 300, &s[0])),
+        "x"
+    );
+    assert_eq!(
+        f(h0.quantize_fp8(&x, Fp8Out::static_scale(&mut q, 1.0), 0, &s[0])),
+        "hidden"
+    );
+    // nothing was launched: q still zero
+    sync_all(&s);
+    assert!(q.to_vec().unwrap().iter().all(|v| v.to_bits() == 0));
+}

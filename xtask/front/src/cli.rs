@@ -12,7 +12,15 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 /// The benchmarks `bench-hw` runs (the tools map each to its binary and references).
-pub const BENCHES: [&str; 6] = ["memory", "allreduce", "collectives", "norm", "hier", "moe"];
+pub const BENCHES: [&str; 7] = [
+    "memory",
+    "allreduce",
+    "collectives",
+    "norm",
+    "hier",
+    "alltoall",
+    "moe",
+];
 
 /// What one argument of a command is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,11 +127,11 @@ pub const COMMANDS: &[Spec] = &[
     },
     Spec {
         name: "bench-hw",
-        about: "Benchmarks on the real driver: memory, allreduce, collectives, norm or hier",
+        about: "Benchmarks on the real driver: memory, allreduce, collectives, norm, hier, alltoall or moe (beside NCCL / torch where they have the operation)",
         args: &[
             positional(
                 "WHAT",
-                "Which benchmark: memory, allreduce, collectives, norm, hier",
+                "Which benchmark: memory, allreduce, collectives, norm (with the FP8 outputs), hier, alltoall (beside ncclAlltoAll and torch all_to_all_single), moe (dispatch/combine beside torch's all_to_all_single-based one)",
             ),
             rest("ARGS", "Arguments for the benchmark binary"),
         ],
@@ -773,7 +781,7 @@ mod tests {
         let e = error("bench-hw bogus");
         assert!(e.contains("unknown benchmark 'bogus'"), "{e}");
         assert!(
-            e.contains("memory, allreduce, collectives, norm, hier"),
+            e.contains("memory, allreduce, collectives, norm, hier, alltoall, moe"),
             "{e}"
         );
         assert!(error("bench-hw allreduse").contains("a similar benchmark exists: 'allreduce'"));

@@ -586,6 +586,50 @@ impl<'a> RankHandle<'a> {
         self.run(q.call(ops.call(Kind::LocalNorm, hidden, eps)), on.stream())
             .map(drop)
     }
+
+    /// The standalone FP8 quantisation, on this rank's device only (any stream of it): the
+    /// rows of `x` (`tokens × hidden` elements of `T`) written as e4m3 into `out` with its
+    /// scales, exactly as the FP8 norms quantise their normalised rows (the same amax, scale
+    /// and rounding: `docs/design/rmsnorm.md`, "FP8 outputs"; [`crate::fp8_quantise`] is the
+    /// host reference, bit for bit). What an engine runs after a bf16 norm when its norm does
+    /// not quantise (the unfused baseline of [`RankHandle::all_reduce_add_rms_norm_fp8`]). One
+    /// block per row. Checked before launch as the FP8 norms' outputs are (lengths, the scales'
+    /// length and type, hidden a multiple of the group for the grouped scalings, a finite
+    /// static scale > 0, 4-byte aligned operands, no overlap); `out` must not ask for the
+    /// unquantised rows (they are `x`).
+    pub fn quantize_fp8<'s, 'o, 'x, T: Element>(
+        &self,
+        x: impl IntoSrc<'s, T>,
+        out: Fp8Out<'o, T>,
+        hidden: usize,
+        stream: impl IntoStream<'x>,
+    ) -> Result<()> {
+        if out.unquantised.is_some() {
+            return Err(Error::invalid(
+                "out",
+                "quantize_fp8 writes no unquantised rows (they are x itself): drop with_unquantised",
+            ));
+        }
+        let on = stream.into_stream(self.device())?;
+        let x = x.into_src(&on, "x")?;
+        let q = out.out.into_dst(&on, "out")?;
+        let fp8 = Fp8Operands::<T>::new(out.scales, None, &on)?;
+        let call = Call {
+            kind: Kind::LocalNorm,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: Some(Arg::new(x.operand(), "x")),
+            output: Arg::new(q.operand(), "out"),
+            residual: None,
+            weight: None,
+            norm: Some(NormArgs { hidden, eps: 0.0 }),
+            a2a: None,
+            quant: None,
+            moe: None,
+        };
+        self.run(fp8.call(call), on.stream()).map(drop)
+    }
 }
 
 /// An FP8 norm call's own operands, converted for the call's stream.

@@ -168,6 +168,15 @@ pub fn fp8_unfused_entry(dtype: DType) -> String {
     format!("cmm_add_rms_norm_fp8_{}", dtype.name())
 }
 
+/// The standalone FP8 quantisation (`RankHandle::quantize_fp8`): rows of `T` to e4m3 with the
+/// scales and rounding of the FP8 norm outputs, no norm (the unfused baseline's second kernel).
+/// The parameters of [`fp8_unfused_entry`] ([`FP8_UNFUSED_PARAMS`]) with x in both the x and the
+/// residual slots (the rows quantised are read there), the weight slot unused (x again), no
+/// unquantised rows (0) and ε unused.
+pub fn fp8_quant_entry(dtype: DType) -> String {
+    format!("cmm_quantize_fp8_{}", dtype.name())
+}
+
 /// The FP8 mode parameter: the scaling's code in the low byte, the static scale's f32 bits in
 /// the high 32 bits.
 pub fn fp8_mode(scaling: Fp8Scaling, scale: f32) -> u64 {

@@ -11,7 +11,8 @@ use cuda_multimem_sim::{register_kernel, KernelError, LaunchArgs};
 
 use super::{ld, set_counters, st, u32_at, u64_at, Ctx};
 use crate::kernels::norm::{
-    fp8_unfused_entry, ll_row_bytes, part_rows, unfused_entry, NormKernel, FP8_KERNELS, SPLIT,
+    fp8_quant_entry, fp8_unfused_entry, ll_row_bytes, part_rows, unfused_entry, NormKernel,
+    FP8_KERNELS, SPLIT,
 };
 use crate::kernels::*;
 use crate::types::{DType, Fp8Scaling, FP8_GROUP};
@@ -27,7 +28,27 @@ pub(super) fn register() {
         }
         register_kernel(&unfused_entry(d), move |a| run_unfused(d, a, false));
         register_kernel(&fp8_unfused_entry(d), move |a| run_unfused(d, a, true));
+        register_kernel(&fp8_quant_entry(d), move |a| run_quant(d, a));
     }
+}
+
+/// The standalone FP8 quantisation (`kernels::norm::fp8_quant_entry`: the local FP8 entry's
+/// parameters, the rows at the residual slot): rows j = b, b + G, ... of the launch, each row's
+/// `T` values quantised by [`Fp8::write`] as the FP8 norms quantise theirs.
+fn run_quant(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
+    let x = a.u64(1)? as usize;
+    let (rows, hidden) = (a.u64(4)? as usize, a.u64(5)? as usize);
+    let fp8 = Fp8::from_args(a, 7)?;
+    let rb = hidden * d.size();
+    let g = a.grid.0 as usize;
+    for b in 0..g {
+        for j in (b..rows).step_by(g) {
+            a.check(x + j * rb, rb, false)?;
+            let y: Vec<f32> = (0..hidden).map(|e| ld(d, x + j * rb, e as u64)).collect();
+            fp8.write(a, j, &y)?;
+        }
+    }
+    Ok(())
 }
 
 fn copy(a: &LaunchArgs, dst: usize, src: usize, len: usize) -> Result<(), KernelError> {

@@ -22,6 +22,8 @@ pub(crate) struct Kernels {
     /// The FP8 output entries of the forms of `nk::FP8_KERNELS`, and the local one.
     fp8: HashMap<(NormKernel, DType), Function>,
     fp8_unfused: HashMap<DType, Function>,
+    /// The standalone FP8 quantisation (`nk::fp8_quant_entry`).
+    quant: HashMap<DType, Function>,
 }
 
 impl Kernels {
@@ -38,6 +40,7 @@ impl Kernels {
             .chain(self.unfused.values().map(|f| (f, false)))
             .chain(self.fp8.values().map(|f| (f, false)))
             .chain(self.fp8_unfused.values().map(|f| (f, false)))
+            .chain(self.quant.values().map(|f| (f, false)))
     }
 
     pub(super) fn load(device: &Device) -> Result<Kernels> {
@@ -46,6 +49,7 @@ impl Kernels {
         let mut unfused = HashMap::new();
         let mut fp8 = HashMap::new();
         let mut fp8_unfused = HashMap::new();
+        let mut quant = HashMap::new();
         for dt in DType::ALL {
             for k in NormKernel::ALL {
                 fused.insert((k, dt), m.function(&k.entry(dt))?);
@@ -55,12 +59,14 @@ impl Kernels {
             }
             unfused.insert(dt, m.function(&nk::unfused_entry(dt))?);
             fp8_unfused.insert(dt, m.function(&nk::fp8_unfused_entry(dt))?);
+            quant.insert(dt, m.function(&nk::fp8_quant_entry(dt))?);
         }
         Ok(Kernels {
             fused,
             unfused,
             fp8,
             fp8_unfused,
+            quant,
         })
     }
 }
@@ -336,6 +342,40 @@ pub(crate) fn run_local(
     let s = call
         .norm
         .ok_or_else(|| Error::invalid("hidden", "a norm call without its shape"))?;
+    if let (None, None, Some(q)) = (call.residual, call.weight, call.quant) {
+        // the standalone quantisation: no residual, no weight
+        let f = p.kernels(l).norm.quant.get(&call.dtype).ok_or_else(|| {
+            Error::invalid(
+                "dtype",
+                format!("no FP8 quantisation kernel for {}", call.dtype),
+            )
+        })?;
+        let x = call.input.ptr;
+        // SAFETY: a function of this device's norm module taking the eleven .u64 parameters
+        // of the local FP8 entry (kernels::norm::FP8_UNFUSED_PARAMS), x in the x, residual and
+        // weight slots (read only), no unquantised rows; the operands hold what the call's
+        // shape needs (checked: x of tokens × hidden, out of as many e4m3, the scales of the
+        // scaling's length); a live stream of this device (checked).
+        return unsafe {
+            f.launch_u64(
+                &LaunchConfig::linear(shape.blocks, shape.threads),
+                stream,
+                &[
+                    x,
+                    x,
+                    x,
+                    0,
+                    s.tokens as u64,
+                    s.hidden as u64,
+                    0,
+                    call.output.ptr,
+                    q.scales.map_or(0, |s| s.ptr),
+                    nk::fp8_mode(q.scaling, q.scale),
+                    s.tokens.next_multiple_of(4) as u64,
+                ],
+            )
+        };
+    }
     let (r, w) = match (call.residual, call.weight) {
         (Some(r), Some(w)) => (r, w),
         _ => return Err(Error::invalid("residual", "a norm call without residual")),

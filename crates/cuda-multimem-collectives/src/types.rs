@@ -179,12 +179,12 @@ impl DType {
     /// finite range; integers truncated toward zero and saturated, NaN 0), as bits (the low 32
     /// bits of a 64-bit type's).
     pub fn encode(self, v: f32) -> u32 {
-        self.from_f64(v as f64) as u32
+        self.convert_f64(v as f64) as u32
     }
 
     /// The bits of `v` (f64) converted to this type as [`DType::encode`] does (f64 exact;
     /// the 32-bit-and-smaller floats through f32).
-    fn from_f64(self, v: f64) -> u64 {
+    fn convert_f64(self, v: f64) -> u64 {
         match self {
             DType::F64 => v.to_bits(),
             DType::I8 => v as i8 as u8 as u64,
@@ -236,8 +236,8 @@ impl DType {
                 let v = match a {
                     Acc::Int(v) => v as u64,
                     Acc::UInt(v) => v,
-                    Acc::F32(v) => return self.from_f64(v as f64),
-                    Acc::F64(v) => return self.from_f64(v),
+                    Acc::F32(v) => return self.convert_f64(v as f64),
+                    Acc::F64(v) => return self.convert_f64(v),
                 };
                 v & self.mask()
             }
@@ -289,7 +289,7 @@ impl DType {
 
     /// Append `v`, rounded to this type (as [`DType::encode`]), to raw little-endian `out`.
     pub fn store(self, out: &mut Vec<u8>, v: f32) {
-        self.store_bits(out, self.from_f64(v as f64));
+        self.store_bits(out, self.convert_f64(v as f64));
     }
 
     /// One random element from the tests' generator whose state is `state` (it advances), as
@@ -307,7 +307,7 @@ impl DType {
                 crate::reference::next_random(state);
                 state.wrapping_mul(0x2545_f491_4f6c_dd1d) & d.mask()
             }
-            d => d.from_f64(crate::reference::next_random(state) as f64),
+            d => d.convert_f64(crate::reference::next_random(state) as f64),
         }
     }
 
@@ -459,7 +459,7 @@ macro_rules! element {
                 $d.acc(self.to_bits64()).to_f32()
             }
             fn from_f32(v: f32) -> Self {
-                Self::from_bits64($d.from_f64(v as f64))
+                Self::from_bits64($d.convert_f64(v as f64))
             }
             fn to_bits64(self) -> u64 {
                 let $x = self;

@@ -293,21 +293,21 @@ impl DType {
     }
 
     /// One random element from the tests' generator whose state is `state` (it advances), as
-    /// bits: floats in [-1, 1) ([`crate::reference::next_random`], rounded to the type; f64
+    /// bits: floats in [-1, 1) ([`crate::next_random`], rounded to the type; f64
     /// with 53 random bits), integers uniform over the type's whole range (so sums and products
     /// wrap).
     pub fn random_bits(self, state: &mut u64) -> u64 {
         match self {
             DType::F64 => {
-                crate::reference::next_random(state);
+                next_random(state);
                 let m = (*state >> 11) as f64 / (1u64 << 53) as f64;
                 (m * 2.0 - 1.0).to_bits()
             }
             d if d.is_integer() => {
-                crate::reference::next_random(state);
+                next_random(state);
                 state.wrapping_mul(0x2545_f491_4f6c_dd1d) & d.mask()
             }
-            d => d.convert_f64(crate::reference::next_random(state) as f64),
+            d => d.convert_f64(next_random(state) as f64),
         }
     }
 
@@ -385,6 +385,15 @@ fn fmin(a: f64, b: f64) -> f64 {
     } else {
         b
     }
+}
+
+/// The tests' xorshift generator (`reference::next_random`, which random elements of every type
+/// come from): the next value in [-1, 1); the state advances.
+pub(crate) fn next_random(state: &mut u64) -> f32 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
 /// An FP8 conversion's bits with a NaN made the type's NaN `0x7f` (the float8 crate keeps the

@@ -48,12 +48,12 @@ fn matches<T: Element>(got: &[T], want: &[T], inputs: &[Vec<T>], exact: bool) ->
         cuda_multimem_collectives::DType::F32 => f32::EPSILON,
         cuda_multimem_collectives::DType::F16 => 1.0 / 1024.0,
         cuda_multimem_collectives::DType::Bf16 => 1.0 / 128.0,
-        cuda_multimem_collectives::DType::U8 => 0.0,
+        _ => 0.0,
     };
     (0..want.len()).find(|&i| {
         let (g, w) = (got[i].to_f32(), want[i].to_f32());
         if exact {
-            g.to_bits() != w.to_bits()
+            got[i].to_bits64() != want[i].to_bits64()
         } else {
             let mag: f32 = inputs.iter().map(|x| x[i].to_f32().abs()).sum();
             (g - w).abs() > eps * mag.max(1.0) * inputs.len() as f32

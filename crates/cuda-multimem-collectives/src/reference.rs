@@ -7,10 +7,7 @@ use crate::types::{DType, Element, Fp8Scaling, ReduceOp, FP8_E4M3_MAX, FP8_GROUP
 /// The next value of the xorshift generator whose state is `state` (non-zero; it advances),
 /// in [-1, 1): the one generator of the tests, examples and benchmarks.
 pub fn next_random(state: &mut u64) -> f32 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    crate::types::next_random(state)
 }
 
 /// `count` random elements from the generator whose state is `state`: floats in [-1, 1)

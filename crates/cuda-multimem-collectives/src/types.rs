@@ -179,12 +179,12 @@ impl DType {
     /// finite range; integers truncated toward zero and saturated, NaN 0), as bits (the low 32
     /// bits of a 64-bit type's).
     pub fn encode(self, v: f32) -> u32 {
-        self.from_f64(v as f64) as u32
+        self.convert_f64(v as f64) as u32
     }
 
     /// The bits of `v` (f64) converted to this type as [`DType::encode`] does (f64 exact;
     /// the 32-bit-and-smaller floats through f32).
-    fn from_f64(self, v: f64) -> u64 {
+    fn convert_f64(self, v: f64) -> u64 {
         match self {
             DType::F64 => v.to_bits(),
             DType::I8 => v as i8 as u8 as u64,
@@ -236,8 +236,8 @@ impl DType {
                 let v = match a {
                     Acc::Int(v) => v as u64,
                     Acc::UInt(v) => v,
-                    Acc::F32(v) => return self.from_f64(v as f64),
-                    Acc::F64(v) => return self.from_f64(v),
+                    Acc::F32(v) => return self.convert_f64(v as f64),
+                    Acc::F64(v) => return self.convert_f64(v),
                 };
                 v & self.mask()
             }
@@ -289,25 +289,25 @@ impl DType {
 
     /// Append `v`, rounded to this type (as [`DType::encode`]), to raw little-endian `out`.
     pub fn store(self, out: &mut Vec<u8>, v: f32) {
-        self.store_bits(out, self.from_f64(v as f64));
+        self.store_bits(out, self.convert_f64(v as f64));
     }
 
     /// One random element from the tests' generator whose state is `state` (it advances), as
-    /// bits: floats in [-1, 1) ([`crate::reference::next_random`], rounded to the type; f64
+    /// bits: floats in [-1, 1) ([`crate::next_random`], rounded to the type; f64
     /// with 53 random bits), integers uniform over the type's whole range (so sums and products
     /// wrap).
     pub fn random_bits(self, state: &mut u64) -> u64 {
         match self {
             DType::F64 => {
-                crate::reference::next_random(state);
+                next_random(state);
                 let m = (*state >> 11) as f64 / (1u64 << 53) as f64;
                 (m * 2.0 - 1.0).to_bits()
             }
             d if d.is_integer() => {
-                crate::reference::next_random(state);
+                next_random(state);
                 state.wrapping_mul(0x2545_f491_4f6c_dd1d) & d.mask()
             }
-            d => d.from_f64(crate::reference::next_random(state) as f64),
+            d => d.convert_f64(next_random(state) as f64),
         }
     }
 
@@ -387,6 +387,15 @@ fn fmin(a: f64, b: f64) -> f64 {
     }
 }
 
+/// The tests' xorshift generator (`reference::next_random`, which random elements of every type
+/// come from): the next value in [-1, 1); the state advances.
+pub(crate) fn next_random(state: &mut u64) -> f32 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
 /// An FP8 conversion's bits with a NaN made the type's NaN `0x7f` (the float8 crate keeps the
 /// sign and, for e5m2, the mantissa of a NaN; the kernels' sign is not specified).
 fn fp8_bits(bits: u8, v: f32) -> u64 {
@@ -459,7 +468,7 @@ macro_rules! element {
                 $d.acc(self.to_bits64()).to_f32()
             }
             fn from_f32(v: f32) -> Self {
-                Self::from_bits64($d.from_f64(v as f64))
+                Self::from_bits64($d.convert_f64(v as f64))
             }
             fn to_bits64(self) -> u64 {
                 let $x = self;

@@ -7,6 +7,7 @@
 
 use super::*;
 use cuda_multimem_collectives::float8::{F8E4M3, F8E5M2};
+use cuda_multimem_collectives::Path;
 use cuda_multimem_tests::collectives::{calls, once};
 use cuda_multimem_tests::team_on;
 
@@ -353,4 +354,78 @@ fn the_fused_norm_refuses_every_other_type_naming_dtype() {
     let m = e.to_string();
     assert!(m.contains("dtype") && m.contains("i32"), "{m}");
     comm.check().unwrap();
+}
+
+/// On a simulated machine with multicast, the planner never picks multimem for a type it has no
+/// multimem kernel for — whatever the policy — and the choice reports the peer-to-peer form
+/// that runs (8-byte types never the low-latency one); a real call reports the same and equals
+/// the reference.
+#[test]
+fn multimem_and_the_low_latency_forms_are_never_chosen_for_types_without_them() {
+    cuda_multimem_collectives::sim::install();
+    let e = sim(SimConfig::new(
+        8,
+        cuda_multimem_tests::sim_version().max(13030),
+    ));
+    let devices = e.driver.devices();
+    let comm = Communicator::builder(&devices)
+        .multicast(MulticastPolicy::Always)
+        .build()
+        .unwrap();
+    assert!(
+        comm.multimem_active(),
+        "{:?}",
+        comm.multimem_unavailable_reason()
+    );
+    for dtype in DType::REDUCED {
+        for op in ReduceOp::ALL {
+            let c = comm
+                .choice(dtype, op, 1 << 18, Operands::Symmetric)
+                .unwrap();
+            let mm = cuda_multimem_collectives::multimem_supports(dtype, op);
+            assert_eq!(c.path == Path::Multimem, mm, "{dtype} {op}: {c}");
+            assert!(!mm || DType::ALL.contains(&dtype), "{dtype} {op}");
+            let small = comm.choice(dtype, op, 64, Operands::Symmetric).unwrap();
+            if dtype.size() == 8 {
+                assert_ne!(
+                    small.algorithm,
+                    Algorithm::OneShotLl,
+                    "{dtype} {op}: {small}"
+                );
+            }
+        }
+    }
+    // a real call of i32 sums reports the peer-to-peer path and wraps as the reference
+    let s = streams(&comm);
+    let count = 100_000;
+    let mut buf = comm.alloc::<i32>(count).unwrap();
+    let mut seed = 31;
+    let inputs: Vec<Vec<i32>> = (0..8).map(|_| random_input(count, &mut seed)).collect();
+    for (r, x) in inputs.iter().enumerate() {
+        buf.write(r, 0, x).unwrap();
+    }
+    let want = reference(ReduceOp::Sum, &refs(&inputs));
+    let mut choices = Vec::new();
+    for (r, st) in s.iter().enumerate() {
+        choices.push(
+            comm.rank(r)
+                .unwrap()
+                .all_reduce_in_place(&mut buf, ReduceOp::Sum, st)
+                .unwrap(),
+        );
+    }
+    sync(&s);
+    comm.check().unwrap();
+    let c = comm
+        .choice(DType::I32, ReduceOp::Sum, count, Operands::Symmetric)
+        .unwrap();
+    for (r, got) in choices.iter().enumerate() {
+        assert_eq!(*got, c, "rank {r}");
+        assert_eq!(got.path, Path::PeerToPeer, "rank {r}");
+        assert_eq!(
+            first_mismatch(&buf.to_vec(r).unwrap(), &want),
+            None,
+            "rank {r}"
+        );
+    }
 }

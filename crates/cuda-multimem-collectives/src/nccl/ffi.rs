@@ -183,3 +183,36 @@ pub(super) fn nccl_op(o: ReduceOp) -> c_int {
         ReduceOp::Avg => 4,
     }
 }
+
+#[cfg(test)]
+mod type_tests {
+    use super::*;
+
+    #[test]
+    fn every_type_has_its_nccl_datatype_and_fp8_needs_nccl_2_24() {
+        let t = |d| nccl_type(d, 22809).unwrap();
+        assert_eq!(
+            [
+                DType::I8,
+                DType::U8,
+                DType::I32,
+                DType::U32,
+                DType::I64,
+                DType::U64
+            ]
+            .map(t),
+            [0, 1, 2, 3, 4, 5]
+        );
+        assert_eq!(
+            [DType::F16, DType::F32, DType::F64, DType::Bf16].map(t),
+            [6, 7, 8, 9]
+        );
+        assert_eq!([DType::F8E4M3, DType::F8E5M2].map(t), [10, 11]);
+        let e = nccl_type(DType::F8E5M2, 22305).unwrap_err().to_string();
+        assert!(
+            e.contains("dtype") && e.contains("e5m2") && e.contains("2.23.5"),
+            "{e}"
+        );
+        assert_eq!(nccl_type(DType::F8E4M3, 22400).unwrap(), 10);
+    }
+}

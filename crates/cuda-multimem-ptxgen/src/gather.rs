@@ -9,8 +9,8 @@
 
 pub use cuda_multimem_collectives::kernels::gather::*;
 use cuda_multimem_collectives::kernels::{
-    ERR_TIMEOUT, MAX_RANKS, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS, OFF_RANK,
-    OFF_SIG, OFF_STAGES, OFF_STAGE_HALF,
+    ERR_TIMEOUT, MAX_RANKS, OFF_CTR, OFF_ERR, OFF_LL_SLOT, OFF_LL_STAGES, OFF_NRANKS, OFF_PADS,
+    OFF_RANK, OFF_SIG, OFF_STAGES, OFF_STAGE_HALF,
 };
 
 use super::{

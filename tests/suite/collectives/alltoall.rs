@@ -9,10 +9,10 @@
 //! device.
 
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, DeviceRepr, Stream};
+use cuda_multimem_collectives::kernels::MAX_RANKS;
 use cuda_multimem_collectives::{
     Algorithm, Choice, CommConfig, Communicator, MulticastPolicy, Operands, SymmetricBuffer,
 };
-use cuda_multimem_collectives::kernels::MAX_RANKS;
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{
     collectives_unsupported, env, invalid_arg_of, placed, sim, skip, sync_all, team_on, Rng,

@@ -206,9 +206,12 @@ fn unpack(b: &Path) -> Result<()> {
 /// Shows progress: one step per test (the suite runs them one at a time).
 pub fn test_hw(filter: &[String]) -> Result<()> {
     let b = bundle_dir()?;
+    // CUDA_DEVICE_MAX_CONNECTIONS=32 (the driver's most): a hardware queue for each of up to 32
+    // ranks of one process on one GPU (collectives::shared's team of 16; 8 unless set)
     let suite = |c: &mut Command| {
         c.env("CUDA_MULTIMEM_DRIVER", "cuda")
             .env("CUDA_MULTIMEM_DISABLE_MULTICAST", "1")
+            .env("CUDA_DEVICE_MAX_CONNECTIONS", "32")
             .env("RUST_BACKTRACE", "1");
     };
     // How many tests the filter selects, for "[i/n]".

@@ -4,7 +4,8 @@
 //! machine of one device with the simulator's occupancy model: every collective of the table in
 //! every form, every element type, both operand kinds, in place and not, against the host
 //! reference; graph replay; a peer that never arrives is a timeout on every calling rank; the
-//! launches are capped to each rank's share of the device.
+//! launches are capped to each rank's share of the device; a team of 16 on one device (where
+//! `CUDA_DEVICE_MAX_CONNECTIONS` gives each rank a hardware queue).
 
 use std::time::Duration;
 
@@ -91,6 +92,65 @@ fn every_collective_equals_its_host_reference_on_one_simulated_device_shared_by_
         }
         // every launch within the rank's share of the device: nobody waited for resident slots
         assert_eq!(e.sim.as_ref().unwrap().residency_waits(), 0, "{n} ranks");
+    }
+}
+
+/// A team of 16 ranks on one device (device 0 of the driver `CUDA_MULTIMEM_DRIVER` selects; the
+/// real GPU under `cargo xtask test-hw`, which sets `CUDA_DEVICE_MAX_CONNECTIONS=32`): the table's
+/// one pass (every collective, its first operator, both broadcast roots; f32; symmetric, odd and
+/// own operands; low-latency forms and not) against the host reference, each rank's grid its
+/// share of the device. 16 ranks of one process on one device need 16 hardware queues: where
+/// `CUDA_DEVICE_MAX_CONNECTIONS` gives fewer, the build refuses naming it and the test skips
+/// printing that refusal.
+#[test]
+fn every_collective_equals_its_host_reference_on_a_team_of_16_sharing_one_device() {
+    const TEST: &str = "collectives::shared::team_of_16_on_one_device";
+    let e = env();
+    if let Some(why) = collectives_unsupported(&e.driver) {
+        return skip(TEST, why);
+    }
+    let devices = vec![e.driver.devices()[0].clone(); 16];
+    let refused = Communicator::builder(&devices)
+        .allow_shared_devices(true)
+        .build()
+        .err();
+    if let Some(err) = refused {
+        match &err {
+            Error::InvalidArgument { arg, reason }
+                if *arg == "devices" && reason.contains("CUDA_DEVICE_MAX_CONNECTIONS") =>
+            {
+                return skip(
+                    TEST,
+                    format!("{err} (cargo xtask test-hw sets CUDA_DEVICE_MAX_CONNECTIONS=32)"),
+                );
+            }
+            _ => panic!("a team of 16 ranks on one device builds: {err}"),
+        }
+    }
+    let counts: &[usize] = if e.driver.is_simulated() {
+        &[7, 3000]
+    } else {
+        &[7, 1000, 40_000]
+    };
+    for ll in [true, false] {
+        let (comm, s) = team_on(&devices, forms_config(ll), MulticastPolicy::Never);
+        let mut rng = Rng::new(1600 + ll as u64);
+        let mut seen = Vec::new();
+        for call in calls(16) {
+            if seen.contains(&(call.name, call.params.root)) {
+                continue;
+            }
+            seen.push((call.name, call.params.root));
+            for &count in counts {
+                for mem in Mem::ALL {
+                    once::<f32>(&comm, &s, call, count, mem, false, &mut rng);
+                }
+            }
+        }
+    }
+    if let Some(sim) = e.sim.as_ref() {
+        // every launch within the rank's share of the device: nobody waited for resident slots
+        assert_eq!(sim.residency_waits(), 0, "16 ranks");
     }
 }
 

@@ -6,7 +6,7 @@
 
 use cuda_multimem::{CaptureMode, Device};
 use cuda_multimem_collectives::kernels::MAX_RANKS;
-use cuda_multimem_collectives::{CommConfig, MulticastPolicy};
+use cuda_multimem_collectives::{Algorithm, CommConfig, MulticastPolicy, ReduceOp};
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{
     calls, capture_and_replay, once, Call, Elem, Mem, Pending, Queued,
@@ -106,6 +106,26 @@ fn every_collective_equals_its_host_reference_on_simulated_teams_of_16_and_max_r
             }
         }
         assert!(seen.len() >= 6, "{seen:?}");
+        // the two-shots (the pass above ran the one-shots) and the norm's two-shot, forced, at
+        // counts below the team size (parts and norm rows of which most ranks own none) and above
+        for alg in [Algorithm::TwoShot, Algorithm::TwoShotPush] {
+            let config = CommConfig {
+                algorithm: Some(alg),
+                ..small_areas()
+            };
+            let (comm, s) = team_on(&devices, config, MulticastPolicy::Never);
+            for count in [7, 1000] {
+                let sum = Call::all_reduce(ReduceOp::Sum);
+                let q = once::<f32>(&comm, &s, sum, count, Mem::SYM, false, &mut rng);
+                if count == 1000 {
+                    assert_eq!(q.choices[0].algorithm, alg, "{n} ranks: {}", q.choices[0]);
+                }
+            }
+            if alg == Algorithm::TwoShot {
+                // 5 rows of 64: fewer rows than ranks
+                once::<f32>(&comm, &s, Call::norm(64), 5 * 64, Mem::SYM, false, &mut rng);
+            }
+        }
     }
 }
 

@@ -1,15 +1,15 @@
 //! Host-side equivalents of the MoE kernels (`kernels/p2p_moe.ptx`), step by step: the
-//! dispatch's pushes of every token once per destination rank (row, scales, meta with the
-//! call's stamp), the ids validated (`ERR_BOUNDS`), the weights kept, one barrier per block;
-//! the group step's counts, offsets and map in (source rank, token, slot) order, clipped to the
-//! plan's rows (`ERR_BOUNDS`); the gather into the expert-grouped layout; the combine's pushes
-//! back into the token's rank's slot `[t][j]`, its barrier, and the weighted sum in top-k
-//! order in f32. Registered by [`super::install`].
+//! dispatch's entry barrier, its pushes of every token once per destination rank (row, scales,
+//! meta with the call's stamp), the ids validated (`ERR_BOUNDS`), the weights kept, the closing
+//! barrier (per block); the group step's counts, offsets and map in (source rank, token, slot)
+//! order, clipped to the plan's rows (`ERR_BOUNDS`); the gather into the expert-grouped layout;
+//! the combine's pushes back into the token's rank's slot `[t][j]` between its two barriers;
+//! the reduce step's weighted sum in top-k order in f32. Registered by [`super::install`].
 
 use super::*;
 use crate::kernels::moe::*;
 
-/// Register the four entries.
+/// Register the five entries.
 pub(super) fn register() {
     register_kernel(DISPATCH_ENTRY, dispatch);
     register_kernel(GROUP_ENTRY, group);

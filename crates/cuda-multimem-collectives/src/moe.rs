@@ -127,8 +127,14 @@ impl MoeShape {
     /// Check the shape for a team of `n`: the sizes the kernels and the plan use.
     pub(crate) fn sizes(&self, n: usize) -> Result<Sizes> {
         let bad = |arg: &'static str, why: String| Err(Error::invalid(arg, why));
-        if n == 0 || n > crate::kernels::MAX_RANKS {
-            return bad("n", format!("{n} ranks"));
+        if n == 0 || n > crate::kernels::moe::MOE_MAX_RANKS {
+            return bad(
+                "n",
+                format!(
+                    "{n} ranks; a MoE plan takes teams of 1 to {} (each token's destinations are one 32-bit mask)",
+                    crate::kernels::moe::MOE_MAX_RANKS
+                ),
+            );
         }
         if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > 1 << 20 {
             return bad(

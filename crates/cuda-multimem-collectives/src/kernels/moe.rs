@@ -42,6 +42,11 @@
 /// The kernel file.
 pub const FILE: &str = "p2p_moe.ptx";
 
+/// Largest team a MoE plan takes: the dispatch keeps each token's destination ranks as one
+/// `u32` mask (bit j: rank j receives the token), so a plan stops at 32 ranks (below the
+/// communicator's [`super::MAX_RANKS`]); wider masks are the way past it.
+pub const MOE_MAX_RANKS: usize = 32;
+
 /// The committed PTX text.
 pub const PTX: &str = include_str!("p2p_moe.ptx");
 

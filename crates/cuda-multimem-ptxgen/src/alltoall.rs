@@ -36,7 +36,7 @@ const SO: usize = ME + 4 * MAX_RANKS;
 const SND: usize = SO + 8 * MAX_RANKS;
 const RCV: usize = SND + 16 * MAX_RANKS;
 const SHARED: usize = RCV + 16 * MAX_RANKS;
-const _: () = assert!(SHARED <= 48 << 10 && SO % 8 == 0);
+const _: () = assert!(SHARED <= 48 << 10 && SO.is_multiple_of(8));
 
 /// The file's text.
 pub fn generate() -> String {

@@ -118,7 +118,7 @@ const _: () = {
     assert!(OFF_CTR + 4 * MAX_BLOCKS <= OFF_SIG);
     assert!(OFF_SIG + 4 * MAX_BLOCKS * MAX_RANKS <= OFF_HDR);
     assert!(OFF_HDR + 2 * MAX_BLOCKS * MAX_RANKS * 8 <= PAD_BYTES);
-    assert!(OFF_HDR % 8 == 0 && OFF_SIG % 4 == 0);
+    assert!(OFF_HDR.is_multiple_of(8) && OFF_SIG.is_multiple_of(4));
     // the barrier's three rounds of warp 0 (lanes t, t + 32, t + 64)
     assert!(MAX_RANKS <= 3 * 32);
 };

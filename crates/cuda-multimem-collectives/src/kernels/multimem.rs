@@ -147,5 +147,5 @@ const _: () = assert!(
         && MM_OFF_MIRROR + 8 <= MM_OFF_PEERS
         && MM_OFF_PEERS + 8 * super::MAX_RANKS <= MM_OFF_HDR
         && MM_OFF_HDR + 2 * MAX_BLOCKS * super::MAX_RANKS * 8 <= MM_DATA
-        && MM_DATA % 16 == 0
+        && MM_DATA.is_multiple_of(16)
 );

@@ -16,9 +16,8 @@
 use std::process::ExitCode;
 
 use cuda_multimem::{DeviceBuffer, Stream};
-use cuda_multimem_collectives::{
-    bf16, random_input, reference, Choice, Communicator, Element, Path, ReduceOp,
-};
+use cuda_multimem_collectives::testing::{random_input, reference};
+use cuda_multimem_collectives::{bf16, Choice, Communicator, Element, Path, ReduceOp};
 use cuda_multimem_examples::{pick_driver, Res};
 
 fn main() -> ExitCode {

@@ -24,11 +24,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, GraphExec, Stream};
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, all_gather_reference, broadcast_reference, random_bytes, random_input,
+    reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
+};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, all_gather_reference, bf16, broadcast_reference, random_bytes,
-    random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
-    CallStream, Communicator, DType, Dst, IntoDst, IntoSrc, IntoStream, MulticastPolicy, ReduceOp,
-    Src,
+    bf16, CallStream, Communicator, DType, Dst, IntoDst, IntoSrc, IntoStream, MulticastPolicy,
+    ReduceOp, Src,
 };
 use cuda_multimem_examples::Res;
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};

@@ -30,9 +30,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use cuda_multimem::{Device, DeviceBuffer, Driver, Stream};
+use cuda_multimem_collectives::testing::{random_input, reference};
 use cuda_multimem_collectives::{
-    bf16, random_input, reference, Bootstrap, HierBuilder, HierCommunicator, HierLayout,
-    MulticastPolicy, Nccl, ReduceOp, UnixBootstrap,
+    bf16, Bootstrap, HierBuilder, HierCommunicator, HierLayout, MulticastPolicy, Nccl, ReduceOp,
+    UnixBootstrap,
 };
 use cuda_multimem_examples::{locate_nccl, simulated, Res};
 

@@ -20,9 +20,8 @@
 use std::process::ExitCode;
 
 use cuda_multimem::{DeviceBuffer, Stream};
-use cuda_multimem_collectives::{
-    bf16, next_random, Communicator, DType, MoePlan, MoeShape, MulticastPolicy,
-};
+use cuda_multimem_collectives::testing::next_random;
+use cuda_multimem_collectives::{bf16, Communicator, DType, MoePlan, MoeShape, MulticastPolicy};
 use cuda_multimem_examples::{pick_driver, Res};
 
 /// Tokens per rank, hidden size, experts, experts per token.

@@ -25,10 +25,10 @@
 use std::process::ExitCode;
 
 use cuda_multimem::{DeviceBuffer, Stream};
-use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, fp8_quantise, next_random, rms_norm_within_tolerance,
-    Communicator, Fp8Out, Fp8Scaling, MulticastPolicy, F8E4M3,
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, fp8_quantise, next_random, rms_norm_within_tolerance,
 };
+use cuda_multimem_collectives::{bf16, Communicator, Fp8Out, Fp8Scaling, MulticastPolicy, F8E4M3};
 use cuda_multimem_examples::{pick_driver, Res};
 
 const TOKENS: usize = 4;

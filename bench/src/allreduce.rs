@@ -15,8 +15,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::{random_input, reference};
 use cuda_multimem_collectives::{
-    random_input, reference, Algorithm, Choice, CommConfig, Communicator, Element, Path, ReduceOp,
+    Algorithm, Choice, CommConfig, Communicator, Element, Path, ReduceOp,
 };
 use half::{bf16, f16};
 use serde_json::json;

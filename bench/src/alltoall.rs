@@ -22,9 +22,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::random_input;
 use cuda_multimem_collectives::{
-    random_input, Choice, CommConfig, Communicator, Dst, Element, MulticastPolicy, Operands, Src,
-    SymmetricBuffer,
+    Choice, CommConfig, Communicator, Dst, Element, MulticastPolicy, Operands, Src, SymmetricBuffer,
 };
 use half::bf16;
 use serde_json::json;

@@ -17,9 +17,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::{
+    all_gather_reference, broadcast_reference, random_input, reduce_scatter_reference,
+};
 use cuda_multimem_collectives::{
-    all_gather_reference, broadcast_reference, random_input, reduce_scatter_reference, Choice,
-    CommConfig, Communicator, Dst, Element, MulticastPolicy, ReduceOp, Src, SymmetricBuffer,
+    Choice, CommConfig, Communicator, Dst, Element, MulticastPolicy, ReduceOp, Src, SymmetricBuffer,
 };
 use half::{bf16, f16};
 use serde_json::json;

@@ -20,9 +20,10 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, Event, Stream};
+use cuda_multimem_collectives::testing::{random_input, reference};
 use cuda_multimem_collectives::{
-    random_input, reference, Bootstrap, DType, Dst, HierCommunicator, MulticastPolicy, Nccl,
-    NcclComm, NcclUniqueId, ReduceOp, UnixBootstrap,
+    Bootstrap, DType, Dst, HierCommunicator, MulticastPolicy, Nccl, NcclComm, NcclUniqueId,
+    ReduceOp, UnixBootstrap,
 };
 use half::bf16;
 use serde_json::json;

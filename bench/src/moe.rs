@@ -25,9 +25,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use cuda_multimem::{CaptureMode, DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::{
+    moe_combine_reference, moe_dispatch_reference, random_input,
+};
 use cuda_multimem_collectives::{
-    bf16, moe_combine_reference, moe_dispatch_reference, random_input, Communicator, DType,
-    MoePlan, MoeScales, MoeShape, MulticastPolicy, Src,
+    bf16, Communicator, DType, MoePlan, MoeScales, MoeShape, MulticastPolicy, Src,
 };
 use serde_json::json;
 

@@ -28,9 +28,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use cuda_multimem::{CaptureMode, DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, random_input, rms_norm_within_tolerance,
+};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, random_input, rms_norm_within_tolerance, Algorithm, CommConfig,
-    Communicator, Dst, Fp8Out, Fp8Scaling, MulticastPolicy, ReduceOp, Src, F8E4M3,
+    Algorithm, CommConfig, Communicator, Dst, Fp8Out, Fp8Scaling, MulticastPolicy, ReduceOp, Src,
+    F8E4M3,
 };
 use half::bf16;
 use serde_json::json;
@@ -284,8 +287,12 @@ fn run(args: &Args) -> Res<bool> {
             sync(&streams)?;
             comm.check()?;
             let out = bufs[0].out.to_vec()?;
-            let (wq, ws) =
-                cuda_multimem_collectives::fp8_quantise(&out, h, Fp8Scaling::PerToken, 0.0);
+            let (wq, ws) = cuda_multimem_collectives::testing::fp8_quantise(
+                &out,
+                h,
+                Fp8Scaling::PerToken,
+                0.0,
+            );
             let q = bufs[0].q.to_vec()?;
             let sc = bufs[0].sc.to_vec()?;
             q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())
@@ -303,8 +310,12 @@ fn run(args: &Args) -> Res<bool> {
             sync(&streams)?;
             comm.check()?;
             let out = bufs[0].out.to_vec()?;
-            let (wq, ws) =
-                cuda_multimem_collectives::fp8_quantise(&out, h, Fp8Scaling::PerToken, 0.0);
+            let (wq, ws) = cuda_multimem_collectives::testing::fp8_quantise(
+                &out,
+                h,
+                Fp8Scaling::PerToken,
+                0.0,
+            );
             let q = bufs[0].q.to_vec()?;
             let sc = bufs[0].sc.to_vec()?;
             q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())

@@ -122,7 +122,7 @@ impl Rng {
     /// `len` random elements in [-1, 1) (the values of the collectives' `random_input` for
     /// this generator's state).
     pub fn input<T: cuda_multimem_collectives::Element>(&mut self, len: usize) -> Vec<T> {
-        cuda_multimem_collectives::random_input(len, &mut self.0)
+        cuda_multimem_collectives::testing::random_input(len, &mut self.0)
     }
     /// Fill `buf` with random bytes.
     pub fn fill(&mut self, buf: &mut [u8]) {

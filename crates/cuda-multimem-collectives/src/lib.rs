@@ -10,7 +10,8 @@
 //! ```
 //! # #[cfg(feature = "sim")] {
 //! use cuda_multimem::Stream;
-//! use cuda_multimem_collectives::{reference, Communicator, ReduceOp};
+//! use cuda_multimem_collectives::{Communicator, ReduceOp};
+//! use cuda_multimem_collectives::testing::{reference};
 //! use half::bf16;
 //! cuda_multimem_collectives::sim::install();
 //! let driver = cuda_multimem_sim::simulated_driver(cuda_multimem_sim::SimConfig::new(2, 13000))?;
@@ -113,15 +114,23 @@ pub use kernels::multimem::supported as multimem_supports;
 pub use moe::{MoePlan, MoeScales, MoeShape};
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, IntoDst, IntoSrc, Src};
-pub use reference::{
-    add_rms_norm_fp8_reference, add_rms_norm_reference, all_gather_reference, broadcast_reference,
-    fp8_amax, fp8_e4m3, fp8_quantise, fp8_quantise_row, fp8_scale, next_random, random_bytes,
-    random_input, reduce_scatter_reference, reference, reference_bytes, rms_norm_within_tolerance,
-    rms_scale, ue8m0_byte, ue8m0_pack, Fp8NormReference,
-};
-pub use reference_moe::{
-    moe_combine_reference, moe_dispatch_reference, moe_ids_out_of_range, MoeDispatched,
-};
+/// Test helpers, apart from the library's API: the host references every collective is checked
+/// against (bit for bit where the order of operations is the kernels'; the FP8 quantisation and
+/// the MoE dispatch and combine included) and the random inputs the suite draws. For the tests
+/// of your own code that calls the collectives (on the simulator: `docs/simulator.md`); the
+/// library itself never calls them.
+pub mod testing {
+    pub use crate::reference::{
+        add_rms_norm_fp8_reference, add_rms_norm_reference, all_gather_reference,
+        broadcast_reference, fp8_amax, fp8_e4m3, fp8_quantise, fp8_quantise_row, fp8_scale,
+        next_random, random_bytes, random_input, reduce_scatter_reference, reference,
+        reference_bytes, rms_norm_within_tolerance, rms_scale, ue8m0_byte, ue8m0_pack,
+        Fp8NormReference,
+    };
+    pub use crate::reference_moe::{
+        moe_combine_reference, moe_dispatch_reference, moe_ids_out_of_range, MoeDispatched,
+    };
+}
 pub use types::{
     multimem_pays_off, Acc, Algorithm, Choice, DType, Element, Fp8Scaling, MulticastPolicy,
     Operands, Path, ReduceOp, FP8_E4M3_MAX, FP8_GROUP,

@@ -293,7 +293,7 @@ impl DType {
     }
 
     /// One random element from the tests' generator whose state is `state` (it advances), as
-    /// bits: floats in [-1, 1) ([`crate::next_random`], rounded to the type; f64
+    /// bits: floats in [-1, 1) ([`crate::testing::next_random`], rounded to the type; f64
     /// with 53 random bits), integers uniform over the type's whole range (so sums and products
     /// wrap).
     pub fn random_bits(self, state: &mut u64) -> u64 {
@@ -508,7 +508,7 @@ element!(F8E5M2, DType::F8E5M2, |x| x.to_bits() as u64, |b| {
 ///
 /// What each path guarantees for [`ReduceOp::Sum`] (floating-point addition is not associative):
 /// the peer-to-peer path adds in rank order 0, 1, ..., N-1 on every rank, so every rank gets
-/// bit-identical results, run to run, equal to [`crate::reference`]. The multimem path lets the
+/// bit-identical results, run to run, equal to [`crate::testing::reference`]. The multimem path lets the
 /// NVLink switch add, in an order it chooses: the result may differ from the rank-order
 /// reference in the last bits (the simulator adds in a shuffled order so code that assumes
 /// otherwise fails there too); its one-shot form reduces on every rank separately, so ranks may

@@ -5,7 +5,8 @@
 //! `CUDA_MULTIMEM_DRIVER=sim:devices=2`, which is what the guide tells a CI job to set.
 
 use cuda_multimem::{DeviceBuffer, IntoStream, Stream};
-use cuda_multimem_collectives::{reference, Communicator, IntoDst, ReduceOp};
+use cuda_multimem_collectives::testing::reference;
+use cuda_multimem_collectives::{Communicator, IntoDst, ReduceOp};
 
 /// The engine's code under test, generic over its tensor type (a cudarc `CudaSlice` in
 /// production, a `DeviceBuffer` in the test) and its stream type: every rank's `x` summed in

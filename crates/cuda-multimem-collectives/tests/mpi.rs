@@ -6,9 +6,8 @@
 use std::time::Duration;
 
 use cuda_multimem::Stream;
-use cuda_multimem_collectives::{
-    random_bytes, reference_bytes, CommConfig, Communicator, DType, MpiBootstrap, ReduceOp,
-};
+use cuda_multimem_collectives::testing::{random_bytes, reference_bytes};
+use cuda_multimem_collectives::{CommConfig, Communicator, DType, MpiBootstrap, ReduceOp};
 
 const CHILD: &str = "CMM_MPI_CHILD";
 

@@ -2,10 +2,11 @@
 //! description; [`table`] lists them. Adding a collective is one more function here and one
 //! more line in [`table`].
 
-use cuda_multimem_collectives::{
+use cuda_multimem_collectives::testing::{
     add_rms_norm_reference, all_gather_reference, broadcast_reference, reduce_scatter_reference,
-    reference, Dst, Src,
+    reference,
 };
+use cuda_multimem_collectives::{Dst, Src};
 
 use super::{Collective, Compare, Elem, InPlace, Params, Side};
 

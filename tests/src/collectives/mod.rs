@@ -20,9 +20,9 @@
 
 use cuda_multimem::sys::CUdeviceptr;
 use cuda_multimem::{CaptureMode, DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::rms_norm_within_tolerance;
 use cuda_multimem_collectives::{
-    rms_norm_within_tolerance, Choice, Communicator, DType, Dst, Element, RankHandle, ReduceOp,
-    Src, SymmetricBuffer,
+    Choice, Communicator, DType, Dst, Element, RankHandle, ReduceOp, Src, SymmetricBuffer,
 };
 
 use crate::Rng;

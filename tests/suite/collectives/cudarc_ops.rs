@@ -11,9 +11,12 @@
 use std::sync::Mutex;
 
 use cuda_multimem::{DeviceBuffer, Error};
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, random_bytes, random_input, reference, reference_bytes,
+};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, f16, random_bytes, random_input, reference, reference_bytes,
-    CommConfig, Communicator, DType, Dst, Element, MulticastPolicy, Operands, ReduceOp, Src,
+    bf16, f16, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy, Operands, ReduceOp,
+    Src,
 };
 use cuda_multimem_sim::Simulator;
 use cuda_multimem_tests::collectives::{calls, Mem, Queued};
@@ -199,7 +202,7 @@ fn the_dyn_forms_and_the_local_norm_hold_what_their_operands_keep_until_their_wo
     assert!(
         out.iter()
             .zip(&want_out)
-            .all(|(&g, &w)| cuda_multimem_collectives::rms_norm_within_tolerance(g, w)),
+            .all(|(&g, &w)| cuda_multimem_collectives::testing::rms_norm_within_tolerance(g, w)),
         "add_rms_norm's out"
     );
 }
@@ -378,7 +381,7 @@ fn cudarc_slices_and_views_run_every_collective_to_the_host_reference() {
     // reduce-scatter: a slice in, a view out; in place on a slice
     let big = inputs(n * c);
     let refs: Vec<&[bf16]> = big.iter().map(|v| &v[..]).collect();
-    let want = cuda_multimem_collectives::reduce_scatter_reference(ReduceOp::Max, &refs);
+    let want = cuda_multimem_collectives::testing::reduce_scatter_reference(ReduceOp::Max, &refs);
     let bx = upload(&st, &big);
     let mut out = upload(&st, &vec![vec![bf16::ZERO; c + 3]; n]);
     for r in 0..n {
@@ -488,7 +491,7 @@ fn cudarc_slices_and_views_run_every_collective_to_the_host_reference() {
         got.iter().all(|g| {
             g.iter()
                 .zip(want)
-                .all(|(&a, &b)| cuda_multimem_collectives::rms_norm_within_tolerance(a, b))
+                .all(|(&a, &b)| cuda_multimem_collectives::testing::rms_norm_within_tolerance(a, b))
         })
     };
     assert!(

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::testing::{random_input, reference};
 use cuda_multimem_collectives::{
-    bf16, random_input, reference, CommConfig, DType, Element, HierCommunicator, HierLayout,
-    MulticastPolicy, Nccl, ReduceOp, UnixBootstrap,
+    bf16, CommConfig, DType, Element, HierCommunicator, HierLayout, MulticastPolicy, Nccl,
+    ReduceOp, UnixBootstrap,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{sim, sim_version, skip};

@@ -7,10 +7,12 @@ use std::ops::Bound;
 use std::time::Duration;
 
 use cuda_multimem::{DeviceBuffer, Stream};
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, broadcast_reference, reduce_scatter_reference, reference,
+};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, broadcast_reference, f16, reduce_scatter_reference, reference,
-    Algorithm, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy, Operands, ReduceOp,
-    Src,
+    bf16, f16, Algorithm, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy, Operands,
+    ReduceOp, Src,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Mem, Queued};
@@ -265,10 +267,10 @@ fn the_norm_at_tiny_and_odd_hidden_equals_the_reference_for_every_dtype() {
             let mut out = comm.alloc::<T>(len).unwrap();
             let mut seed = 5 + hidden as u64;
             let xs: Vec<Vec<T>> = (0..2)
-                .map(|_| cuda_multimem_collectives::random_input(len, &mut seed))
+                .map(|_| cuda_multimem_collectives::testing::random_input(len, &mut seed))
                 .collect();
-            let r0: Vec<T> = cuda_multimem_collectives::random_input(len, &mut seed);
-            let gamma: Vec<T> = cuda_multimem_collectives::random_input(hidden, &mut seed);
+            let r0: Vec<T> = cuda_multimem_collectives::testing::random_input(len, &mut seed);
+            let gamma: Vec<T> = cuda_multimem_collectives::testing::random_input(hidden, &mut seed);
             for (r, xr) in xs.iter().enumerate() {
                 x.write(r, 0, xr).unwrap();
                 res.write(r, 0, &r0).unwrap();
@@ -289,7 +291,7 @@ fn the_norm_at_tiny_and_odd_hidden_equals_the_reference_for_every_dtype() {
                 let o = out.to_vec(r).unwrap();
                 for (a, b) in o.iter().zip(&wo) {
                     assert!(
-                        cuda_multimem_collectives::rms_norm_within_tolerance(*a, *b),
+                        cuda_multimem_collectives::testing::rms_norm_within_tolerance(*a, *b),
                         "{} hidden {hidden}: {a:?} {b:?}",
                         T::DTYPE
                     );
@@ -501,7 +503,7 @@ fn valid_non_power_of_two_launch_settings_give_the_reference() {
         let mut buf = comm.alloc::<f32>(count).unwrap();
         let mut seed = 3 + count as u64;
         let ins: Vec<Vec<f32>> = (0..3)
-            .map(|_| cuda_multimem_collectives::random_input(count, &mut seed))
+            .map(|_| cuda_multimem_collectives::testing::random_input(count, &mut seed))
             .collect();
         for (r, x) in ins.iter().enumerate() {
             buf.write(r, 0, x).unwrap();

@@ -13,10 +13,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, Error, Stream};
+use cuda_multimem_collectives::testing::{random_bytes, random_input, reference, reference_bytes};
 use cuda_multimem_collectives::{
-    bf16, f16, multimem_pays_off, random_bytes, random_input, reference, reference_bytes,
-    Algorithm, Bootstrap, Choice, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy,
-    Operands, ReduceOp, Src, SymmetricBuffer,
+    bf16, f16, multimem_pays_off, Algorithm, Bootstrap, Choice, CommConfig, Communicator, DType,
+    Dst, Element, MulticastPolicy, Operands, ReduceOp, Src, SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{Call, Elem, Mem, Queued};

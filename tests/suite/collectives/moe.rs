@@ -14,9 +14,11 @@
 #![allow(clippy::manual_is_multiple_of, clippy::needless_range_loop)]
 
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, DeviceRepr, Stream};
+use cuda_multimem_collectives::testing::{
+    moe_combine_reference, moe_dispatch_reference, random_input, MoeDispatched,
+};
 use cuda_multimem_collectives::{
-    bf16, moe_combine_reference, moe_dispatch_reference, random_input, Algorithm, CommConfig,
-    Communicator, DType, Dst, Element, MoeDispatched, MoePlan, MoeScales, MoeShape,
+    bf16, Algorithm, CommConfig, Communicator, DType, Dst, Element, MoePlan, MoeScales, MoeShape,
     MulticastPolicy, Src,
 };
 use cuda_multimem_sim::SimConfig;

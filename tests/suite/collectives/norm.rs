@@ -8,9 +8,12 @@ use std::time::Duration;
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
 use cuda_multimem_collectives::kernels::norm::{SPLIT, SPLIT_MIN_ROW_BYTES};
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, random_input, rms_norm_within_tolerance,
+};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, f16, random_input, rms_norm_within_tolerance, Algorithm,
-    CommConfig, Communicator, DType, Element, MulticastPolicy, ReduceOp, SymmetricBuffer,
+    bf16, f16, Algorithm, CommConfig, Communicator, DType, Element, MulticastPolicy, ReduceOp,
+    SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Call, Elem, Mem, Params, Queued};

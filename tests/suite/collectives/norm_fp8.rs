@@ -12,9 +12,11 @@
 #![allow(clippy::needless_range_loop)]
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::testing::{
+    add_rms_norm_reference, fp8_quantise, random_input, rms_norm_within_tolerance, ue8m0_pack,
+};
 use cuda_multimem_collectives::{
-    add_rms_norm_reference, bf16, f16, fp8_quantise, random_input, rms_norm_within_tolerance,
-    ue8m0_pack, Algorithm, Choice, CommConfig, Communicator, Dst, Element, Fp8Out, Fp8Scaling,
+    bf16, f16, Algorithm, Choice, CommConfig, Communicator, Dst, Element, Fp8Out, Fp8Scaling,
     MulticastPolicy, F8E4M3, FP8_GROUP,
 };
 use cuda_multimem_sim::SimConfig;

@@ -8,8 +8,9 @@
 use std::time::Duration;
 
 use cuda_multimem::{Device, Error, Stream};
+use cuda_multimem_collectives::testing::reference;
 use cuda_multimem_collectives::{
-    reference, CommConfig, Communicator, MulticastPolicy, RankHandle, ReduceOp, SymmetricBuffer,
+    CommConfig, Communicator, MulticastPolicy, RankHandle, ReduceOp, SymmetricBuffer,
 };
 use cuda_multimem_tests::{collectives_unsupported, env, placed, skip, sync_all, team_on, Env};
 

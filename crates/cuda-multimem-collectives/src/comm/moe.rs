@@ -142,7 +142,7 @@ impl RankHandle<'_> {
     /// `out[t] = Σ_j w[t][j] · y[t][j]` over the top-k slots j in order, in f32 (products
     /// rounded, then added: no fused multiply-add), rounded once to the output type; a slot
     /// with id −1 (or one the device refused) adds nothing; a token without experts is 0. Bit
-    /// for bit the same run to run and as [`crate::moe_combine_reference`]. NaN weights (or
+    /// for bit the same run to run and as [`crate::testing::moe_combine_reference`]. NaN weights (or
     /// outputs) propagate into their tokens. Checked before any launch: `expert_out`'s length
     /// and type, `out` a whole number of rows of at most `max_tokens_per_rank`, alignment, no
     /// overlap. Every rank makes the call, after its dispatch.

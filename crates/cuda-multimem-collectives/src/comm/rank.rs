@@ -187,7 +187,7 @@ impl<'a> RankHandle<'a> {
     /// Reduce-scatter: `input` holds N chunks of `count` elements (N the team size), `output`
     /// `count` elements; rank r's output becomes the reduction with `op` of chunk r of every
     /// rank's input, in rank order (16-bit types accumulated in f32, rounded once: the same bits
-    /// as [`crate::reduce_scatter_reference`]). Operands: symmetric buffers and views or the
+    /// as [`crate::testing::reduce_scatter_reference`]). Operands: symmetric buffers and views or the
     /// caller's own memory, either way with no copies outside the kernel. Queued on `stream`, a
     /// stream of this rank's device; returns what ran.
     ///
@@ -488,7 +488,7 @@ impl<'a> RankHandle<'a> {
     /// `out = residual_out / sqrt(mean(residual_out²) + eps) · weight`.
     ///
     /// The sum is accumulated in f32 in rank order, r added in f32, residual_out rounded once
-    /// to `T`; the norm reads the rounded residual_out ([`crate::add_rms_norm_reference`] rounds
+    /// to `T`; the norm reads the rounded residual_out ([`crate::testing::add_rms_norm_reference`] rounds
     /// at the same points: residual_out is bit-exact, `out` within the sum-of-squares order).
     /// Every rank passes the same r and weight (replicated, as in tensor parallelism).
     /// Operands: symmetric buffers or the caller's own memory alike, used in place (the data
@@ -540,7 +540,7 @@ impl<'a> RankHandle<'a> {
     /// plain norm. Every quantised element is `e4m3(y / scale)`, `y` the plain norm's `T`
     /// output (so the FP8 rows are what a separate quantisation of that output gives, bit for
     /// bit): `docs/design/rmsnorm.md` ("FP8 outputs") says where it rounds and what NaN, ±∞
-    /// and all-zero rows give ([`crate::add_rms_norm_fp8_reference`] computes it on the host).
+    /// and all-zero rows give ([`crate::testing::add_rms_norm_fp8_reference`] computes it on the host).
     ///
     /// Checked besides the plain norm's checks, before any launch: `out` of `tokens × hidden`,
     /// `scales` of [`crate::Fp8Scaling::scales_len`] elements, `unquantised` of `tokens × hidden`,
@@ -590,7 +590,7 @@ impl<'a> RankHandle<'a> {
     /// The standalone FP8 quantisation, on this rank's device only (any stream of it): the
     /// rows of `x` (`tokens × hidden` elements of `T`) written as e4m3 into `out` with its
     /// scales, exactly as the FP8 norms quantise their normalised rows (the same amax, scale
-    /// and rounding: `docs/design/rmsnorm.md`, "FP8 outputs"; [`crate::fp8_quantise`] is the
+    /// and rounding: `docs/design/rmsnorm.md`, "FP8 outputs"; [`crate::testing::fp8_quantise`] is the
     /// host reference, bit for bit). What an engine runs after a bf16 norm when its norm does
     /// not quantise (the unfused baseline of [`RankHandle::all_reduce_add_rms_norm_fp8`]). One
     /// block per row. Checked before launch as the FP8 norms' outputs are (lengths, the scales'

@@ -10,7 +10,7 @@ use crate::types::{DType, ReduceOp};
 
 /// A **test double** for the cross-domain step: it synchronises the stream, copies the operand
 /// to the host, exchanges it with the rail through the bootstrap, reduces on the host (in rail
-/// order, accumulating in f32 and rounding once, as [`crate::reference_bytes`]) and copies the
+/// order, accumulating in f32 and rounding once, as [`crate::testing::reference_bytes`]) and copies the
 /// result back. It makes the hierarchy testable where NCCL cannot run (the simulated driver);
 /// it is slow and cannot be captured into a graph. Never use it for real work.
 pub struct HostCrossDomainDouble {

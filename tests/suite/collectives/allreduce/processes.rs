@@ -214,7 +214,7 @@ fn mp_other_collectives(
     device: &Device,
     stream: &Stream,
 ) -> Result<(), String> {
-    use cuda_multimem_collectives::{
+    use cuda_multimem_collectives::testing::{
         add_rms_norm_reference, all_gather_reference, broadcast_reference,
         reduce_scatter_reference, rms_norm_within_tolerance,
     };

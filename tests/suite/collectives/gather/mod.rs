@@ -8,9 +8,10 @@
 use std::time::Duration;
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::testing::{all_gather_reference, broadcast_reference, random_input};
 use cuda_multimem_collectives::{
-    all_gather_reference, bf16, broadcast_reference, f16, random_input, Algorithm, Choice,
-    CommConfig, Communicator, Dst, MulticastPolicy, ReduceOp, Src, SymmetricBuffer,
+    bf16, f16, Algorithm, Choice, CommConfig, Communicator, Dst, MulticastPolicy, ReduceOp, Src,
+    SymmetricBuffer,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Call, Mem, Params, Pending, Queued};

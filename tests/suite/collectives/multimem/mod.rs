@@ -10,9 +10,10 @@
 use std::time::Duration;
 
 use cuda_multimem::{CaptureMode, DeviceBuffer, Error, Stream};
+use cuda_multimem_collectives::testing::{all_gather_reference, random_input, reference};
 use cuda_multimem_collectives::{
-    all_gather_reference, bf16, f16, random_input, reference, Algorithm, Choice, CommConfig,
-    Communicator, DType, Dst, Element, MulticastPolicy, Path, ReduceOp, Src,
+    bf16, f16, Algorithm, Choice, CommConfig, Communicator, DType, Dst, Element, MulticastPolicy,
+    Path, ReduceOp, Src,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::collectives::{self as table, Call, Mem, Params, Queued};

@@ -494,6 +494,32 @@ fn reference_args(args: &[String]) -> Vec<String> {
 }
 
 /// Entry point of `cargo xtask ptx-check`: assemble every kernel with ptxas for sm_90.
+/// The most registers per thread a kernel may use: 65536 per multiprocessor over the 1024
+/// threads of the largest block our launches take (CommConfig's threads and push_threads, the
+/// norm's 1024).
+const MAX_REGISTERS: u32 = 64;
+
+/// The entries of ptxas's `-v` report `msg` that use more than `most` registers.
+fn entries_over_registers(msg: &str, most: u32) -> Vec<String> {
+    let mut entry = String::new();
+    let mut heavy = Vec::new();
+    for l in msg.lines() {
+        if let Some(rest) = l.split("Compiling entry function '").nth(1) {
+            entry = rest.split('\'').next().unwrap_or_default().to_string();
+        } else if let Some(rest) = l.split("Used ").nth(1) {
+            let n: u32 = rest
+                .split(' ')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .unwrap_or(0);
+            if rest.contains("registers") && n > most {
+                heavy.push(format!("{entry} ({n})"));
+            }
+        }
+    }
+    heavy
+}
+
 pub fn ptx_check() -> Result<()> {
     let dir = match running_bundle() {
         Some(b) => b.join("ptx"),
@@ -527,7 +553,8 @@ pub fn ptx_check() -> Result<()> {
             .arg(f)
             .output()?;
         let msg = String::from_utf8_lossy(&out.stderr);
-        if out.status.success() {
+        let heavy = entries_over_registers(&msg, MAX_REGISTERS);
+        if out.status.success() && heavy.is_empty() {
             ok += 1;
             println!("ok    {name}");
             for l in msg
@@ -536,6 +563,12 @@ pub fn ptx_check() -> Result<()> {
             {
                 println!("      {}", l.trim());
             }
+        } else if out.status.success() {
+            bad += 1;
+            println!(
+                "FAIL  {name}: entries over {MAX_REGISTERS} registers, which a block of 1024 threads (the most our launches take) cannot hold: cuOccupancyMaxActiveBlocksPerMultiprocessor is 0 and ranks sharing a GPU are refused; give them `.maxntid 1024, 1, 1`: {}",
+                heavy.join(", ")
+            );
         } else {
             bad += 1;
             println!("FAIL  {name}\n{msg}");
@@ -552,6 +585,15 @@ pub fn ptx_check() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ptx_check_names_the_entries_over_64_registers() {
+        let msg = "ptxas info    : Compiling entry function 'cmm_a' for 'sm_90'\nptxas info    : Used 64 registers, used 1 barriers\nptxas info    : Compiling entry function 'cmm_b' for 'sm_90'\nptxas info    : Used 72 registers, used 2 barriers\n";
+        assert_eq!(
+            super::entries_over_registers(msg, 64),
+            vec!["cmm_b (72)".to_string()]
+        );
+    }
 
     #[test]
     fn every_benchmark_the_command_line_accepts_has_a_plan() {

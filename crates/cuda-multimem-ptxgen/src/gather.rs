@@ -332,6 +332,7 @@ fn kernel(c: Collective, f: &Flavor) -> String {
 	.param .u64 p_sig,
 	.param .u64 p_timeout
 )
+.maxntid 1024, 1, 1
 {{
 {REGS}{xregs}	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd2, [p_in];
@@ -857,6 +858,7 @@ fn ll_kernel(c: Collective, f: &Flavor) -> String {
 	.param .u64 p_sig,
 	.param .u64 p_timeout
 )
+.maxntid 1024, 1, 1
 {{
 {REGS}{xregs}	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd2, [p_in];

@@ -26,7 +26,8 @@ macro_rules! for_each_new_type {
     }};
 }
 
-/// The first two devices of the chosen driver (peers of each other), or a printed skip.
+/// Two ranks on the chosen driver's devices: the first two where they are peers, else two ranks
+/// sharing the first device (a machine of one GPU runs the real kernels so), or a printed skip.
 fn two(test: &str) -> Option<(Env, Vec<Device>)> {
     cuda_multimem_collectives::sim::install();
     let e = env();
@@ -34,19 +35,7 @@ fn two(test: &str) -> Option<(Env, Vec<Device>)> {
         skip(test, why);
         return None;
     }
-    let d = e.driver.devices();
-    if d.len() < 2 {
-        skip(
-            test,
-            format!("needs 2 devices, the machine has {}", d.len()),
-        );
-        return None;
-    }
-    if !d[0].can_access_peer(&d[1]).unwrap_or(false) {
-        skip(test, "devices 0 and 1 cannot access each other");
-        return None;
-    }
-    let two = d[..2].to_vec();
+    let two = cuda_multimem_tests::placed(&e, 2);
     Some((e, two))
 }
 

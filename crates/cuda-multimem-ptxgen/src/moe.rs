@@ -268,6 +268,40 @@ $L_tok_end:
     s
 }
 
+/// The meta entry loop of the group step: for every (source, token) row st < n·Tmax (rd12)
+/// carrying the stamp (r7), every slot j (rd14) whose local expert is the one in rd11: `body`
+/// (the entry is st·k + j). Labels from `label`.
+fn entries(label: &str, body: &str) -> String {
+    format!(
+        r#"	mov.u64 %rd12, 0;
+$L_{label}_st:
+	setp.ge.u64 %p2, %rd12, %rd62;
+	@%p2 bra $L_{label}_st_end;
+	mad.lo.u64 %rd13, %rd12, %rd61, %rd60;
+	ld.global.cg.u32 %r13, [%rd13];
+	setp.ne.u32 %p3, %r13, %r7;
+	@%p3 bra $L_{label}_st_next;
+	mov.u64 %rd14, 0;
+$L_{label}_j:
+	setp.ge.u64 %p4, %rd14, %rd51;
+	@%p4 bra $L_{label}_st_next;
+	shl.b64 %rd15, %rd14, 2;
+	add.u64 %rd15, %rd13, %rd15;
+	ld.global.cg.u32 %r14, [%rd15+4];
+	cvt.u32.u64 %r15, %rd11;
+	setp.ne.u32 %p5, %r14, %r15;
+	@%p5 bra $L_{label}_j_next;
+{body}$L_{label}_j_next:
+	add.u64 %rd14, %rd14, 1;
+	bra.uni $L_{label}_j;
+$L_{label}_st_next:
+	add.u64 %rd12, %rd12, 1;
+	bra.uni $L_{label}_st;
+$L_{label}_st_end:
+"#
+    )
+}
+
 fn group() -> String {
     format!(
         r#"
@@ -286,26 +320,17 @@ fn group() -> String {
 	cvt.u64.u32 %rd62, %r6;
 	mul.lo.u64 %rd62, %rd62, %rd50;
 	mov.u64 %rd63, moe_gs;
-	// ---- counts: warp w (strided by the block's warps) counts local expert e's entries, 32
-	// entries at a time (a ballot); lane 0 stores it. A partial last warp takes no expert.
-	and.b32 %r60, %r1, 31;
-	shr.u32 %r61, %r1, 5;
-	shr.u32 %r62, %r3, 5;
-	setp.ge.u32 %p1, %r61, %r62;
-	@%p1 bra $L_c_end;
-	cvt.u64.u32 %rd80, %r61;
+	// ---- counts: thread e (strided) counts local expert e's entries
+	cvt.u64.u32 %rd11, %r1;
 $L_c:
-	setp.ge.u64 %p1, %rd80, %rd53;
+	setp.ge.u64 %p1, %rd11, %rd53;
 	@%p1 bra $L_c_end;
-	mov.u32 %r68, 0;
-{count}	setp.ne.u32 %p1, %r60, 0;
-	@%p1 bra $L_c_next;
-	shl.b64 %rd16, %rd80, 2;
+	mov.u32 %r12, 0;
+{count}	shl.b64 %rd16, %rd11, 2;
 	add.u64 %rd16, %rd63, %rd16;
-	st.shared.u32 [%rd16], %r68;
-$L_c_next:
-	cvt.u64.u32 %rd17, %r62;
-	add.u64 %rd80, %rd80, %rd17;
+	st.shared.u32 [%rd16], %r12;
+	cvt.u64.u32 %rd17, %r3;
+	add.u64 %rd11, %rd11, %rd17;
 	bra.uni $L_c;
 $L_c_end:
 	bar.sync 0;
@@ -355,24 +380,20 @@ $L_p_last:
 	@%p4 atom.global.cas.b32 %r46, [%rd1+{OFF_BOUNDS}], 0, {ERR_BOUNDS};
 $L_p_end:
 	bar.sync 0;
-	// ---- the map: warp g = b*W + w takes experts g, g + G*W, ...; each expert's entries in
-	// (source, token, slot) order, 32 at a time: a matching lane's row is the expert's start
-	// plus the matches before it (ballot, popc); rows past the plan's are not written (the
-	// bounds word says so)
-	setp.ge.u32 %p1, %r61, %r62;
+	// ---- the map: block-strided experts, thread 0 in (source, token, slot) order; rows
+	// past the plan's are not written (the bounds word says so)
+	setp.ne.u32 %p1, %r1, 0;
 	@%p1 bra $L_m_end;
-	mad.lo.u32 %r12, %r2, %r62, %r61;
-	cvt.u64.u32 %rd80, %r12;
+	cvt.u64.u32 %rd11, %r2;
 $L_m:
-	setp.ge.u64 %p1, %rd80, %rd53;
+	setp.ge.u64 %p1, %rd11, %rd53;
 	@%p1 bra $L_m_end;
-	shl.b64 %rd16, %rd80, 2;
+	shl.b64 %rd16, %rd11, 2;
 	add.u64 %rd16, %rd63, %rd16;
 	ld.shared.u32 %r12, [%rd16+{G_START}];
-	cvt.u64.u32 %rd87, %r12;
-{mapping}	mul.lo.u32 %r12, %r4, %r62;
-	cvt.u64.u32 %rd17, %r12;
-	add.u64 %rd80, %rd80, %rd17;
+	cvt.u64.u32 %rd18, %r12;
+{mapping}	cvt.u64.u32 %rd17, %r4;
+	add.u64 %rd11, %rd11, %rd17;
 	bra.uni $L_m;
 $L_m_end:
 	ret;
@@ -389,52 +410,11 @@ $L_m_end:
             ("%rd58", L_OFFSETS),
             ("%rd59", L_MAP),
         ]),
-        count = warp_entries(
-            "cn",
-            "\tpopc.b32 %r66, %r65;\n\tadd.u32 %r68, %r68, %r66;\n"
-        ),
-        mapping = warp_entries(
+        count = entries("cn", "\tadd.u32 %r12, %r12, 1;\n"),
+        mapping = entries(
             "mp",
-            "\tmov.u32 %r67, %lanemask_lt;\n\tand.b32 %r66, %r65, %r67;\n\tpopc.b32 %r66, %r66;\n\t@!%p20 bra $L_mp_skip;\n\tcvt.u64.u32 %rd88, %r66;\n\tadd.u64 %rd88, %rd87, %rd88;\n\tsetp.ge.u64 %p23, %rd88, %rd54;\n\t@%p23 bra $L_mp_skip;\n\tshl.b64 %rd89, %rd88, 2;\n\tadd.u64 %rd89, %rd59, %rd89;\n\tcvt.u32.u64 %r69, %rd83;\n\tst.global.u32 [%rd89], %r69;\n$L_mp_skip:\n\tpopc.b32 %r66, %r65;\n\tcvt.u64.u32 %rd88, %r66;\n\tadd.u64 %rd87, %rd87, %rd88;\n"
+            "\tsetp.ge.u64 %p6, %rd18, %rd54;\n\t@%p6 bra $L_mp_skip;\n\tmad.lo.u64 %rd19, %rd12, %rd51, %rd14;\n\tcvt.u32.u64 %r16, %rd19;\n\tshl.b64 %rd20, %rd18, 2;\n\tadd.u64 %rd20, %rd59, %rd20;\n\tst.global.u32 [%rd20], %r16;\n$L_mp_skip:\n\tadd.u64 %rd18, %rd18, 1;\n"
         ),
-    )
-}
-
-/// The group step's entries of local expert rd80, by one warp, 32 at a time: entry q = st·k + j
-/// (rd83; lane r60's of the 32 from rd82) of the n·Tmax·k, in order; p20 set on the lanes
-/// whose entry's row carries the stamp (r7) and whose slot's local expert is rd80, and their
-/// ballot in r65 (every lane); then `body` (warp-uniform control, p20 per lane). Scratch:
-/// rd81–rd86, r63, r64, r69, p20–p22.
-fn warp_entries(label: &str, body: &str) -> String {
-    format!(
-        r#"	mul.lo.u64 %rd81, %rd62, %rd51;
-	mov.u64 %rd82, 0;
-$L_{label}_q:
-	setp.ge.u64 %p20, %rd82, %rd81;
-	@%p20 bra $L_{label}_qend;
-	cvt.u64.u32 %rd83, %r60;
-	add.u64 %rd83, %rd82, %rd83;
-	mov.u32 %r64, -1;
-	setp.lt.u64 %p21, %rd83, %rd81;
-	@!%p21 bra $L_{label}_have;
-	div.u64 %rd84, %rd83, %rd51;
-	mul.lo.u64 %rd85, %rd84, %rd51;
-	sub.u64 %rd85, %rd83, %rd85;
-	mad.lo.u64 %rd86, %rd84, %rd61, %rd60;
-	ld.global.cg.u32 %r63, [%rd86];
-	setp.ne.u32 %p22, %r63, %r7;
-	@%p22 bra $L_{label}_have;
-	shl.b64 %rd85, %rd85, 2;
-	add.u64 %rd86, %rd86, %rd85;
-	ld.global.cg.u32 %r64, [%rd86+4];
-$L_{label}_have:
-	cvt.u32.u64 %r69, %rd80;
-	setp.eq.u32 %p20, %r64, %r69;
-	vote.sync.ballot.b32 %r65, %p20, 0xffffffff;
-{body}	add.u64 %rd82, %rd82, 32;
-	bra.uni $L_{label}_q;
-$L_{label}_qend:
-"#
     )
 }
 

@@ -278,11 +278,11 @@ fn run(args: &Args) -> Res<bool> {
                 .zip(&wo)
                 .all(|(a, b)| rms_norm_within_tolerance(*a, *b));
         all_ok &= ok;
-        // the FP8 call with the bf16 rows beside: its e4m3 rows and scales are the host
-        // quantisation of those rows (rank 0)
-        let fp8_ok = {
+        // the per-token FP8 rows and scales of `kind` are the host quantisation of the bf16
+        // rows beside them (rank 0)
+        let quantised_ok = |kind: &str| -> Res<bool> {
             for (r, b) in bufs.iter().enumerate() {
-                call(&comm, r, b, "fp8-token+bf16", t, h, &streams[r])?;
+                call(&comm, r, b, kind, t, h, &streams[r])?;
             }
             sync(&streams)?;
             comm.check()?;
@@ -295,36 +295,17 @@ fn run(args: &Args) -> Res<bool> {
             );
             let q = bufs[0].q.to_vec()?;
             let sc = bufs[0].sc.to_vec()?;
-            q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())
+            Ok(q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())
                 && sc[..t]
                     .iter()
                     .zip(&ws)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()))
         };
-        all_ok &= fp8_ok;
-        // our fused kernel then the standalone quantisation: the same check
-        let quant_ok = {
-            for (r, b) in bufs.iter().enumerate() {
-                call(&comm, r, b, "fused+quant-token", t, h, &streams[r])?;
-            }
-            sync(&streams)?;
-            comm.check()?;
-            let out = bufs[0].out.to_vec()?;
-            let (wq, ws) = cuda_multimem_collectives::testing::fp8_quantise(
-                &out,
-                h,
-                Fp8Scaling::PerToken,
-                0.0,
-            );
-            let q = bufs[0].q.to_vec()?;
-            let sc = bufs[0].sc.to_vec()?;
-            q.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits())
-                && sc[..t]
-                    .iter()
-                    .zip(&ws)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-        };
-        all_ok &= quant_ok;
+        // the FP8 call with the bf16 rows beside, and our fused kernel then the standalone
+        // quantisation
+        let fp8_ok = quantised_ok("fp8-token+bf16")?;
+        let quant_ok = quantised_ok("fused+quant-token")?;
+        all_ok &= fp8_ok && quant_ok;
         let choice = comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)?;
         let iters = if sim { 2 } else { args.iters };
         let runs = if sim { 1 } else { args.runs };

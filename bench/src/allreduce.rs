@@ -170,31 +170,12 @@ impl Args {
     }
 
     fn sizes(&self, elem: usize) -> Vec<usize> {
-        if !self.sizes.is_empty() {
-            return self.sizes.clone();
-        }
-        let mut v = Vec::new();
-        let mut b = self.min_bytes.max(elem);
-        while b <= self.max_bytes {
-            v.push(b);
-            b *= 2;
-        }
-        v
+        common::doubling_sizes(&self.sizes, self.min_bytes, elem, self.max_bytes)
     }
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("bench-allreduce: a result did not match the host reference");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("bench-allreduce: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::exit_code("bench-allreduce", run())
 }
 
 fn run() -> Res<bool> {

@@ -175,31 +175,12 @@ impl Args {
     }
 
     fn sizes(&self) -> Vec<usize> {
-        if !self.sizes.is_empty() {
-            return self.sizes.clone();
-        }
-        let mut v = Vec::new();
-        let mut b = self.min_bytes.max(1);
-        while b <= self.max_bytes {
-            v.push(b);
-            b *= 2;
-        }
-        v
+        common::doubling_sizes(&self.sizes, self.min_bytes, 1, self.max_bytes)
     }
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("bench-collectives: a result did not match the host reference");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("bench-collectives: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::exit_code("bench-collectives", run())
 }
 
 fn run() -> Res<bool> {

@@ -7,6 +7,39 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use cuda_multimem::{CaptureMode, Device, DeviceBuffer, Driver, Event, Stream};
 use cuda_multimem_collectives::{Dst, Src};
 
+/// The message sizes of a sweep: `explicit` where given, else from `min` (at least `floor`)
+/// doubling up to `max`.
+#[allow(dead_code)] // the sweeps by size (not moe's and norm's by tokens)
+pub fn doubling_sizes(explicit: &[usize], min: usize, floor: usize, max: usize) -> Vec<usize> {
+    if !explicit.is_empty() {
+        return explicit.to_vec();
+    }
+    let mut v = Vec::new();
+    let mut b = min.max(floor);
+    while b <= max {
+        v.push(b);
+        b *= 2;
+    }
+    v
+}
+
+/// A benchmark's exit status: success when `run` checked every result; otherwise what went
+/// wrong, named by the benchmark `bench`, on stderr.
+#[allow(dead_code)] // moe and norm word their mismatch on their own
+pub fn exit_code(bench: &str, run: Res<bool>) -> std::process::ExitCode {
+    match run {
+        Ok(true) => std::process::ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("{bench}: a result did not match the host reference");
+            std::process::ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("{bench}: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// The benchmarks' error type (Send: ranks run on threads).
 pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 

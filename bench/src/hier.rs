@@ -82,31 +82,12 @@ struct Args {
 
 impl Args {
     fn sizes(&self) -> Vec<usize> {
-        if !self.sizes.is_empty() {
-            return self.sizes.clone();
-        }
-        let mut v = Vec::new();
-        let mut b = self.min_bytes.max(2);
-        while b <= self.max_bytes {
-            v.push(b);
-            b *= 2;
-        }
-        v
+        common::doubling_sizes(&self.sizes, self.min_bytes, 2, self.max_bytes)
     }
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("bench-hier: a result did not match the host reference");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("bench-hier: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::exit_code("bench-hier", run())
 }
 
 /// NCCL: `CUDA_MULTIMEM_NCCL`, the default names, else the `nvidia-nccl` wheel of `python3`.

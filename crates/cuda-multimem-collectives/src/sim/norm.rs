@@ -303,7 +303,7 @@ impl Row {
         let total = ss[1..]
             .iter()
             .fold(block_sum(&ss[0]), |acc, s| acc + block_sum(s));
-        let rstd = crate::testing::rms_scale(total, h, self.eps);
+        let rstd = crate::reference::rms_scale(total, h, self.eps);
         let mut y = Vec::with_capacity(if self.fp8.is_some() { h } else { 0 });
         for e in 0..h {
             let v = ld(d, res, e as u64);

@@ -183,23 +183,29 @@ fn run(args: &Args) -> Res<bool> {
     );
     let mut all_ok = true;
     let mut seed = 0x005e_ed0e_u64;
-    let tmax = args.tokens.iter().copied().max().unwrap_or(1);
     for payload in [2usize, 1] {
-        let mut shape = MoeShape::new(tmax, args.hidden, payload, args.top_k, args.experts);
-        shape.expert_out = DType::Bf16;
-        if payload == 1 {
-            shape.scales = if args.hidden % 128 == 0 {
-                MoeScales::PerGroup(128)
-            } else {
-                MoeScales::PerToken
-            };
-        }
-        let plan = MoePlan::new(&comm, shape.clone())?;
-        let (h, k) = (args.hidden, args.top_k);
-        let row = h * payload;
-        let sp = shape.scales_per_token();
-        let per = args.experts / n;
         for &t in &args.tokens {
+            // a plan per batch size, as an engine keeps one for decode and one for prefill:
+            // its form follows (the low-latency form up to LL_MAX_TOKENS tokens per rank)
+            let mut shape = MoeShape::new(t.max(1), args.hidden, payload, args.top_k, args.experts);
+            shape.expert_out = DType::Bf16;
+            if payload == 1 {
+                shape.scales = if args.hidden % 128 == 0 {
+                    MoeScales::PerGroup(128)
+                } else {
+                    MoeScales::PerToken
+                };
+            }
+            let plan = MoePlan::new(&comm, shape.clone())?;
+            let form = if shape.low_latency() {
+                "moe-ll"
+            } else {
+                "moe-bulk"
+            };
+            let (h, k) = (args.hidden, args.top_k);
+            let row = h * payload;
+            let sp = shape.scales_per_token();
+            let per = args.experts / n;
             let mut bufs = Vec::new();
             for (r, d) in devices.iter().enumerate() {
                 let mut h_x = vec![0u8; t * row];
@@ -362,7 +368,7 @@ fn run(args: &Args) -> Res<bool> {
                         "operand": "local",
                         "op": "none",
                         "path": "peer-to-peer",
-                        "algorithm": "moe-bulk",
+                        "algorithm": form,
                         // the results schema's bandwidths: algbw the logical, busbw the link's
                         "algbw_gbs": logical / secs / 1e9,
                         "busbw_gbs": link / secs / 1e9,

@@ -292,6 +292,9 @@ pub(crate) struct Facts {
     /// An all-to-all: the mode (`kernels::alltoall::MODE_*`), the output's bytes and whether
     /// the call is in place (in place is a shared fact of the call: every rank makes it).
     pub(crate) a2a: Option<A2aFacts>,
+    /// A MoE call: whether its plan runs the low-latency form (a property of the plan's shape,
+    /// the same on every rank).
+    pub(crate) moe_ll: bool,
 }
 
 /// What every rank of an all-to-all shares beside the lengths.
@@ -334,6 +337,7 @@ impl Checked<'_> {
                 in_place: self.in_place,
             }),
             quant: self.quant.map(|q| q.scaling),
+            moe_ll: self.moe.as_ref().is_some_and(|m| m.plan.sizes.regions == 2),
         }
     }
 }

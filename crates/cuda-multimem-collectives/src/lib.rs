@@ -111,7 +111,7 @@ pub use hier::{
     CrossDomain, HierBuilder, HierCommunicator, HierLayout, NcclCrossDomain, Rail, RankOrder,
 };
 pub use kernels::multimem::supported as multimem_supports;
-pub use moe::{MoePlan, MoeScales, MoeShape};
+pub use moe::{MoePlan, MoeProtocol, MoeScales, MoeShape};
 pub use nccl::{Nccl, NcclComm, NcclUniqueId};
 pub use operand::{Dst, IntoDst, IntoSrc, Src};
 /// Test helpers, apart from the library's API: the host references every collective is checked

@@ -9,9 +9,10 @@ use cuda_multimem::{DeviceBuffer, Error, Result};
 
 use crate::buffer::SymmetricBuffer;
 use crate::kernels::moe::{
-    Sizes, LAYOUT_WORDS, L_COMB_OFF, L_COUNTS, L_EXPERTS, L_HIDDEN, L_K, L_LOCAL, L_MAP,
-    L_META_OFF, L_OFFSETS, L_PLACE, L_ROW, L_ROWS, L_ROW_STRIDE, L_SCALES, L_SOUT, L_STAMP_OFF,
-    L_SYM, L_TAB, L_TMAX, L_WCOPY, L_XOUT, L_YROW, L_YSTRIDE, MAX_EXPERTS, MAX_LOCAL_EXPERTS,
+    Sizes, LAYOUT_WORDS, LL_MAX_TOKENS, L_CELL_OFF, L_COMB_OFF, L_COUNTS, L_DONE_OFF, L_ECNT,
+    L_EXPERTS, L_FORM, L_HIDDEN, L_K, L_LOCAL, L_MAP, L_META_OFF, L_OFFSETS, L_PLACE, L_POS,
+    L_REGION, L_ROW, L_ROWS, L_ROW_STRIDE, L_SCALES, L_SOUT, L_STAMP_OFF, L_SYM, L_SYNC, L_TAB,
+    L_TMAX, L_WCOPY, L_XOUT, L_YROW, L_YSTRIDE, MAX_CELLS, MAX_EXPERTS, MAX_LOCAL_EXPERTS,
     MAX_TOP_K,
 };
 use crate::types::DType;
@@ -25,6 +26,23 @@ pub enum MoeScales {
     PerToken,
     /// One per group of this many elements along hidden (hidden a multiple of it).
     PerGroup(usize),
+}
+
+/// How a plan's kernels keep calls apart (`docs/design/alltoall.md`, "MoE dispatch and
+/// combine"). Both forms are one launch per phase with no host synchronisation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeProtocol {
+    /// [`MoeProtocol::LowLatency`] up to `kernels::moe::LL_MAX_TOKENS` (256) tokens per rank
+    /// (decode batches), else [`MoeProtocol::Bulk`].
+    #[default]
+    Auto,
+    /// No barrier: the symmetric buffer holds two regions that alternate call by call (twice the
+    /// receive and combine rows of the bulk form), so a call's pushes never meet rows a slow peer
+    /// still reads; each phase waits only for its senders' cells.
+    LowLatency,
+    /// One region and an entry barrier per phase (every peer done reading what the call
+    /// overwrites): half the memory, one network round trip more per phase (prefill batches).
+    Bulk,
 }
 
 /// The shape of an expert-parallel MoE layer, the same on every rank.
@@ -53,6 +71,8 @@ pub struct MoeShape {
     /// which no routing overflows; fewer save memory, and a routing that sends a rank more
     /// rows than this has the extra rows dropped and the bounds word set (never a silent drop).
     pub max_recv_rows: Option<usize>,
+    /// The form of the plan's kernels.
+    pub protocol: MoeProtocol,
 }
 
 impl MoeShape {
@@ -74,6 +94,16 @@ impl MoeShape {
             scales: MoeScales::None,
             expert_out: DType::Bf16,
             max_recv_rows: None,
+            protocol: MoeProtocol::Auto,
+        }
+    }
+
+    /// Whether a plan of this shape runs the low-latency form.
+    pub fn low_latency(&self) -> bool {
+        match self.protocol {
+            MoeProtocol::Auto => self.max_tokens_per_rank <= LL_MAX_TOKENS,
+            MoeProtocol::LowLatency => true,
+            MoeProtocol::Bulk => false,
         }
     }
 
@@ -188,6 +218,7 @@ impl MoeShape {
             );
         }
         let place = self.placement_over(n)?;
+        let mut lmax = 0;
         for r in 0..n {
             let l = place.iter().filter(|&&p| p == r).count();
             if l > MAX_LOCAL_EXPERTS {
@@ -196,6 +227,21 @@ impl MoeShape {
                     format!("{l} experts on rank {r}; at most {MAX_LOCAL_EXPERTS}"),
                 );
             }
+            lmax = lmax.max(l);
+        }
+        // every rank counts its senders' cells (local experts × ranks) in shared memory
+        if lmax * n > MAX_CELLS {
+            return bad(
+                if self.placement.is_some() {
+                    "placement"
+                } else {
+                    "num_experts"
+                },
+                format!(
+                    "{lmax} experts on one rank of {n}: {} count cells; a plan takes at most {MAX_CELLS} (the most experts on a rank × the team size)",
+                    lmax * n
+                ),
+            );
         }
         let full = n * self.max_tokens_per_rank * self.top_k;
         let rows = self.max_recv_rows.unwrap_or(full);
@@ -213,6 +259,8 @@ impl MoeShape {
             scales: self.scales_per_token() as u64,
             yrow: (self.hidden * self.expert_out.size()) as u64,
             rows: rows as u64,
+            lmax: lmax as u64,
+            regions: if self.low_latency() { 2 } else { 1 },
         };
         if s.symmetric() > crate::kernels::alltoall::MAX_BYTES.min(1 << 40) * 16 {
             return bad(
@@ -225,13 +273,15 @@ impl MoeShape {
 
     /// Bytes of symmetric memory per rank a plan of this shape allocates on a team of `n`:
     /// the receive rows (`n × max_tokens_per_rank` rows of payload and scales), their meta,
-    /// and the combine's rows and stamps (`max_tokens_per_rank × top_k` expert output rows).
+    /// the count cells, and the combine's rows and stamps (`max_tokens_per_rank × top_k` expert
+    /// output rows) — twice in the low-latency form ([`MoeShape::low_latency`]).
     pub fn symmetric_bytes(&self, n: usize) -> Result<usize> {
         Ok(self.sizes(n)?.symmetric() as usize)
     }
 
     /// Bytes of ordinary device memory per rank a plan of this shape allocates besides (the
-    /// expert-grouped rows, their scales, counts, offsets, the map, the weights and placement).
+    /// expert-grouped rows, their scales, counts, offsets, the map, the weights and placement,
+    /// the routing's positions and counts, the layout table).
     pub fn local_bytes(&self, n: usize) -> Result<usize> {
         let s = self.sizes(n)?;
         let e = self.num_experts as u64;
@@ -239,9 +289,10 @@ impl MoeShape {
             + 4 * s.rows * s.scales
             + 4 * s.rows
             + 4 * (2 * e + 1)
-            + 4 * s.tmax * s.k
+            + 8 * s.tmax * s.k
             + 8 * (LAYOUT_WORDS as u64 + s.n)
-            + 8 * e) as usize)
+            + 12 * e
+            + 16) as usize)
     }
 }
 
@@ -252,6 +303,9 @@ pub(crate) struct RankPart {
     pub(crate) local: usize,
     _place: DeviceBuffer<u32>,
     _wcopy: DeviceBuffer<f32>,
+    _pos: DeviceBuffer<u32>,
+    _ecnt: DeviceBuffer<u32>,
+    _sync: DeviceBuffer<u64>,
     xout: DeviceBuffer<u8>,
     sout: DeviceBuffer<f32>,
     counts: DeviceBuffer<u32>,
@@ -330,6 +384,9 @@ impl MoePlan {
             let counts = DeviceBuffer::zeroed(dev, local.max(1))?;
             let offsets = DeviceBuffer::zeroed(dev, local + 1)?;
             let map = DeviceBuffer::zeroed(dev, rows)?;
+            let pos = DeviceBuffer::zeroed(dev, (sizes.tmax * sizes.k) as usize)?;
+            let ecnt = DeviceBuffer::zeroed(dev, e.max(1))?;
+            let sync = DeviceBuffer::zeroed(dev, 2)?;
             let mut l = [0u64; LAYOUT_WORDS];
             l[L_TMAX] = sizes.tmax;
             l[L_K] = sizes.k;
@@ -354,12 +411,22 @@ impl MoePlan {
             l[L_MAP] = map.device_ptr();
             l[L_TAB] = sym.inner.table(rank)?;
             l[L_SYM] = sym.device_ptr(rank)?;
+            l[L_FORM] = u64::from(sizes.regions == 2);
+            l[L_REGION] = sizes.region();
+            l[L_CELL_OFF] = sizes.cell_off();
+            l[L_DONE_OFF] = sizes.done_off();
+            l[L_POS] = pos.device_ptr();
+            l[L_ECNT] = ecnt.device_ptr();
+            l[L_SYNC] = sync.device_ptr();
             parts.push(RankPart {
                 rank,
                 layout: DeviceBuffer::from_host(dev, &l)?,
                 local,
                 _place: place_b,
                 _wcopy: wcopy,
+                _pos: pos,
+                _ecnt: ecnt,
+                _sync: sync,
                 xout,
                 sout,
                 counts,

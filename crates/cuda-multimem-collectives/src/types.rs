@@ -707,11 +707,16 @@ pub enum Algorithm {
     /// An output of the caller's own memory (or an in-place call) lands in the communicator's
     /// scratch and is copied out by the same kernel ([`crate::Choice::staged_chunks`] 1).
     AllToAllDirect,
-    /// MoE dispatch / combine, bulk: one-sided pushes of every token once per destination rank
-    /// (of every expert output row back to its token's rank) into the plan's symmetric slots,
-    /// bounded barriers; the grouping by local expert and the weighted sum local. See
+    /// MoE dispatch / combine, bulk ([`crate::MoeProtocol::Bulk`]): one launch per phase, an
+    /// entry barrier, one-sided pushes of every token once per destination rank (of every
+    /// expert output row back to its token's rank) into the plan's symmetric slots, count cells
+    /// awaited; the grouping by local expert and the weighted sum in the same launch. See
     /// `docs/design/alltoall.md` ("MoE dispatch and combine").
     MoeBulk,
+    /// MoE dispatch / combine, low-latency ([`crate::MoeProtocol::LowLatency`]): as
+    /// [`Algorithm::MoeBulk`] without the barrier, the plan's two regions alternating call by
+    /// call.
+    MoeLl,
 }
 
 impl Algorithm {
@@ -741,7 +746,7 @@ impl Algorithm {
             | Algorithm::NormOneShotLlSplit
             | Algorithm::NormTwoShot => &["all_reduce_add_rms_norm"],
             Algorithm::AllToAllLl | Algorithm::AllToAllDirect => &["all_to_all", "all_to_all_v"],
-            Algorithm::MoeBulk => &["moe_dispatch", "moe_combine"],
+            Algorithm::MoeBulk | Algorithm::MoeLl => &["moe_dispatch", "moe_combine"],
         }
     }
 }
@@ -768,6 +773,7 @@ impl std::fmt::Display for Algorithm {
             Algorithm::AllToAllLl => "all-to-all-ll",
             Algorithm::AllToAllDirect => "all-to-all-direct",
             Algorithm::MoeBulk => "moe-bulk",
+            Algorithm::MoeLl => "moe-ll",
         })
     }
 }

@@ -95,7 +95,7 @@ fn fill() -> String {
 /// direct form pushes its row before it signals, from the same thread), so it called something
 /// else — a disagreement. Its value in %r30 and %p11 set when it carried the flag. Scratch:
 /// rd45–rd48, rd90, r44–r46, p12, p13, p24, p25.
-fn poll(label: &str, peer: &str, row: bool) -> String {
+pub(crate) fn poll(label: &str, peer: &str, row: bool) -> String {
     let l = format!("$L_{label}");
     let peek = if row {
         format!(

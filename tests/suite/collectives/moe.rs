@@ -18,8 +18,8 @@ use cuda_multimem_collectives::testing::{
     moe_combine_reference, moe_dispatch_reference, random_input, MoeDispatched,
 };
 use cuda_multimem_collectives::{
-    bf16, Algorithm, CommConfig, Communicator, DType, Dst, Element, MoePlan, MoeScales, MoeShape,
-    MulticastPolicy, Src,
+    bf16, Algorithm, CommConfig, Communicator, DType, Dst, Element, MoePlan, MoeProtocol,
+    MoeScales, MoeShape, MulticastPolicy, ReduceOp, Src,
 };
 use cuda_multimem_sim::SimConfig;
 use cuda_multimem_tests::{
@@ -178,6 +178,15 @@ impl Case {
 
     fn shape(&self) -> &MoeShape {
         self.plan.shape()
+    }
+
+    /// The form the plan's calls report.
+    fn form(&self) -> Algorithm {
+        if self.shape().low_latency() {
+            Algorithm::MoeLl
+        } else {
+            Algorithm::MoeBulk
+        }
     }
 
     /// New random tokens, routing, weights and scales.
@@ -342,7 +351,7 @@ impl Case {
                 .unwrap()
                 .moe_combine(&self.plan, g.src(), o.dst(), &self.streams[r])
                 .unwrap();
-            assert_eq!(c.algorithm, Algorithm::MoeBulk, "{c}");
+            assert_eq!(c.algorithm, self.form(), "{c}");
             y.push((hy, g));
             outs.push(o);
         }
@@ -378,7 +387,7 @@ impl Case {
     fn run(&self, what: &str) -> Vec<MoeDispatched> {
         for r in 0..self.comm.size() {
             let c = self.dispatch(r).unwrap();
-            assert_eq!(c.algorithm, Algorithm::MoeBulk, "{c}");
+            assert_eq!(c.algorithm, self.form(), "{c}");
         }
         sync_all(&self.streams);
         self.comm.check().unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -423,6 +432,8 @@ fn moe_dispatch_and_combine_equal_the_host_reference() {
             let tmax = 5;
             let mut sh = shape(32, pb, k, experts - experts % n, tmax);
             sh.scales = sc;
+            // both forms: the low-latency one (the default at these sizes) and the bulk one
+            sh.protocol = [MoeProtocol::Auto, MoeProtocol::Bulk][ci % 2];
             sh.expert_out = if ci % 2 == 0 { DType::Bf16 } else { DType::F32 };
             // T: 0 on rank 0, the maximum on the last, between elsewhere
             let t: Vec<usize> = (0..n)
@@ -434,8 +445,10 @@ fn moe_dispatch_and_combine_equal_the_host_reference() {
                 .collect();
             let mut case = Case::new(comm, s, sh, t);
             case.fill(&mut rng, routing);
-            let what =
-                format!("{n} ranks, case {ci} ({pb}-byte payload, k {k}, {sc:?}, {routing:?})");
+            let what = format!(
+                "{n} ranks, case {ci} ({pb}-byte payload, k {k}, {sc:?}, {routing:?}, {:?})",
+                case.shape().protocol
+            );
             let want = case.run(&what);
             if ci % 2 == 0 {
                 case.combine_and_verify::<bf16, bf16>(&want, 7 + ci as u64, &what);
@@ -459,63 +472,104 @@ fn moe_dispatch_and_combine_equal_the_host_reference() {
 #[test]
 fn a_captured_dispatch_and_combine_replay_with_new_routings() {
     for_teams("collectives::moe::graph", &[3], |devices, n| {
-        let (comm, s) = team_on(devices, config(), MulticastPolicy::Never);
-        let mut rng = Rng::new(950);
-        let mut sh = shape(16, 1, 2, 6, 4);
-        sh.scales = MoeScales::PerToken;
-        sh.expert_out = DType::F32;
-        let mut case = Case::new(comm, s, sh.clone(), vec![4, 2, 3]);
-        case.fill(&mut rng, Routing::Random);
-        let rows = case.plan.rows();
-        let mut ys: Vec<Guarded<f32>> = (0..n)
-            .map(|r| Guarded::new(case.comm.device(r).unwrap(), rows * sh.hidden, 1))
-            .collect();
-        let outs: Vec<Guarded<f32>> = (0..n)
-            .map(|r| Guarded::new(case.comm.device(r).unwrap(), case.t[r] * sh.hidden, 2))
-            .collect();
-        let mut execs = Vec::new();
-        for r in 0..n {
-            let sr = case.streams[r].as_stream_ref();
-            sr.begin_capture(CaptureMode::ThreadLocal).unwrap();
-            case.dispatch(r).unwrap();
-            case.comm
-                .rank(r)
-                .unwrap()
-                .moe_combine(&case.plan, ys[r].src(), outs[r].dst(), &case.streams[r])
-                .unwrap();
-            let graph = sr.end_capture().unwrap();
-            // SAFETY: the team, the case's buffers and the streams outlive `execs`.
-            execs.push(unsafe { graph.instantiate() }.unwrap());
-        }
-        for replay in 0..3 {
-            let routing = [Routing::Random, Routing::OneExpert, Routing::FirstRank][replay];
-            case.fill(&mut rng, routing);
-            let mut seed = 77 + replay as u64;
-            let hy: Vec<Vec<f32>> = (0..n)
-                .map(|_| random_input::<f32>(rows * sh.hidden, &mut seed))
+        for protocol in [MoeProtocol::LowLatency, MoeProtocol::Bulk] {
+            let (comm, s) = team_on(devices, config(), MulticastPolicy::Never);
+            let mut rng = Rng::new(950);
+            let mut sh = shape(16, 1, 2, 6, 4);
+            sh.scales = MoeScales::PerToken;
+            sh.expert_out = DType::F32;
+            sh.protocol = protocol;
+            let mut case = Case::new(comm, s, sh.clone(), vec![4, 2, 3]);
+            case.fill(&mut rng, Routing::Random);
+            let rows = case.plan.rows();
+            let mut ys: Vec<Guarded<f32>> = (0..n)
+                .map(|r| Guarded::new(case.comm.device(r).unwrap(), rows * sh.hidden, 1))
                 .collect();
+            let outs: Vec<Guarded<f32>> = (0..n)
+                .map(|r| Guarded::new(case.comm.device(r).unwrap(), case.t[r] * sh.hidden, 2))
+                .collect();
+            let mut execs = Vec::new();
             for r in 0..n {
-                ys[r].write(&hy[r]);
+                let sr = case.streams[r].as_stream_ref();
+                sr.begin_capture(CaptureMode::ThreadLocal).unwrap();
+                case.dispatch(r).unwrap();
+                case.comm
+                    .rank(r)
+                    .unwrap()
+                    .moe_combine(&case.plan, ys[r].src(), outs[r].dst(), &case.streams[r])
+                    .unwrap();
+                let graph = sr.end_capture().unwrap();
+                // SAFETY: the team, the case's buffers and the streams outlive `execs`.
+                execs.push(unsafe { graph.instantiate() }.unwrap());
             }
-            for r in 0..n {
-                execs[r].launch(&case.streams[r]).unwrap();
+            for replay in 0..3 {
+                let routing = [Routing::Random, Routing::OneExpert, Routing::FirstRank][replay];
+                case.fill(&mut rng, routing);
+                let mut seed = 77 + replay as u64;
+                let hy: Vec<Vec<f32>> = (0..n)
+                    .map(|_| random_input::<f32>(rows * sh.hidden, &mut seed))
+                    .collect();
+                for r in 0..n {
+                    ys[r].write(&hy[r]);
+                }
+                for r in 0..n {
+                    execs[r].launch(&case.streams[r]).unwrap();
+                }
+                sync_all(&case.streams);
+                case.comm.check().unwrap();
+                let what = format!("replay {replay} ({routing:?}, {protocol:?})");
+                let want = case.reference();
+                case.verify_dispatch(&want, &what);
+                let ys_h: Vec<&[f32]> = hy.iter().map(|v| &v[..]).collect();
+                let ws: Vec<&[f32]> = case.inputs.iter().map(|i| &i.h_w[..]).collect();
+                let expect = moe_combine_reference::<f32, f32>(&sh, &want, &ys_h, &ws);
+                for r in 0..n {
+                    let got: Vec<u32> = outs[r].read().iter().map(|v| v.to_bits()).collect();
+                    let exp: Vec<u32> = expect[r].iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, exp, "{what}: rank {r}'s combine");
+                    outs[r].guards_intact(&what);
+                }
             }
-            sync_all(&case.streams);
-            case.comm.check().unwrap();
-            let what = format!("replay {replay} ({routing:?})");
-            let want = case.reference();
-            case.verify_dispatch(&want, &what);
-            let ys_h: Vec<&[f32]> = hy.iter().map(|v| &v[..]).collect();
-            let ws: Vec<&[f32]> = case.inputs.iter().map(|i| &i.h_w[..]).collect();
-            let expect = moe_combine_reference::<f32, f32>(&sh, &want, &ys_h, &ws);
-            for r in 0..n {
-                let got: Vec<u32> = outs[r].read().iter().map(|v| v.to_bits()).collect();
-                let exp: Vec<u32> = expect[r].iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, exp, "{what}: rank {r}'s combine");
-                outs[r].guards_intact(&what);
+            drop(execs);
+        }
+    });
+}
+
+#[test]
+fn back_to_back_dispatches_and_other_collectives_between_keep_calls_apart() {
+    // Two dispatches in a row (the second's pushes must not meet rows the first is still
+    // placing), then the combine of the second; an allreduce between calls shifts the team's
+    // counters, so the low-latency form's regions alternate by the plan's own call sequence,
+    // not by the counters. Both forms, several rounds, new routings each time.
+    for_teams("collectives::moe::back_to_back", &[2, 3], |devices, n| {
+        for protocol in [MoeProtocol::LowLatency, MoeProtocol::Bulk] {
+            let (comm, s) = team_on(devices, config(), MulticastPolicy::Never);
+            let mut rng = Rng::new(970 + n as u64);
+            let mut sh = shape(32, 2, 2, 2 * n, 4);
+            sh.protocol = protocol;
+            let t: Vec<usize> = (0..n).map(|r| 1 + (r + 2) % 4).collect();
+            let mut case = Case::new(comm, s, sh, t);
+            let mut bufs: Vec<DeviceBuffer<f32>> = (0..n)
+                .map(|r| DeviceBuffer::zeroed(case.comm.device(r).unwrap(), 1000).unwrap())
+                .collect();
+            for round in 0..4 {
+                let what = format!("{n} ranks, {protocol:?}, round {round}");
+                case.fill(&mut rng, Routing::Random);
+                case.run(&format!("{what}, first dispatch"));
+                if round % 2 == 1 {
+                    for r in 0..n {
+                        case.comm
+                            .rank(r)
+                            .unwrap()
+                            .all_reduce_in_place(&mut bufs[r], ReduceOp::Sum, &case.streams[r])
+                            .unwrap();
+                    }
+                }
+                case.fill(&mut rng, Routing::Random);
+                let want = case.run(&format!("{what}, second dispatch"));
+                case.combine_and_verify::<bf16, bf16>(&want, 21 + round, &what);
             }
         }
-        drop(execs);
     });
 }
 

@@ -216,6 +216,7 @@ impl Communicator {
             norm: None,
             quant: None,
             a2a: None,
+            moe_ll: false,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -257,6 +258,7 @@ impl Communicator {
                 out_bytes: output_bytes,
                 in_place: in_place && !counts,
             }),
+            moe_ll: false,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }
@@ -323,6 +325,7 @@ impl Communicator {
             }),
             a2a: None,
             quant,
+            moe_ll: false,
         };
         Ok(plan(&self.inner.facts, &self.inner.config, &facts)?.choice)
     }

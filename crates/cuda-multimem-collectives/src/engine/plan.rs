@@ -268,13 +268,14 @@ pub(crate) fn plan(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
         Kind::Norm => norm(t, c, f),
         Kind::LocalNorm => local_norm(f),
         Kind::AllToAll => all_to_all(t, c, f),
-        Kind::MoeDispatch | Kind::MoeCombine => Ok(moe(t, c)),
+        Kind::MoeDispatch | Kind::MoeCombine => Ok(moe(t, c, f)),
     }
 }
 
-/// A MoE dispatch or combine: the bulk kernels ([`Algorithm::MoeBulk`]; a team of one runs
-/// them too, its own tokens never leaving the device).
-fn moe(t: &TeamFacts, c: &CommConfig) -> Plan {
+/// A MoE dispatch or combine: the plan's form ([`Algorithm::MoeLl`] or [`Algorithm::MoeBulk`],
+/// from its shape: `MoeShape::low_latency`); a team of one runs the same kernels, its own
+/// tokens never leaving the device.
+fn moe(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Plan {
     let shape = shape::moe(t, c);
     let path = if t.n == 1 {
         Path::Local
@@ -282,7 +283,15 @@ fn moe(t: &TeamFacts, c: &CommConfig) -> Plan {
         Path::PeerToPeer
     };
     Plan {
-        choice: shape.choice(path, Algorithm::MoeBulk, 0),
+        choice: shape.choice(
+            path,
+            if f.moe_ll {
+                Algorithm::MoeLl
+            } else {
+                Algorithm::MoeBulk
+            },
+            0,
+        ),
         exec: Exec::Moe { shape },
     }
 }

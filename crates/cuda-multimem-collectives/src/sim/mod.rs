@@ -571,6 +571,19 @@ fn run(k: Kernel, d: DType, op: Op, a: &LaunchArgs) -> Result<(), KernelError> {
 /// barrier value in this rank's signal slots — sets `ERR_MISMATCH` in every rank's error word.
 /// The cell as found.
 fn ll_poll(cx: &Ctx, at: usize, flag: u64, c: u32, peer: Option<usize>) -> u64 {
+    ll_poll_with(cx, at, flag, c, peer, true)
+}
+
+/// [`ll_poll`], looking for a peer in a barrier kernel only where `peek` (a poll whose legitimate
+/// senders may have passed a barrier of this call, as the MoE bulk form's, does not).
+fn ll_poll_with(
+    cx: &Ctx,
+    at: usize,
+    flag: u64,
+    c: u32,
+    peer: Option<usize>,
+    peek_barrier: bool,
+) -> u64 {
     let cell = u64_at(at);
     let start = Instant::now();
     let peek = Duration::from_nanos(LL_PEEK_NS);
@@ -589,7 +602,9 @@ fn ll_poll(cx: &Ctx, at: usize, flag: u64, c: u32, peer: Option<usize>) -> u64 {
                 u32_at(cx.pad + OFF_SIG + 4 * k).load(Ordering::Relaxed) == c.wrapping_add(1)
             })
         };
-        if ll_disagrees((v >> 32) as u32, (flag >> 32) as u32) || (waited >= peek && in_barrier()) {
+        if ll_disagrees((v >> 32) as u32, (flag >> 32) as u32)
+            || (peek_barrier && waited >= peek && in_barrier())
+        {
             ll_report(cx);
             return v;
         }

@@ -1,7 +1,6 @@
-//! The peer-to-peer MoE dispatch (three launches: the pushes and their barriers, the grouping
-//! by local expert, the copy into the expert-grouped layout) and combine (two launches: the
-//! pushes back between barriers, the weighted sums) of a [`crate::MoePlan`] (protocol and memory
-//! order: `docs/design/alltoall.md`, "MoE dispatch and combine").
+//! The peer-to-peer MoE dispatch and combine of a [`crate::MoePlan`], one launch each (the
+//! low-latency and the bulk form are the same kernels, the form a word of the plan's layout;
+//! protocol and memory order: `docs/design/alltoall.md`, "MoE dispatch and combine").
 
 use cuda_multimem::{Device, Error, Function, LaunchConfig, Result, StreamRef};
 
@@ -10,8 +9,7 @@ use crate::call::{Checked, Kind};
 use crate::config::CommConfig;
 use crate::engine::Shape;
 use crate::kernels::moe::{
-    mode_word, CODE_BF16, CODE_F16, CODE_F32, COMBINE_ENTRY, DISPATCH_ENTRY, FILE, GATHER_ENTRY,
-    GROUP_ENTRY, PTX, REDUCE_ENTRY,
+    mode_word, CODE_BF16, CODE_F16, CODE_F32, COMBINE_ENTRY, DISPATCH_ENTRY, FILE, PTX,
 };
 use crate::kernels::{call_header, load_module};
 use crate::team::Local;
@@ -23,23 +21,13 @@ const CODE: u64 = 40;
 /// The MoE kernels of one device.
 pub(crate) struct Kernels {
     dispatch: Function,
-    group: Function,
-    gather: Function,
     combine: Function,
-    reduce: Function,
 }
 
 impl Kernels {
     /// Every function.
     pub(super) fn all(&self) -> impl Iterator<Item = &Function> {
-        [
-            &self.dispatch,
-            &self.group,
-            &self.gather,
-            &self.combine,
-            &self.reduce,
-        ]
-        .into_iter()
+        [&self.dispatch, &self.combine].into_iter()
     }
 
     /// Load them on `device`.
@@ -47,10 +35,7 @@ impl Kernels {
         let m = load_module(device, FILE, PTX)?;
         Ok(Kernels {
             dispatch: m.function(DISPATCH_ENTRY)?,
-            group: m.function(GROUP_ENTRY)?,
-            gather: m.function(GATHER_ENTRY)?,
             combine: m.function(COMBINE_ENTRY)?,
-            reduce: m.function(REDUCE_ENTRY)?,
         })
     }
 }
@@ -99,6 +84,7 @@ pub(crate) fn run(
             s.scales,
             s.yrow,
             s.rows,
+            s.regions,
             plan.sym.inner.id,
             shape.blocks as u64,
         ])
@@ -111,13 +97,12 @@ pub(crate) fn run(
                     .ok_or_else(|| Error::invalid("topk_weights", "missing"))?,
             );
             let scales = m.scales.map_or(0, |r| r.ptr);
-            // SAFETY: entries of this device's module with these .u64 parameters: the pad, the
+            // SAFETY: an entry of this device's module with these .u64 parameters: the pad, the
             // plan's layout table on this device (its buffers allocated by the plan for this
             // rank, the symmetric buffer mapped on every rank), tokens of T rows, ids and
             // weights of T × k, scales of T × S (checked; T ≤ the plan's maximum, checked);
-            // every expert id the kernel reads is checked on the device; the stream is a live
-            // stream of this device (checked). The group and gather kernels read and write
-            // only the plan's buffers, within the layout's sizes.
+            // every expert id, position and count the kernel reads is checked on the device
+            // against the plan's sizes; the stream is a live stream of this device (checked).
             unsafe {
                 k.dispatch.launch_u64(
                     &cfg,
@@ -134,8 +119,6 @@ pub(crate) fn run(
                         c.timeout_ns(),
                     ],
                 )?;
-                k.group.launch_u64(&cfg, stream, &[pad, layout])?;
-                k.gather.launch_u64(&cfg, stream, &[pad, layout])?;
             }
         }
         _ => {
@@ -148,12 +131,16 @@ pub(crate) fn run(
                 k.combine.launch_u64(
                     &cfg,
                     stream,
-                    &[pad, layout, call.input.ptr, header(1), c.timeout_ns()],
-                )?;
-                k.reduce.launch_u64(
-                    &cfg,
-                    stream,
-                    &[pad, layout, call.output.ptr, m.tokens as u64, mode],
+                    &[
+                        pad,
+                        layout,
+                        call.input.ptr,
+                        call.output.ptr,
+                        m.tokens as u64,
+                        mode,
+                        header(1),
+                        c.timeout_ns(),
+                    ],
                 )?;
             }
         }

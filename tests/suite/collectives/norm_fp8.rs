@@ -547,32 +547,13 @@ fn hostile_rows_across_split_slices_give_the_documented_fp8_results() {
             "{alg:?}: ran {:?}",
             ch.algorithm
         );
-        for scaling in Fp8Scaling::ALL {
-            run_case(
-                &comm,
-                &s,
-                &c,
-                scaling,
-                true,
-                true,
-                &format!("split hostile rows, {alg:?}, {scaling:?}"),
-            );
-        }
+        fused_in_every_scaling(&comm, &s, &c, true, &format!("split hostile rows, {alg:?}"));
         // a weight that overflows in slice 1's part of group 2: y = ±inf there
         let mut c = Case::<bf16>::new(2, 2, h, 18);
         c.gamma[330] = bf16::MAX;
         c.gamma[331] = bf16::MAX;
-        for scaling in Fp8Scaling::ALL {
-            run_case(
-                &comm,
-                &s,
-                &c,
-                scaling,
-                false,
-                true,
-                &format!("split overflowing weight, {alg:?}, {scaling:?}"),
-            );
-        }
+        let what = format!("split overflowing weight, {alg:?}");
+        fused_in_every_scaling(&comm, &s, &c, false, &what);
     }
 }
 
@@ -693,15 +674,27 @@ fn hostile_rows_give_the_documented_fp8_results() {
     let mut c = Case::<bf16>::new(2, 2, 128, 8);
     c.gamma[3] = bf16::MAX;
     c.gamma[4] = bf16::MAX;
+    fused_in_every_scaling(&comm, &s, &c, false, "overflowing weight");
+}
+
+/// The fused FP8 call on `c` in every scaling over `comm` ([`run_case`]; the unquantised rows
+/// when `unq`).
+fn fused_in_every_scaling<T: Element>(
+    comm: &Communicator,
+    s: &[Stream],
+    c: &Case<T>,
+    unq: bool,
+    what: &str,
+) {
     for scaling in Fp8Scaling::ALL {
         run_case(
-            &comm,
-            &s,
-            &c,
+            comm,
+            s,
+            c,
             scaling,
-            false,
+            unq,
             true,
-            &format!("overflowing weight, {scaling:?}"),
+            &format!("{what}, {scaling:?}"),
         );
     }
 }

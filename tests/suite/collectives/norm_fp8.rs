@@ -478,21 +478,23 @@ fn fp8_split_forms_are_the_host_quantisation_of_the_plain_split_norm() {
         (Algorithm::OneShot, Algorithm::NormOneShotSplit),
     ] {
         for n in [2usize, 3, 5, 8] {
-            let (_e, comm, s) = team(n, forced(Some(alg)));
+            let (e, comm, s) = team(n, forced(Some(alg)));
             let what = format!("{n} ranks, {alg:?}");
+            // ranks sharing a GPU (test-hw on fewer than n GPUs) share its clusters: there the
+            // planner may not split, and whatever runs is checked the same way
+            let own_devices = e.driver.is_simulated() || e.driver.devices().len() >= n;
             let shapes: &[(usize, usize)] = if n == 2 {
                 &[(1, 8192), (16, 8192), (3, 2176)]
             } else {
                 &[(2, 2176), (1, 8192)]
             };
             for &(t, h) in shapes {
-                assert_eq!(
-                    comm.add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)
-                        .unwrap()
-                        .algorithm,
-                    want,
-                    "{what}: {t} x {h} does not split"
-                );
+                let plain = comm
+                    .add_rms_norm_choice(cuda_multimem_collectives::DType::Bf16, t, h)
+                    .unwrap();
+                if own_devices {
+                    assert_eq!(plain.algorithm, want, "{what}: {t} x {h} does not split");
+                }
                 every_scaling::<bf16>(&comm, &s, t, h, 21 + n as u64, &what);
             }
             if n <= 3 {
@@ -506,7 +508,9 @@ fn fp8_split_forms_are_the_host_quantisation_of_the_plain_split_norm() {
                         Fp8Scaling::PerGroup,
                     )
                     .unwrap();
-                assert_eq!(ch.algorithm, want, "{what}: 2 x 1152 f32");
+                if own_devices {
+                    assert_eq!(ch.algorithm, want, "{what}: 2 x 1152 f32");
+                }
             }
         }
     }

@@ -29,16 +29,20 @@ const HEADER: &str = "//
 // written by the block of slice s (`st.async` into every block of the cluster), two buffers
 // of SPLIT alternating by row like cmm_norm_red; one mbarrier per buffer counts their bytes
 .shared .align 16 .f32 cmm_norm_part[16];
-.shared .align 8 .b64 cmm_norm_mbar[2];
+// (mbarriers 2 and 3: the split FP8 entries' amax exchange, by row like 0 and 1)
+.shared .align 8 .b64 cmm_norm_mbar[4];
+// the split FP8 entries: the cluster's amax packets (first group's, last group's partial amax,
+// first and last group index) of slice s at 16 s, two buffers of SPLIT alternating by row
+.shared .align 16 .u32 cmm_norm_amx[64];
 // the FP8 entries: amax (|y| bits as u32) of the row (slot 0) or of each group of 128, two
 // buffers of MAX_FP8_GROUPS alternating by row like cmm_norm_red
 .shared .align 4 .u32 cmm_norm_amax[1024];
 ";
 
-const REGS: &str = "\t.reg .pred %p<42>;
+const REGS: &str = "\t.reg .pred %p<45>;
 \t.reg .b16 %h<8>;
-\t.reg .b32 %r<80>;
-\t.reg .b64 %rd<92>;
+\t.reg .b32 %r<92>;
+\t.reg .b64 %rd<96>;
 \t.reg .f32 %f<48>;
 ";
 
@@ -347,25 +351,31 @@ fn pass1(label: &str, f: &Flavor, sum: Sum, push: Option<(&str, &str)>) -> Strin
 /// row bytes)), which replace the row's units [0, units) (rd19, rd10) in this rank's units
 /// (16-byte vectors when p9, else elements); p26 again for the slice; the partials' mbarriers
 /// initialised and the block's arrival at the cluster barrier [`CLUSTER_READY`] waits for.
-fn split_slice(f: &Flavor) -> String {
+fn split_slice(f: &Flavor, fp8: bool) -> String {
+    let fp8_mb = if fp8 {
+        "\tmbarrier.init.shared::cta.b64 [%r28+16], 1;\n\tmbarrier.init.shared::cta.b64 [%r28+24], 1;\n"
+    } else {
+        ""
+    };
     format!(
-        "\t// ---- split: row = cluster, slice = this block's rank in it (bytes, then my units)
+        "\t// ---- split: row = cluster, slice = this block's rank in it (bytes, then my units;
+\t// rd91 = the slice's bytes P)
 \tmov.u32 %r24, %cluster_ctarank;
 \tmov.u32 %r25, %clusterid.x;
 \tcvt.u64.u32 %rd15, %r25;
 \tmov.u32 %r25, %nclusterid.x;
 \tcvt.u64.u32 %rd13, %r25;
-\tadd.u64 %rd28, %rd16, 15;
-\tshr.u64 %rd28, %rd28, 4;
-\tadd.u64 %rd28, %rd28, {sm1};
-\tshr.u64 %rd28, %rd28, {slog};
-\tadd.u64 %rd28, %rd28, 7;
-\tand.b64 %rd28, %rd28, -8;
-\tshl.b64 %rd28, %rd28, 4;
+\tadd.u64 %rd91, %rd16, 15;
+\tshr.u64 %rd91, %rd91, 4;
+\tadd.u64 %rd91, %rd91, {sm1};
+\tshr.u64 %rd91, %rd91, {slog};
+\tadd.u64 %rd91, %rd91, 7;
+\tand.b64 %rd91, %rd91, -8;
+\tshl.b64 %rd91, %rd91, 4;
 \tcvt.u64.u32 %rd29, %r24;
-\tmul.lo.u64 %rd19, %rd29, %rd28;
+\tmul.lo.u64 %rd19, %rd29, %rd91;
 \tmin.u64 %rd19, %rd19, %rd16;
-\tadd.u64 %rd28, %rd19, %rd28;
+\tadd.u64 %rd28, %rd19, %rd91;
 \tmin.u64 %rd28, %rd28, %rd16;
 \tselp.u32 %r26, 4, {es}, %p9;
 \tshr.b64 %rd19, %rd19, %r26;
@@ -380,7 +390,7 @@ fn split_slice(f: &Flavor) -> String {
 \tmov.u32 %r28, cmm_norm_mbar;
 \tmbarrier.init.shared::cta.b64 [%r28], 1;
 \tmbarrier.init.shared::cta.b64 [%r28+8], 1;
-\tfence.mbarrier_init.release.cluster;
+{fp8_mb}\tfence.mbarrier_init.release.cluster;
 $L_mb_ready:
 \tbarrier.cluster.arrive.relaxed.aligned;
 \tmov.u32 %r27, 0;
@@ -388,6 +398,46 @@ $L_mb_ready:
         es = f.es_log2(),
         sm1 = SPLIT - 1,
         slog = SPLIT.trailing_zeros(),
+    )
+}
+
+/// The split FP8 entries' slice facts (after [`split_slice`], rd91 = P): the slice's bytes
+/// [start, end) = [min(s·P, row), min(s·P + P, row)), p44 when it is empty; r80, r81 the
+/// groups its first and last byte lie in (0 and 0 per token; the row's group count for an
+/// empty slice, which no other slice has); the amax slots the block zeroes per row [rd92, rd93)
+/// (its groups, none when empty); the groups whose scales it writes [rd94, rd95) (those that
+/// start in the slice). A slice is at least a group long (rows of at least SPLIT_MIN_ROW_BYTES),
+/// so a group lies in one or two slices: the first and last groups' partial amaxes are all the
+/// cluster exchanges (in `pass2_fp8`).
+fn fp8_split_setup(f: &Flavor) -> String {
+    let gsh = f.es_log2() + cuda_multimem_collectives::FP8_GROUP.trailing_zeros();
+    format!(
+        r#"	// ---- FP8 split: this slice's groups
+	cvt.u64.u32 %rd92, %r24;
+	mul.lo.u64 %rd92, %rd92, %rd91;
+	min.u64 %rd92, %rd92, %rd16;
+	add.u64 %rd93, %rd92, %rd91;
+	min.u64 %rd93, %rd93, %rd16;
+	setp.eq.u64 %p44, %rd92, %rd93;
+	add.u64 %rd94, %rd92, {gm};
+	shr.u64 %rd94, %rd94, {gsh};
+	add.u64 %rd95, %rd93, {gm};
+	shr.u64 %rd95, %rd95, {gsh};
+	add.u64 %rd89, %rd92, 1;
+	max.u64 %rd89, %rd89, %rd93;
+	sub.u64 %rd89, %rd89, 1;
+	shr.u64 %rd89, %rd89, {gsh};
+	shr.u64 %rd92, %rd92, {gsh};
+	cvt.u32.u64 %r80, %rd92;
+	cvt.u32.u64 %r81, %rd89;
+	@!%p31 mov.u32 %r80, 0;
+	@!%p31 mov.u32 %r81, 0;
+	cvt.u64.u32 %rd92, %r80;
+	cvt.u64.u32 %rd93, %r81;
+	add.u64 %rd93, %rd93, 1;
+	@%p44 mov.u64 %rd93, %rd92;
+"#,
+        gm = (1u64 << gsh) - 1,
     )
 }
 
@@ -401,13 +451,17 @@ fn one_shot_prologue(
     fp8: bool,
 ) -> String {
     if split {
-        prologue_with(
-            &cut.entry(f.dtype),
-            f,
-            true,
-            &format!(".reqnctapercluster {SPLIT}, 1, 1\n"),
-            false,
-        ) + &split_slice(f)
+        let name = if fp8 {
+            cut.fp8_entry(f.dtype)
+        } else {
+            cut.entry(f.dtype)
+        };
+        let dirs = format!(".reqnctapercluster {SPLIT}, 1, 1\n");
+        let mut s = prologue_with(&name, f, true, &dirs, fp8) + &split_slice(f, fp8);
+        if fp8 {
+            s += &fp8_split_setup(f);
+        }
+        s
     } else if fp8 {
         prologue_with(&whole.fp8_entry(f.dtype), f, true, "", true)
     } else {
@@ -595,12 +649,20 @@ fn pass2(label: &str, f: &Flavor, push: Option<(&str, &str)>) -> String {
 /// flips it) and, for the dynamic modes, its slots zeroed (1 per token, or one per group) by
 /// the block's threads. The buffer was last read two rows ago, before the previous row's
 /// `bar.sync`; this row's `red`s follow this row's first `bar.sync` (block_rstd).
-fn fp8_row_start() -> String {
+/// `split`: the slots of the slice's groups ([`fp8_split_setup`]: rd92..rd93), and the buffer's
+/// index kept in r90 for the cluster's amax exchange.
+fn fp8_row_start(split: bool) -> String {
     let body =
         "\tcvt.u32.u64 %r68, %rd21;\n\tadd.u32 %r68, %r67, %r68;\n\tst.shared.u32 [%r68], 0;\n";
+    let zero = if split {
+        strided("qz", "%rd92", "%rd93", 2, body)
+    } else {
+        "\tselp.b64 %rd87, %rd85, 1, %p31;\n".to_string()
+            + &strided("qz", "%rd19", "%rd87", 2, body)
+    };
     format!(
-        "\t// ---- FP8: this row's amax slots (buffer r63), zeroed\n\tshl.b32 %r67, %r63, {buf};\n\tadd.u32 %r67, %r66, %r67;\n\t@!%p30 bra $L_qz_done;\n\tselp.b64 %rd87, %rd85, 1, %p31;\n{}$L_qz_done:\n",
-        strided("qz", "%rd19", "%rd87", 2, body),
+        "\t// ---- FP8: this row's amax slots (buffer r63), zeroed\n\tshl.b32 %r67, %r63, {buf};\n\tadd.u32 %r67, %r66, %r67;\n{keep}\t@!%p30 bra $L_qz_done;\n{zero}$L_qz_done:\n",
+        keep = if split { "\tmov.u32 %r90, %r63;\n" } else { "" },
         buf = (MAX_FP8_GROUPS * 4).trailing_zeros(),
     )
 }
@@ -647,13 +709,97 @@ fn fp8_group_slot(f: &Flavor) -> String {
 /// (b) per unit y again (still in registers with one unit per thread, p26, else recomputed by
 /// the same instructions), `div.rn` by its scale, `cvt.rn.satfinite.e4m3x2.f32`, stored to
 /// the e4m3 rows.
-fn pass2_fp8(label: &str, f: &Flavor) -> String {
-    pass2_fp8_of(label, f, true)
+///
+/// `split` (the split FP8 entries): after the block's amax is complete, the cluster exchanges
+/// it ([`fp8_amax_exchange`]); the amax slots of the slice's first and last group are read
+/// through [`fp8_amax_fix`]; the token's scale is written by slice 0, a group's by the slice it
+/// starts in, UE8M0 scales byte by byte.
+fn pass2_fp8(label: &str, f: &Flavor, split: bool) -> String {
+    pass2_fp8_of(label, f, true, split)
+}
+
+/// The split FP8 entries' exchange of the row's amax over the cluster (dynamic modes, after the
+/// block's amax slots are complete, buffer r90 of the row): threads t < SPLIT send this
+/// slice's packet {amax of its first group's slot, of its last group's slot, r80, r81} (zeros
+/// for an empty slice; per token both slots are the row's) into slot s of buffer r90 of block t
+/// with `st.async`, which counts its 16 bytes on block t's mbarrier 2 + r90; thread 0 arrives
+/// on its own expecting SPLIT × 16 bytes; every thread waits for the phase (bit 2 + r90 of r27)
+/// and merges, from its own shared memory, every packet whose first or last group is this
+/// slice's first group into r82, its last into r83 (integer max: exact, order-free). The slots'
+/// addresses go to r88, r89. Buffer reuse and completion as for the sums of squares
+/// ([`cluster_sum`]): a block sends row i + 2's packet after its row i + 1 phase, which needs
+/// every block's row i + 1 packet, sent after that block's row i merge (its row i + 1
+/// `bar.sync` follows it); every block runs every row, so every phase completes.
+fn fp8_amax_exchange(label: &str) -> String {
+    let mut s = format!(
+        r#"	// ---- split: the slices' boundary amaxes over the cluster
+	mov.u32 %r84, cmm_norm_mbar;
+	shl.b32 %r86, %r90, 3;
+	add.u32 %r84, %r84, %r86;
+	add.u32 %r84, %r84, 16;
+	mov.u32 %r85, cmm_norm_amx;
+	shl.b32 %r86, %r90, {blog};
+	add.u32 %r85, %r85, %r86;
+	shl.b32 %r88, %r80, 2;
+	add.u32 %r88, %r67, %r88;
+	shl.b32 %r89, %r81, 2;
+	add.u32 %r89, %r67, %r89;
+	setp.ge.u32 %p42, %r1, {SPLIT};
+	@%p42 bra $L_{label}_xsent;
+	mov.u32 %r82, 0;
+	mov.u32 %r83, 0;
+	@!%p44 ld.shared.u32 %r82, [%r88];
+	@!%p44 ld.shared.u32 %r83, [%r89];
+	shl.b32 %r86, %r24, 4;
+	add.u32 %r86, %r85, %r86;
+	mapa.shared::cluster.u32 %r86, %r86, %r1;
+	mapa.shared::cluster.u32 %r87, %r84, %r1;
+	st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%r86], {{%r82, %r83, %r80, %r81}}, [%r87];
+$L_{label}_xsent:
+	setp.ne.u32 %p42, %r1, 0;
+	@!%p42 mbarrier.arrive.expect_tx.shared::cta.b64 %rd79, [%r84], {bytes};
+	add.u32 %r86, %r90, 2;
+	shr.b32 %r86, %r27, %r86;
+	and.b32 %r86, %r86, 1;
+$L_{label}_xwait:
+	mbarrier.try_wait.parity.shared::cta.b64 %p42, [%r84], %r86;
+	@!%p42 bra $L_{label}_xwait;
+	add.u32 %r86, %r90, 2;
+	shl.b32 %r86, 1, %r86;
+	xor.b32 %r27, %r27, %r86;
+	mov.u32 %r82, 0;
+	mov.u32 %r83, 0;
+"#,
+        blog = (SPLIT * 16).trailing_zeros(),
+        bytes = SPLIT * 16,
+    );
+    for k in 0..SPLIT {
+        s += &format!(
+            "\tld.shared.v4.u32 {{%r84, %r86, %r87, %r91}}, [%r85+{}];\n",
+            16 * k
+        );
+        for (g, m) in [("%r80", "%r82"), ("%r81", "%r83")] {
+            for (i, a) in [("%r87", "%r84"), ("%r91", "%r86")] {
+                s += &format!("\tsetp.eq.u32 %p42, {i}, {g};\n\t@%p42 max.u32 {m}, {m}, {a};\n");
+            }
+        }
+    }
+    s
+}
+
+/// After an amax slot's load into r73 from `addr` (split FP8 entries): the cluster's merged
+/// value where the slot is the slice's first (r88) or last (r89) group's.
+fn fp8_amax_fix(split: bool, addr: &str) -> String {
+    if split {
+        format!("\tsetp.eq.u32 %p43, {addr}, %r88;\n\t@%p43 mov.b32 %r73, %r82;\n\tsetp.eq.u32 %p43, {addr}, %r89;\n\t@%p43 mov.b32 %r73, %r83;\n")
+    } else {
+        String::new()
+    }
 }
 
 /// [`pass2_fp8`]; `norm` false: y is the row of residual (%rd3) itself, neither scaled by rstd
 /// nor by γ (the standalone quantisation: `T` values to f32 and back are exact).
-fn pass2_fp8_of(label: &str, f: &Flavor, norm: bool) -> String {
+fn pass2_fp8_of(label: &str, f: &Flavor, norm: bool, split: bool) -> String {
     let res = "\tadd.u64 %rd24, %rd3, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
     let tout = "\tadd.u64 %rd24, %rd5, %rd51;\n\tadd.u64 %rd24, %rd24, %rd21;\n";
     let n = lanes(f);
@@ -743,7 +889,15 @@ fn pass2_fp8_of(label: &str, f: &Flavor, norm: bool) -> String {
     // lanes of one warp, max-ed by a butterfly after the loop; p39: grouped otherwise (a red
     // per unit)
     let gw = cuda_multimem_collectives::FP8_GROUP / n;
-    let mut s = "\t// ---- FP8 pass 2a: y, the unquantised rows, amax\n\tmov.u32 %r69, 0;\n\tand.pred %p38, %p9, %p26;\n\tand.pred %p38, %p38, %p31;\n\tnot.pred %p39, %p38;\n\tand.pred %p39, %p39, %p31;\n".to_string();
+    let mut s = "\t// ---- FP8 pass 2a: y, the unquantised rows, amax\n\tmov.u32 %r69, 0;\n\tand.pred %p38, %p9, %p26;\n\tand.pred %p38, %p38, %p31;\n".to_string();
+    if split {
+        // the slice's first unit must start a lane group (then thread t has unit rd19 + t)
+        s += &format!(
+            "\tand.b64 %rd86, %rd19, {};\n\tsetp.eq.and.u64 %p38, %rd86, 0, %p38;\n",
+            gw - 1
+        );
+    }
+    s += "\tnot.pred %p39, %p38;\n\tand.pred %p39, %p39, %p31;\n";
     s += &vector_or_scalar(&format!("{label}a"), f, &va, &sa);
     // the block's threads meet here (uniform code): per token, a warp butterfly then one red
     // per warp; per group with p38, a butterfly over the group's lanes, then its first lane's
@@ -762,25 +916,51 @@ fn pass2_fp8_of(label: &str, f: &Flavor, norm: bool) -> String {
         .filter(|&o| o < gw)
         .collect();
     s += &format!(
-        "\t@!%p36 bra $L_{label}_wtok;\n{}\tand.b32 %r70, %r1, 31;\n\tsetp.eq.u32 %p37, %r70, 0;\n\t@%p37 red.shared.max.u32 [%r67], %r69;\n$L_{label}_wtok:\n\t@!%p38 bra $L_{label}_wgrp;\n{}\tand.b32 %r70, %r1, {gm};\n\tsetp.eq.u32 %p37, %r70, 0;\n\tshl.b32 %r72, %r1, 4;\n\tshr.b32 %r72, %r72, {sh};\n\tshl.b32 %r72, %r72, 2;\n\tadd.u32 %r72, %r67, %r72;\n\t@%p37 red.shared.max.u32 [%r72], %r69;\n$L_{label}_wgrp:\n",
+        "\t@!%p36 bra $L_{label}_wtok;\n{}\tand.b32 %r70, %r1, 31;\n\tsetp.eq.u32 %p37, %r70, 0;\n\t@%p37 red.shared.max.u32 [%r67], %r69;\n$L_{label}_wtok:\n\t@!%p38 bra $L_{label}_wgrp;\n{}\tand.b32 %r70, %r1, {gm};\n\tsetp.eq.u32 %p37, %r70, 0;\n{gslot}\tshl.b32 %r72, %r72, 4;\n\tshr.b32 %r72, %r72, {sh};\n\tshl.b32 %r72, %r72, 2;\n\tadd.u32 %r72, %r67, %r72;\n\t@%p37 red.shared.max.u32 [%r72], %r69;\n$L_{label}_wgrp:\n",
         bfly(&[16, 8, 4, 2, 1]),
         bfly(&goffs),
         gm = gw - 1,
         sh = f.es_log2() + cuda_multimem_collectives::FP8_GROUP.trailing_zeros(),
+        // the unit's index (split: from the slice's first; lanes past its units, whose max is
+        // 0, send nothing)
+        gslot = if split {
+            "\tcvt.u32.u64 %r72, %rd19;\n\tadd.u32 %r72, %r72, %r1;\n\tsetp.ne.and.u32 %p37, %r69, 0, %p37;\n"
+        } else {
+            "\tmov.u32 %r72, %r1;\n"
+        },
     );
     // the dynamic modes: amax complete after one bar.sync; the scales written
     s += &format!(
-        "\t@!%p30 bra $L_{label}_static;\n\tbar.sync 0;\n\t@!%p36 bra $L_{label}_notok;\n\tld.shared.u32 %r73, [%r67];\n{}\tmov.f32 %f45, %f47;\n\tsetp.ne.u32 %p37, %r1, 0;\n\t@%p37 bra $L_{label}_notok;\n\tshl.b64 %rd88, %rd50, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f45;\n$L_{label}_notok:\n",
-        fp8_scale(&format!("{label}t"), "%r73")
+        "\t@!%p30 bra $L_{label}_static;\n\tbar.sync 0;\n{xchg}\t@!%p36 bra $L_{label}_notok;\n\tld.shared.u32 %r73, [%r67];\n{fix}{}\tmov.f32 %f45, %f47;\n\tsetp.ne.u32 %p37, %r1, 0;\n{tok0}\t@%p37 bra $L_{label}_notok;\n\tshl.b64 %rd88, %rd50, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f45;\n$L_{label}_notok:\n",
+        fp8_scale(&format!("{label}t"), "%r73"),
+        xchg = if split {
+            fp8_amax_exchange(label)
+        } else {
+            String::new()
+        },
+        fix = fp8_amax_fix(split, "%r67"),
+        // split: slice 0 writes the token's scale
+        tok0 = if split {
+            "\tsetp.ne.or.u32 %p37, %r24, 0, %p37;\n"
+        } else {
+            ""
+        },
     );
     // per group, f32: threads t < groups, row-major
     let g32 = format!(
-        "\tcvt.u32.u64 %r72, %rd21;\n\tadd.u32 %r72, %r67, %r72;\n\tld.shared.u32 %r73, [%r72];\n{}\tmad.lo.u64 %rd88, %rd50, %rd85, %rd20;\n\tshl.b64 %rd88, %rd88, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f47;\n",
+        "\tcvt.u32.u64 %r72, %rd21;\n\tadd.u32 %r72, %r67, %r72;\n\tld.shared.u32 %r73, [%r72];\n{}{}\tmad.lo.u64 %rd88, %rd50, %rd85, %rd20;\n\tshl.b64 %rd88, %rd88, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.f32 [%rd88], %f47;\n",
+        fp8_amax_fix(split, "%r72"),
         fp8_scale(&format!("{label}g"), "%r73")
     );
+    // the groups this block writes: every group, or (split) those that start in its slice
+    let (g0, g1) = if split {
+        ("%rd94", "%rd95")
+    } else {
+        ("%rd19", "%rd85")
+    };
     s += &format!(
         "\tsetp.eq.u32 %p37, %r64, 2;\n\t@!%p37 bra $L_{label}_nog;\n{}$L_{label}_nog:\n",
-        strided(&format!("{label}g"), "%rd19", "%rd85", 2, &g32)
+        strided(&format!("{label}g"), g0, g1, 2, &g32)
     );
     // per group, UE8M0: threads p < ceil(groups / 4), word (p · stride + j)
     let mut pk = "\tmov.u32 %r74, 0;\n".to_string();
@@ -792,16 +972,31 @@ fn pass2_fp8_of(label: &str, f: &Flavor, norm: bool) -> String {
         );
     }
     pk += "\tmad.lo.u64 %rd88, %rd20, %rd83, %rd50;\n\tshl.b64 %rd88, %rd88, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tst.global.u32 [%rd88], %r74;\n";
-    s += &format!(
-        "\t@!%p32 bra $L_{label}_nou;\n\tadd.u64 %rd89, %rd85, 3;\n\tshr.u64 %rd89, %rd89, 2;\n{}$L_{label}_nou:\n",
-        strided(&format!("{label}u"), "%rd19", "%rd89", 0, &pk)
-    );
+    if split {
+        // split: byte g % 4 of word (g / 4) · stride + j for each group g that starts in the
+        // slice; the slice of the row's last group also writes the zero bytes past it
+        let ub = format!(
+            "\tmov.u32 %r77, 0;\n\tsetp.ge.u64 %p37, %rd20, %rd85;\n\t@%p37 bra $L_{label}_uz;\n\tcvt.u32.u64 %r72, %rd21;\n\tadd.u32 %r72, %r67, %r72;\n\tld.shared.u32 %r73, [%r72];\n{}{}$L_{label}_uz:\n\tshr.u64 %rd88, %rd20, 2;\n\tmad.lo.u64 %rd88, %rd88, %rd83, %rd50;\n\tshl.b64 %rd88, %rd88, 2;\n\tadd.u64 %rd88, %rd81, %rd88;\n\tand.b64 %rd86, %rd20, 3;\n\tadd.u64 %rd88, %rd88, %rd86;\n\tst.global.u8 [%rd88], %r77;\n",
+            fp8_amax_fix(split, "%r72"),
+            fp8_scale(&format!("{label}ub"), "%r73")
+        );
+        s += &format!(
+            "\t@!%p32 bra $L_{label}_nou;\n\tmov.u64 %rd89, %rd95;\n\tsetp.eq.u64 %p37, %rd95, %rd85;\n\tsetp.lt.and.u64 %p37, %rd94, %rd95, %p37;\n\t@%p37 add.u64 %rd89, %rd85, 3;\n\t@%p37 and.b64 %rd89, %rd89, -4;\n{}$L_{label}_nou:\n",
+            strided(&format!("{label}u"), "%rd94", "%rd89", 2, &ub)
+        );
+    } else {
+        s += &format!(
+            "\t@!%p32 bra $L_{label}_nou;\n\tadd.u64 %rd89, %rd85, 3;\n\tshr.u64 %rd89, %rd89, 2;\n{}$L_{label}_nou:\n",
+            strided(&format!("{label}u"), "%rd19", "%rd89", 0, &pk)
+        );
+    }
     s += &format!("$L_{label}_static:\n");
     // (b): the scale of the unit into f46
     let unit_scale = |l: &str| -> String {
         format!(
-            "\tmov.f32 %f46, %f44;\n\t@%p36 mov.f32 %f46, %f45;\n\t@!%p31 bra $L_{l}_sd;\n{}\tld.shared.u32 %r73, [%r72];\n{}\tmov.f32 %f46, %f47;\n$L_{l}_sd:\n",
+            "\tmov.f32 %f46, %f44;\n\t@%p36 mov.f32 %f46, %f45;\n\t@!%p31 bra $L_{l}_sd;\n{}\tld.shared.u32 %r73, [%r72];\n{}{}\tmov.f32 %f46, %f47;\n$L_{l}_sd:\n",
             fp8_group_slot(f),
+            fp8_amax_fix(split, "%r72"),
             fp8_scale(&format!("{l}s"), "%r73")
         )
     };
@@ -1018,12 +1213,12 @@ fn one_shot_ll(f: &Flavor, split: bool, fp8: bool) -> String {
     s += "\t// ---- poll my slots [parity][k], reduce, add r, normalise: local memory only\n";
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tmul.lo.u64 %rd52, %rd50, %rd65;\n\tadd.u64 %rd52, %rd52, %rd33;\n".to_string();
     if fp8 {
-        body += &fp8_row_start();
+        body += &fp8_row_start(split);
     }
     body += &pass1("p1", f, Sum::Ll("%rd52", "%rd30"), None);
     body += &block_rstd("br", split);
     body += &if fp8 {
-        pass2_fp8("q2", f)
+        pass2_fp8("q2", f, split)
     } else {
         pass2("p2", f, None)
     };
@@ -1053,12 +1248,12 @@ fn one_shot(f: &Flavor, split: bool, fp8: bool) -> String {
     let mut body =
         "\tmul.lo.u64 %rd51, %rd50, %rd16;\n\tadd.u64 %rd52, %rd33, %rd51;\n".to_string();
     if fp8 {
-        body += &fp8_row_start();
+        body += &fp8_row_start(split);
     }
     body += &pass1("p1", f, Sum::Slots("%rd52", "%rd30"), None);
     body += &block_rstd("br", split);
     body += &if fp8 {
-        pass2_fp8("q2", f)
+        pass2_fp8("q2", f, split)
     } else {
         pass2("p2", f, None)
     };
@@ -1145,12 +1340,12 @@ fn unfused(f: &Flavor, fp8: bool) -> String {
     };
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n".to_string();
     if fp8 {
-        body += &fp8_row_start();
+        body += &fp8_row_start(false);
     }
     body += &pass1("p1", f, Sum::Reduced, None);
     body += &block_rstd("br", false);
     body += &if fp8 {
-        pass2_fp8("q2", f)
+        pass2_fp8("q2", f, false)
     } else {
         pass2("p2", f, None)
     };
@@ -1166,9 +1361,9 @@ fn unfused(f: &Flavor, fp8: bool) -> String {
 fn quant(f: &Flavor) -> String {
     let mut s = prologue_with(&fp8_quant_entry(f.dtype), f, false, "", true);
     let mut body = "\tmul.lo.u64 %rd51, %rd50, %rd16;\n".to_string();
-    body += &fp8_row_start();
+    body += &fp8_row_start(false);
     body += "\tbar.sync 0;\n\txor.b32 %r63, %r63, 1;\n";
-    body += &pass2_fp8_of("qq", f, false);
+    body += &pass2_fp8_of("qq", f, false, false);
     s += &rows("qb", "%rd6", &body);
     s += "$L_exit:\n\tret;\n}\n";
     s
@@ -1187,6 +1382,8 @@ pub fn generate() -> String {
         s += &unfused(&f, false);
         s += &one_shot(&f, false, true);
         s += &one_shot_ll(&f, false, true);
+        s += &one_shot(&f, true, true);
+        s += &one_shot_ll(&f, true, true);
         s += &unfused(&f, true);
     }
     for dtype in DType::ALL {

@@ -280,9 +280,9 @@ impl Communicator {
 
     /// What [`RankHandle::all_reduce_add_rms_norm_fp8`] runs for `tokens` rows of `hidden`
     /// elements of `dtype` with an FP8 output of `scaling`: the form chosen as for the plain norm
-    /// among the unsplit one-shots (the low-latency one-shot where the plain norm runs it or its
-    /// split form; else the barrier one-shot, also where the plain norm would run the
-    /// two-shot), and the launch shape of its first launch. It asks the planner the call asks.
+    /// among the one-shots, split where the plain norm splits (the barrier one-shot, split or
+    /// not, where the plain norm would run the two-shot), and the launch shape of its first
+    /// launch. It asks the planner the call asks.
     pub fn add_rms_norm_fp8_choice(
         &self,
         dtype: DType,

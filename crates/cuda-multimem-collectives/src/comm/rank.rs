@@ -547,8 +547,8 @@ impl<'a> RankHandle<'a> {
     /// a static `scale` finite and > 0, `hidden` a multiple of 128 (at most 65536) for the
     /// grouped scales, `x`, `residual`, `weight` and `unquantised` 4-byte aligned, no overlaps
     /// (but `unquantised` may be `x` itself). The form is chosen as for the plain norm among the
-    /// unsplit one-shots (the two-shot's and the split forms' FP8 entries are not written yet):
-    /// [`Communicator::add_rms_norm_fp8_choice`] reports it.
+    /// one-shots, split or not (the two-shot's FP8 entries are not written yet: the barrier
+    /// one-shot runs there): [`Communicator::add_rms_norm_fp8_choice`] reports it.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_add_rms_norm_fp8<'s, 'r, 'w, 'o, 'x, T: Element>(
         &self,

@@ -692,13 +692,13 @@ fn norm(t: &TeamFacts, c: &CommConfig, f: &Facts) -> Result<Plan> {
     // as 4-byte aligned: a rank whose operands are not stages them locally.
     let ll = rb % 4 == 0 && bytes <= c.norm_ll_max_bytes.min(t.ll_slot / 2);
     let k = norm_form(t, c, bytes, ll);
+    // an FP8 output has the one-shots, split or not (nk::FP8_KERNELS): the barrier one-shot
+    // where the plain norm would run the two-shot, then the same split choice
     let k = match f.quant {
-        // an FP8 output has the unsplit one-shots (nk::FP8_KERNELS): the barrier one-shot
-        // where the plain norm would run the two-shot
         Some(_) if k == NormKernel::TwoShot => NormKernel::OneShot,
-        Some(_) => k,
-        None => norm_split(t, c, k, s.tokens, rb),
+        _ => k,
     };
+    let k = norm_split(t, c, k, s.tokens, rb);
     let cap = norm_rows_per_launch(t, k, s.tokens, rb)?;
     let plan = NormPlan {
         kernel: k,

@@ -132,10 +132,20 @@ pub fn part_rows(rows: u64, n: u64) -> u64 {
     rows.div_ceil(n)
 }
 
-/// The forms that have an FP8 output entry ([`NormKernel::fp8_entry`]): the unsplit one-shots.
-/// An FP8 call runs one of them where the plain norm would run its split form or the two-shot
-/// (`docs/design/rmsnorm.md`, "FP8 outputs").
-pub const FP8_KERNELS: [NormKernel; 2] = [NormKernel::OneShot, NormKernel::OneShotLl];
+/// The forms that have an FP8 output entry ([`NormKernel::fp8_entry`]): the one-shots, split
+/// and unsplit. An FP8 call runs the barrier one-shot where the plain norm would run the
+/// two-shot (`docs/design/rmsnorm.md`, "FP8 outputs").
+pub const FP8_KERNELS: [NormKernel; 4] = [
+    NormKernel::OneShot,
+    NormKernel::OneShotLl,
+    NormKernel::OneShotLlSplit,
+    NormKernel::OneShotSplit,
+];
+
+/// The split FP8 entries exchange only the first and last group of each slice (one 16-byte
+/// packet per block and row): that needs every slice of a split row to be at least one group
+/// long, so that no group lies in more than two slices (f32 groups: 512 bytes).
+const _: () = assert!(SPLIT_MIN_ROW_BYTES / SPLIT >= crate::types::FP8_GROUP * 4);
 
 /// Most groups of 128 elements per row of the per-group FP8 outputs (their amax slots live in
 /// shared memory): rows of at most `MAX_FP8_GROUPS × 128` elements.

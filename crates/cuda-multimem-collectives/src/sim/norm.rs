@@ -45,7 +45,7 @@ fn run_quant(d: DType, a: &LaunchArgs) -> Result<(), KernelError> {
         for j in (b..rows).step_by(g) {
             a.check(x + j * rb, rb, false)?;
             let y: Vec<f32> = (0..hidden).map(|e| ld(d, x + j * rb, e as u64)).collect();
-            fp8.write(a, j, &y)?;
+            fp8.write(a, j, &y, hidden)?;
         }
     }
     Ok(())
@@ -113,20 +113,67 @@ impl Fp8 {
     /// does (its own code, not the reference's): amax as the max of the `u32` bits with the
     /// sign cleared, per row (slot 0) or per group of 128; the scale `amax / 448`, 1 for 0,
     /// UE8M0 by exponent bits; each element `div` by its scale, then `cvt.rn.satfinite`.
-    fn write(&self, a: &LaunchArgs, j: usize, y: &[f32]) -> Result<(), KernelError> {
+    /// `slice`: elements per slice of the split entries (the row otherwise): each slice's amax
+    /// slots hold its own elements' max, and only the slice's first and last slot take the
+    /// cluster's exchanged partials (the PTX's packets); a slot's scale is the view of the
+    /// slice the group starts in, an element's scale its own slice's view.
+    fn write(&self, a: &LaunchArgs, j: usize, y: &[f32], slice: usize) -> Result<(), KernelError> {
         let h = y.len();
         let groups = h / FP8_GROUP;
         let ue = self.scaling == Fp8Scaling::PerGroupUe8m0;
         let slots = if self.scaling.grouped() { groups } else { 1 };
-        let mut amax = vec![0u32; slots];
-        for (e, v) in y.iter().enumerate() {
-            let g = if self.scaling.grouped() {
+        let slot = |e: usize| {
+            if self.scaling.grouped() {
                 e / FP8_GROUP
             } else {
                 0
-            };
-            amax[g] = amax[g].max(v.to_bits() & 0x7fff_ffff);
-        }
+            }
+        };
+        let slice = slice.max(1);
+        let cut: Vec<(usize, usize)> = (0..h.div_ceil(slice))
+            .map(|s| (s * slice, ((s + 1) * slice).min(h)))
+            .collect();
+        // each slice's own slots, then its packet (first slot, last slot and their partials)
+        let own: Vec<Vec<u32>> = cut
+            .iter()
+            .map(|&(e0, e1)| {
+                let mut m = vec![0u32; slots];
+                for (e, v) in y.iter().enumerate().take(e1).skip(e0) {
+                    m[slot(e)] = m[slot(e)].max(v.to_bits() & 0x7fff_ffff);
+                }
+                m
+            })
+            .collect();
+        let packets: Vec<[(usize, u32); 2]> = cut
+            .iter()
+            .zip(&own)
+            .map(|(&(e0, e1), m)| {
+                let (f, l) = (slot(e0), slot(e1 - 1));
+                [(f, m[f]), (l, m[l])]
+            })
+            .collect();
+        // slice s's view of slot g: the merged packets at its edges, its own slot elsewhere
+        let view = |s: usize, g: usize| -> u32 {
+            let edges = [slot(cut[s].0), slot(cut[s].1 - 1)];
+            if edges.contains(&g) {
+                packets
+                    .iter()
+                    .flatten()
+                    .filter(|p| p.0 == g)
+                    .fold(0, |acc, p| acc.max(p.1))
+            } else {
+                own[s][g]
+            }
+        };
+        let slice_of = |e: usize| e / slice;
+        let amax: Vec<u32> = (0..slots)
+            .map(|g| {
+                view(
+                    slice_of(g * if self.scaling.grouped() { FP8_GROUP } else { 0 }),
+                    g,
+                )
+            })
+            .collect();
         // (scale, UE8M0 byte) of a slot, as the PTX's fp8_scale
         let scale_of = |bits: u32| -> (f32, u32) {
             let mut s = f32::from_bits(bits) / 448.0;
@@ -152,8 +199,7 @@ impl Fp8 {
             .map(|(e, v)| {
                 let s = match self.scaling {
                     Fp8Scaling::Static => self.scale,
-                    Fp8Scaling::PerToken => sc[0].0,
-                    _ => sc[e / FP8_GROUP].0,
+                    _ => scale_of(view(slice_of(e), slot(e))).0,
                 };
                 float8::F8E4M3::from_f32(v / s).to_bits()
             })
@@ -319,7 +365,7 @@ impl Row {
             }
         }
         if let Some(f) = &self.fp8 {
-            f.write(a, j, &y)?;
+            f.write(a, j, &y, self.slice_bytes / d.size())?;
         }
         Ok(())
     }

@@ -39,6 +39,11 @@ const S_MASK: usize = S_POS + 4 * MAX_TOP_K;
 const D_SHARED: usize = S_MASK + 16;
 const _: () = assert!(D_SHARED <= 48 << 10);
 
+/// Shared memory of the combine: per top-k slot of the item's token whether its row arrived
+/// with this call's stamp (`u32[MAX_TOP_K]`), then its weight (`f32[MAX_TOP_K]` at `CS_W`).
+const CS_W: usize = 4 * MAX_TOP_K;
+const CS_SHARED: usize = 2 * CS_W;
+
 /// The file's text.
 pub fn generate() -> String {
     let mut s = HEADER.to_string();
@@ -113,7 +118,6 @@ $L_{label}_end:
 }
 
 const BLOCK: (&str, &str) = ("%r1", "%r3");
-const WARP: (&str, &str) = ("%r21", "%r33");
 
 /// The warp ids every phase uses: r20 the warp in the block, r21 the lane, r22 the warps per
 /// block, r23 the warp in the grid, r28 the warps of the grid, r33 = 32 (the lane stride), r34
@@ -656,18 +660,19 @@ $L_co_last:
 	st.global.u32 [%rd29], %r39;
 	setp.gt.u64 %p3, %rd27, %rd65;
 {over}$L_co_end:
-	// ---- every received row of this call (warp w of the grid: rows w, w + W, ... of the
-	// n x Tmax meta rows carrying the stamp): per slot on this rank its expert-grouped row
-	// start[e][s] + position (a position past the cell's count or an expert past L: the bounds
-	// word; a row past the plan's: dropped, block 0 set the bounds word), the payload and
-	// scales copied there by the warp, the map entry (s*Tmax + t)*k + j by lane 0
+	// ---- every received row of this call (block b: rows b, b + G, ... of the n x Tmax meta
+	// rows carrying the stamp): thread j < k reads slot j's (expert, position) into shared
+	// memory; per slot on this rank its expert-grouped row start[e][s] + position (a position
+	// past the cell's count or an expert past L: the bounds word; a row past the plan's:
+	// dropped, block 0 set the bounds word), the payload and scales copied there by the block,
+	// the map entry (s*Tmax + t)*k + j by thread 0
 {place_layout}	mul.lo.u64 %rd72, %rd38, %rd50;
 	add.u64 %rd73, %rd66, %rd19;
 	add.u64 %rd74, %rd51, %rd51;
 	add.u64 %rd74, %rd74, 1;
 	shl.b64 %rd74, %rd74, 2;
 	shr.u64 %rd75, %rd53, 4;
-	cvt.u64.u32 %rd77, %r23;
+	cvt.u64.u32 %rd77, %r2;
 $L_pr:
 	setp.ge.u64 %p2, %rd77, %rd72;
 	@%p2 bra $L_pr_end;
@@ -676,23 +681,30 @@ $L_pr:
 	ld.global.cg.u32 %r51, [%rd78];
 	setp.ne.u32 %p3, %r51, %r13;
 	@%p3 bra $L_pr_next;
-	mov.u32 %r52, -1;
-	mov.u32 %r53, 0;
-	cvt.u64.u32 %rd79, %r21;
-	setp.lt.u64 %p4, %rd79, %rd51;
-	shl.b64 %rd79, %rd79, 3;
-	add.u64 %rd79, %rd78, %rd79;
-	@%p4 ld.global.cg.u32 %r52, [%rd79+4];
-	@%p4 ld.global.cg.u32 %r53, [%rd79+8];
+	cvt.u64.u32 %rd79, %r1;
+	setp.ge.u64 %p4, %rd79, %rd51;
+	@%p4 bra $L_pm_done;
+	shl.b64 %rd85, %rd79, 3;
+	add.u64 %rd85, %rd78, %rd85;
+	ld.global.cg.u32 %r52, [%rd85+4];
+	ld.global.cg.u32 %r53, [%rd85+8];
+	shl.b64 %rd85, %rd79, 2;
+	add.u64 %rd85, %rd60, %rd85;
+	st.shared.u32 [%rd85+{S_LOC}], %r52;
+	st.shared.u32 [%rd85+{S_POS}], %r53;
+$L_pm_done:
+	bar.sync 0;
 	div.u64 %rd85, %rd77, %rd50;
 	mad.lo.u64 %rd86, %rd77, %rd55, %rd73;
 	mov.u32 %r55, 0;
 $L_pj:
 	cvt.u64.u32 %rd87, %r55;
 	setp.ge.u64 %p4, %rd87, %rd51;
-	@%p4 bra $L_pr_next;
-	shfl.sync.idx.b32 %r56, %r52, %r55, 31, -1;
-	shfl.sync.idx.b32 %r57, %r53, %r55, 31, -1;
+	@%p4 bra $L_pj_end;
+	shl.b64 %rd88, %rd87, 2;
+	add.u64 %rd88, %rd60, %rd88;
+	ld.shared.u32 %r56, [%rd88+{S_LOC}];
+	ld.shared.u32 %r57, [%rd88+{S_POS}];
 	setp.eq.u32 %p5, %r56, -1;
 	@%p5 bra $L_pj_next;
 	cvt.u64.u32 %rd88, %r56;
@@ -721,7 +733,7 @@ $L_pj:
 	shl.b64 %rd30, %rd30, 2;
 	add.u64 %rd30, %rd68, %rd30;
 {scales}$L_ps_skip:
-	setp.ne.u32 %p7, %r21, 0;
+	setp.ne.u32 %p7, %r1, 0;
 	@%p7 bra $L_pj_next;
 	mad.lo.u64 %rd31, %rd77, %rd51, %rd87;
 	cvt.u32.u64 %r60, %rd31;
@@ -730,12 +742,15 @@ $L_pj:
 	st.global.u32 [%rd32], %r60;
 	bra.uni $L_pj_next;
 $L_pj_bad:
-	setp.eq.u32 %p7, %r21, 0;
+	setp.eq.u32 %p7, %r1, 0;
 {bad}$L_pj_next:
 	add.u32 %r55, %r55, 1;
 	bra.uni $L_pj;
+$L_pj_end:
+	// the shared slots are the next row's
+	bar.sync 0;
 $L_pr_next:
-	cvt.u64.u32 %rd33, %r28;
+	cvt.u64.u32 %rd33, %r4;
 	add.u64 %rd77, %rd77, %rd33;
 	bra.uni $L_pr;
 $L_pr_end:
@@ -763,8 +778,8 @@ $L_pr_end:
             ("%rd68", L_SOUT),
             ("%rd71", L_MAP),
         ]),
-        payload = copy16("pp", "%rd86", "%rd91", "%rd75", true, WARP),
-        scales = copy4("ps", "%rd29", "%rd30", "%rd54", true, WARP),
+        payload = copy16("pp", "%rd86", "%rd91", "%rd75", true, BLOCK),
+        scales = copy4("ps", "%rd29", "%rd30", "%rd54", true, BLOCK),
         bad = bounds("%p7"),
     )
 }
@@ -784,7 +799,8 @@ fn combine() -> String {
 )
 .maxntid 1024, 1, 1
 {{
-{REGS}	ld.param.u64 %rd1, [p_ctx];
+{REGS}	.shared .align 16 .b8 moe_cs[{CS_SHARED}];
+	ld.param.u64 %rd1, [p_ctx];
 	ld.param.u64 %rd2, [p_layout];
 	ld.param.u64 %rd3, [p_y];
 	ld.param.u64 %rd4, [p_out];
@@ -792,9 +808,9 @@ fn combine() -> String {
 	ld.param.u64 %rd5, [p_mode];
 	ld.param.u64 %rd7, [p_sig];
 	ld.param.u64 %rd8, [p_timeout];
-{IDS}{setup}{WARP_IDS}	// ---- every row i this rank holds (warp w of the grid: rows w, w + W, ...) back to its
-	// token's rank s into combine row [t][j] of s's region (the warp's 16-byte units), lane 0
-	// storing the stamp beside it; a map entry past n*Tmax*k sets the bounds word
+{IDS}{setup}{WARP_IDS}	// ---- every row i this rank holds (block b: rows b, b + G, ...) back to its token's rank s
+	// into combine row [t][j] of s's region (the block's 16-byte units), thread 0 storing the
+	// stamp beside it; a map entry past n*Tmax*k sets the bounds word
 {push_layout}	shl.b64 %rd62, %rd52, 2;
 	add.u64 %rd62, %rd57, %rd62;
 	ld.global.u32 %r12, [%rd62];
@@ -804,7 +820,7 @@ fn combine() -> String {
 	cvt.u64.u32 %rd65, %r6;
 	mul.lo.u64 %rd65, %rd65, %rd64;
 	shr.u64 %rd68, %rd54, 4;
-	cvt.u64.u32 %rd35, %r23;
+	cvt.u64.u32 %rd35, %r2;
 $L_r:
 	setp.ge.u64 %p1, %rd35, %rd62;
 	@%p1 bra $L_r_end;
@@ -814,7 +830,7 @@ $L_r:
 	cvt.u64.u32 %rd37, %r14;
 	setp.lt.u64 %p2, %rd37, %rd65;
 	@%p2 bra $L_r_ok;
-	setp.eq.u32 %p3, %r21, 0;
+	setp.eq.u32 %p3, %r1, 0;
 {bad}	bra.uni $L_r_next;
 $L_r_ok:
 	div.u64 %rd38, %rd37, %rd64;
@@ -826,14 +842,14 @@ $L_r_ok:
 	mad.lo.u64 %rd31, %rd39, %rd55, %rd61;
 	add.u64 %rd31, %rd30, %rd31;
 	mad.lo.u64 %rd32, %rd35, %rd54, %rd3;
-{push}	setp.ne.u32 %p3, %r21, 0;
+{push}	setp.ne.u32 %p3, %r1, 0;
 	@%p3 bra $L_r_next;
 	shl.b64 %rd33, %rd39, 2;
 	add.u64 %rd33, %rd33, %rd69;
 	add.u64 %rd33, %rd30, %rd33;
 	st.global.u32 [%rd33], %r13;
 $L_r_next:
-	cvt.u64.u32 %rd34, %r28;
+	cvt.u64.u32 %rd34, %r4;
 	add.u64 %rd35, %rd35, %rd34;
 	bra.uni $L_r;
 $L_r_end:
@@ -883,10 +899,21 @@ $L_dw_end:
 	selp.u64 %rd66, 4, 2, %p8;
 	setp.eq.u32 %p9, %r31, {CODE_F32};
 	selp.u64 %rd67, 4, 2, %p9;
-	cvt.u64.u32 %rd11, %r2;
+	// items q = t * C + chunk (C = ceil(hidden / ntid) per token) over the blocks, so a
+	// small batch still spreads over the grid; per item the slots' presence and weights once
+	// into shared memory, then element h = chunk * ntid + tid
+	cvt.u64.u32 %rd35, %r3;
+	add.u64 %rd36, %rd53, %rd35;
+	sub.u64 %rd36, %rd36, 1;
+	div.u64 %rd36, %rd36, %rd35;
+	mul.lo.u64 %rd37, %rd36, %rd10;
+	mov.u64 %rd38, moe_cs;
+	cvt.u64.u32 %rd39, %r2;
 $L_t:
-	setp.ge.u64 %p1, %rd11, %rd10;
+	setp.ge.u64 %p1, %rd39, %rd37;
 	@%p1 bra $L_t_end;
+	div.u64 %rd11, %rd39, %rd36;
+	rem.u64 %rd34, %rd39, %rd36;
 	mul.lo.u64 %rd21, %rd11, %rd51;
 	shl.b64 %rd22, %rd21, 2;
 	add.u64 %rd23, %rd56, %rd69;
@@ -898,8 +925,24 @@ $L_t:
 	mul.lo.u64 %rd26, %rd11, %rd53;
 	mul.lo.u64 %rd26, %rd26, %rd67;
 	add.u64 %rd26, %rd4, %rd26;
+	// thread j < k: slot j arrived with this call's stamp (1) or not (0), and its weight
+	cvt.u64.u32 %rd12, %r1;
+	setp.ge.u64 %p3, %rd12, %rd51;
+	@%p3 bra $L_ws_done;
+	shl.b64 %rd29, %rd12, 2;
+	add.u64 %rd30, %rd23, %rd29;
+	ld.global.cg.u32 %r15, [%rd30];
+	setp.eq.u32 %p4, %r15, %r13;
+	selp.u32 %r16, 1, 0, %p4;
+	add.u64 %rd30, %rd24, %rd29;
+	ld.global.f32 %f2, [%rd30];
+	add.u64 %rd31, %rd38, %rd29;
+	st.shared.u32 [%rd31], %r16;
+	st.shared.f32 [%rd31+{CS_W}], %f2;
+$L_ws_done:
+	bar.sync 0;
 	cvt.u64.u32 %rd27, %r1;
-$L_h:
+	mad.lo.u64 %rd27, %rd34, %rd35, %rd27;
 	setp.ge.u64 %p2, %rd27, %rd53;
 	@%p2 bra $L_h_end;
 	mov.f32 %f1, 0f00000000;
@@ -910,12 +953,11 @@ $L_j:
 	setp.ge.u64 %p3, %rd12, %rd51;
 	@%p3 bra $L_j_end;
 	shl.b64 %rd29, %rd12, 2;
-	add.u64 %rd30, %rd23, %rd29;
-	ld.global.cg.u32 %r15, [%rd30];
-	setp.ne.u32 %p4, %r15, %r13;
+	add.u64 %rd30, %rd38, %rd29;
+	ld.shared.u32 %r15, [%rd30];
+	setp.eq.u32 %p4, %r15, 0;
 	@%p4 bra $L_j_next;
-	add.u64 %rd30, %rd24, %rd29;
-	ld.global.f32 %f2, [%rd30];
+	ld.shared.f32 %f2, [%rd30+{CS_W}];
 	mul.lo.u64 %rd31, %rd12, %rd55;
 	add.u64 %rd31, %rd28, %rd31;
 	setp.eq.u32 %p5, %r30, {CODE_F32};
@@ -942,23 +984,21 @@ $L_j_end:
 	add.u64 %rd32, %rd26, %rd32;
 	@!%p9 bra $L_o16;
 	st.global.f32 [%rd32], %f1;
-	bra.uni $L_od;
+	bra.uni $L_h_end;
 $L_o16:
 	setp.eq.u32 %p6, %r31, {CODE_BF16};
 	@!%p6 bra $L_oh;
 	cvt.rn.bf16.f32 %h2, %f1;
 	st.global.b16 [%rd32], %h2;
-	bra.uni $L_od;
+	bra.uni $L_h_end;
 $L_oh:
 	cvt.rn.f16.f32 %h2, %f1;
 	st.global.b16 [%rd32], %h2;
-$L_od:
-	cvt.u64.u32 %rd33, %r3;
-	add.u64 %rd27, %rd27, %rd33;
-	bra.uni $L_h;
 $L_h_end:
-	cvt.u64.u32 %rd34, %r4;
-	add.u64 %rd11, %rd11, %rd34;
+	// the slots' shared words are the next item's
+	bar.sync 0;
+	cvt.u64.u32 %rd33, %r4;
+	add.u64 %rd39, %rd39, %rd33;
 	bra.uni $L_t;
 $L_t_end:
 "#,
@@ -977,7 +1017,7 @@ $L_t_end:
             ("%rd63", L_ROWS),
         ]),
         bad = bounds("%p3"),
-        push = copy16("cp", "%rd32", "%rd31", "%rd68", false, WARP),
+        push = copy16("cp", "%rd32", "%rd31", "%rd68", false, BLOCK),
         step = grid_step("a", true),
         done_layout = words(&[("%rd59", L_TAB), ("%rd66", L_SYM), ("%rd67", L_DONE_OFF)]),
         poll = poll("dwp", "%r36", false),

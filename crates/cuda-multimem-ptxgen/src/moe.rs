@@ -119,15 +119,14 @@ $L_{label}_end:
 
 const BLOCK: (&str, &str) = ("%r1", "%r3");
 
-/// The warp ids every phase uses: r20 the warp in the block, r21 the lane, r22 the warps per
-/// block, r23 the warp in the grid, r28 the warps of the grid, r33 = 32 (the lane stride), r34
-/// the lanes below this one (`%lanemask_lt`).
+/// The warp ids of the dispatch's routing and prefix sums (kept for the whole entry): r20 the
+/// warp in the block, r21 the lane, r22 the warps per block, r23 the warp in the grid, r28 the
+/// warps of the grid, r34 the lanes below this one (`%lanemask_lt`).
 const WARP_IDS: &str = "\tshr.u32 %r20, %r1, 5;
 \tand.b32 %r21, %r1, 31;
 \tshr.u32 %r22, %r3, 5;
 \tmad.lo.u32 %r23, %r2, %r22, %r20;
 \tmul.lo.u32 %r28, %r4, %r22;
-\tmov.u32 %r33, 32;
 \tmov.u32 %r34, %lanemask_lt;
 ";
 
@@ -214,6 +213,21 @@ $L_{label}_seq:
 "#,
         sync = 8 * L_SYNC,
         timeout = err_set(OFF_ERR, ERR_TIMEOUT, None, "%p3"),
+    )
+}
+
+/// Expert `x` (u64 register, below E)'s rank into `rank` and its local index there into
+/// `local` (u32 registers), from the placement table (rd57; E in rd52). Scratch: rd31, rd32.
+fn placement(x: &str, rank: &str, local: &str) -> String {
+    format!(
+        "\tshl.b64 %rd31, {x}, 2;
+\tadd.u64 %rd31, %rd57, %rd31;
+\tld.global.u32 {rank}, [%rd31];
+\tadd.u64 %rd32, {x}, %rd52;
+\tshl.b64 %rd32, %rd32, 2;
+\tadd.u64 %rd32, %rd57, %rd32;
+\tld.global.u32 {local}, [%rd32];
+"
     )
 }
 
@@ -356,14 +370,7 @@ $L_tok:
 	setp.lt.u64 %p5, %rd39, %rd52;
 	@!%p5 mov.u32 %r14, 1;
 	@!%p5 bra $L_slot_store;
-	shl.b64 %rd31, %rd39, 2;
-	add.u64 %rd31, %rd57, %rd31;
-	ld.global.u32 %r18, [%rd31];
-	add.u64 %rd32, %rd39, %rd52;
-	shl.b64 %rd32, %rd32, 2;
-	add.u64 %rd32, %rd57, %rd32;
-	ld.global.u32 %r19, [%rd32];
-	add.u64 %rd33, %rd61, %rd37;
+{place_slot}	add.u64 %rd33, %rd61, %rd37;
 	ld.global.cg.u32 %r15, [%rd33];
 	mov.u32 %r29, 1;
 	shl.b32 %r29, %r29, %r18;
@@ -383,15 +390,15 @@ $L_slots_done:
 	mul.lo.u64 %rd64, %rd35, %rd53;
 	add.u64 %rd64, %rd3, %rd64;
 	shr.u64 %rd65, %rd53, 4;
-	mov.u32 %r22, 0;
+	mov.u32 %r61, 0;
 $L_dst:
-	setp.ge.u32 %p3, %r22, %r6;
+	setp.ge.u32 %p3, %r61, %r6;
 	@%p3 bra $L_dst_end;
-	shr.b32 %r23, %r15, %r22;
-	and.b32 %r23, %r23, 1;
-	setp.eq.u32 %p4, %r23, 0;
+	shr.b32 %r62, %r15, %r61;
+	and.b32 %r62, %r62, 1;
+	setp.eq.u32 %p4, %r62, 0;
 	@%p4 bra $L_dst_next;
-	mul.wide.u32 %rd66, %r22, 8;
+	mul.wide.u32 %rd66, %r61, 8;
 	add.u64 %rd66, %rd59, %rd66;
 	ld.global.u64 %rd67, [%rd66];
 	add.u64 %rd67, %rd67, %rd19;
@@ -423,14 +430,14 @@ $L_dst:
 	ld.shared.u32 %r18, [%rd74+{S_DST}];
 	ld.shared.u32 %r19, [%rd74+{S_LOC}];
 	ld.shared.u32 %r29, [%rd74+{S_POS}];
-	setp.ne.u32 %p7, %r18, %r22;
+	setp.ne.u32 %p7, %r18, %r61;
 	@%p7 mov.u32 %r19, -1;
 	shl.b64 %rd74, %rd36, 3;
 	add.u64 %rd74, %rd73, %rd74;
 	st.global.u32 [%rd74+4], %r19;
 	st.global.u32 [%rd74+8], %r29;
 $L_dst_next:
-	add.u32 %r22, %r22, 1;
+	add.u32 %r61, %r61, 1;
 	bra.uni $L_dst;
 $L_dst_end:
 	// the shared slots are the next token's
@@ -441,7 +448,7 @@ $L_dst_end:
 $L_tok_end:
 	// an id out of range: the bounds word (its slot was not sent; no wait ends early)
 	setp.ne.u32 %p2, %r14, 0;
-{bad_id}{step_b}{WARP_IDS}	// ---- the count cells: expert x's entries into cell [local x][rank] of its rank's region
+{bad_id}{step_b}	// ---- the count cells: expert x's entries into cell [local x][rank] of its rank's region
 	// (thread x of the grid, strided), (flag << 32) | count, release at system scope
 {cell_layout}	mad.lo.u32 %r26, %r2, %r3, %r1;
 	mul.lo.u32 %r27, %r4, %r3;
@@ -451,13 +458,7 @@ $L_tok_end:
 $L_cx:
 	setp.ge.u64 %p2, %rd36, %rd52;
 	@%p2 bra $L_cx_end;
-	shl.b64 %rd39, %rd36, 2;
-	add.u64 %rd31, %rd57, %rd39;
-	ld.global.u32 %r29, [%rd31];
-	add.u64 %rd32, %rd36, %rd52;
-	shl.b64 %rd32, %rd32, 2;
-	add.u64 %rd32, %rd57, %rd32;
-	ld.global.u32 %r30, [%rd32];
+{place_cell}	shl.b64 %rd39, %rd36, 2;
 	add.u64 %rd33, %rd62, %rd39;
 	ld.global.cg.u32 %r31, [%rd33];
 	mul.wide.u32 %rd34, %r29, 8;
@@ -498,6 +499,8 @@ $L_cx_end:
             ("%rd59", L_TAB),
             ("%rd61", L_POS),
         ]),
+        place_slot = placement("%rd39", "%r18", "%r19"),
+        place_cell = placement("%rd36", "%r29", "%r30"),
         payload = copy16("dp", "%rd64", "%rd63", "%rd65", false, BLOCK),
         scales = copy4("ds", "%rd71", "%rd72", "%rd54", false, BLOCK),
         bad_id = bounds("%p2"),
@@ -808,7 +811,7 @@ fn combine() -> String {
 	ld.param.u64 %rd5, [p_mode];
 	ld.param.u64 %rd7, [p_sig];
 	ld.param.u64 %rd8, [p_timeout];
-{IDS}{setup}{WARP_IDS}	// ---- every row i this rank holds (block b: rows b, b + G, ...) back to its token's rank s
+{IDS}{setup}	// ---- every row i this rank holds (block b: rows b, b + G, ...) back to its token's rank s
 	// into combine row [t][j] of s's region (the block's 16-byte units), thread 0 storing the
 	// stamp beside it; a map entry past n*Tmax*k sets the bounds word
 {push_layout}	shl.b64 %rd62, %rd52, 2;
